@@ -1,0 +1,3 @@
+from pricer.cli import main
+
+raise SystemExit(main())

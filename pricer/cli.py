@@ -1,0 +1,173 @@
+"""The `pricer` command: price, run, generate, info, bench (also `python -m pricer`).
+
+Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else. Under
+MPI an unexpected exception on any rank aborts the whole job rather than leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pricer import __version__
+from pricer.errors import InputError
+
+
+def _mpi_excepthook():
+    """An uncaught exception on one rank must end every rank: print it, then MPI Abort."""
+    from mpi4py import MPI
+
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1:
+            sys.stderr.write(f"pricer: rank {comm.Get_rank()} failed; aborting all ranks\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+
+    sys.excepthook = hook
+
+
+def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    from pricer.distributed import DISTRIBUTIONS
+    from pricer.engines import BACKENDS
+    from pricer.lattice import TREES
+    from pricer.partition import PARTITIONERS
+
+    d = (lambda value: value) if defaults else (lambda value: None)
+    p.add_argument("--backend", choices=BACKENDS, default=d("auto"),
+                   help="pricing engine (default: auto, the fastest this machine has)")
+    p.add_argument("--tree", choices=tuple(TREES), default=d("crr"), help="lattice type (default: crr)")
+    p.add_argument("--partition", choices=PARTITIONERS, default=d("cost"),
+                   help="static split across ranks: equal Σ N² (cost, default) or equal counts")
+    p.add_argument("--distribute", choices=DISTRIBUTIONS, default=d("scatter"),
+                   help="how rank 0 sends the portfolio: Scatterv of slices (default) or Bcast of all")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per rank (default: the node's cores / ranks on the node)")
+    p.add_argument("--overwrite", action="store_true", default=None if not defaults else False,
+                   help="replace an existing output file")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pricer.generate import DISTRIBUTIONS, EXERCISE
+
+    parser = argparse.ArgumentParser(prog="pricer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pricer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("price", help="price a portfolio file (under mpiexec for several ranks)")
+    p.add_argument("input", help="portfolio HDF5 file (schema pricer.portfolio/1)")
+    p.add_argument("-o", "--output", required=True, help="results HDF5 file to write")
+    _add_pricing_options(p, defaults=True)
+
+    p = sub.add_parser("run", help="run a TOML job spec (flags override the file)")
+    p.add_argument("job", help="job spec, e.g. jobs/demo.toml")
+    p.add_argument("-o", "--output", default=None, help="results file (overrides output.path)")
+    _add_pricing_options(p, defaults=False)
+
+    p = sub.add_parser("generate", help="write a synthetic portfolio (deterministic in its arguments)")
+    p.add_argument("--dist", choices=DISTRIBUTIONS, required=True)
+    p.add_argument("--count", type=int, required=True, help="number of options")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=1000, help="N for uniform and scenarios (default 1000)")
+    p.add_argument("--min-steps", type=int, default=16, help="smallest N for random (default 16)")
+    p.add_argument("--max-steps", type=int, default=4096, help="largest N for random (default 4096)")
+    p.add_argument("--exercise", choices=EXERCISE, default="mixed",
+                   help="american, european or a random mix (default; scenarios are American puts)")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+
+    p = sub.add_parser("info", help="describe a portfolio or results file")
+    p.add_argument("file")
+
+    p = sub.add_parser("bench", help="benchmarks (not tests): print and record measured tables")
+    p.add_argument("what", choices=("cpu",), help="cpu: serial and cpu engines beside QuantLib")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    return parser
+
+
+def _price(args, prepare=None) -> int:
+    _mpi_excepthook()
+    from pricer.distributed import RunConfig, run
+
+    cfg = RunConfig(input=args.input, output=args.output, backend=args.backend, tree=args.tree,
+                    partition=args.partition, distribute=args.distribute,
+                    overwrite=bool(args.overwrite), threads=args.threads)
+    summary = run(cfg, prepare=prepare)
+    if summary is not None and not args.quiet:
+        print(f"wrote {cfg.output}")
+        for line in summary.lines():
+            print(line)
+    return 0
+
+
+def _run_job(args) -> int:
+    from pricer.jobs import ensure_generated, load_job
+
+    try:
+        job = load_job(args.job)
+    except InputError as exc:
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"pricer: error: {exc}", file=sys.stderr)
+        return 2
+    pricing, output = job.get("pricing", {}), job["output"]
+    defaults = {"backend": "auto", "tree": "crr", "partition": "cost", "distribute": "scatter",
+                "threads": None}
+    for key, default in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, pricing.get(key, default))
+    args.input = job["portfolio"]["path"]
+    args.output = args.output or output["path"]
+    if args.overwrite is None:
+        args.overwrite = bool(output.get("overwrite", False))
+    spec = job["portfolio"].get("generate")
+    prepare = (lambda: ensure_generated(args.input, spec)) if spec else None
+    return _price(args, prepare=prepare)
+
+
+def _generate(args) -> int:
+    import os
+
+    from pricer.generate import generate
+    from pricer.portfolio import write_portfolio
+
+    if os.path.exists(args.output) and not args.overwrite:
+        raise InputError(f"{args.output}: exists; pass --overwrite to replace it")
+    portfolio = generate(args.dist, args.count, args.seed, steps=args.steps, exercise=args.exercise,
+                         min_steps=args.min_steps, max_steps=args.max_steps)
+    write_portfolio(args.output, portfolio)
+    print(f"wrote {args.output}: {len(portfolio)} options ({args.dist}, seed {args.seed}), "
+          f"{portfolio.nodes():.4g} nodes")
+    return 0
+
+
+def _info(args) -> int:
+    from pricer.info import describe
+
+    for line in describe(args.file):
+        print(line)
+    return 0
+
+
+def _bench(args) -> int:
+    from pricer.bench import bench_cpu
+
+    bench_cpu(quick=args.quick, out=args.out)
+    return 0
+
+
+COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except InputError as exc:
+        print(f"pricer: error: {exc}", file=sys.stderr)
+        return 2

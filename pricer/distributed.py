@@ -1,0 +1,220 @@
+"""Stage 5: the MPI master–worker (SPMD): rank 0 reads, validates and partitions; the portfolio moves
+as one float64 matrix (Bcast or Scatterv); every rank prices its slice; Gatherv brings the prices
+back to rank 0, which writes the results. Single-process runs take the same path with size 1.
+
+Failure rules: rank 0 checks everything it can before any collective work and broadcasts a verdict,
+so bad input makes every rank exit 2 together; anything unexpected later aborts the whole job
+(cli.py installs an excepthook that calls MPI Abort), so no rank is ever left waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from pricer import __version__
+from pricer.engines import get_engine, resolve_backend
+from pricer.errors import InputError
+from pricer.lattice import lattice_parameters, tree_named
+from pricer.partition import partition
+from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
+from pricer.results import check_output_path, sha256_of_file, utc_now, write_results
+
+DISTRIBUTIONS = ("scatter", "bcast")
+STAGES = ("read", "distribute", "compute", "gather", "write")
+ROOT = 0
+
+
+@dataclass
+class RunConfig:
+    input: str
+    output: str
+    backend: str = "auto"
+    tree: str = "crr"
+    partition: str = "cost"
+    distribute: str = "scatter"
+    overwrite: bool = False
+    threads: int | None = None
+
+
+@dataclass
+class RunSummary:
+    options: int
+    nodes: float
+    ranks: int
+    backend: str
+    wall: float
+    stages: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        rate = self.nodes / self.wall if self.wall > 0 else float("nan")
+        stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.stages.items())
+        return [f"priced {self.options} options ({self.nodes:.4g} nodes) on {self.ranks} rank(s) "
+                f"with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
+                f"stages: {stages}"]
+
+
+class BadInput(SystemExit):
+    """Raised on every rank after rank 0 broadcast a bad-input verdict: exit code 2, no traceback."""
+
+    def __init__(self):
+        super().__init__(2)
+
+
+def launcher_world_size() -> int | None:
+    """The world size the launcher promised, where it says so (to catch silent singletons)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    if "SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return None
+
+
+def configure_threads(comm, threads: int | None) -> int:
+    """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe."""
+    import numba
+
+    if threads is None:
+        local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus and cpus.isdigit():
+            threads = int(cpus)
+        else:
+            threads = max(1, len(os.sched_getaffinity(0)) // local_ranks)
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+def _row_type(columns: int):
+    row = MPI.DOUBLE.Create_contiguous(columns)
+    row.Commit()
+    return row
+
+
+def _check_buffer(array: np.ndarray) -> None:
+    # Explicit [buffer, counts, displs, type] specs are trusted blindly by MPI.
+    assert array.dtype == np.float64 and array.flags.c_contiguous, (array.dtype, array.flags)
+
+
+def _verdict(comm, message: str | None) -> None:
+    """Rank 0 tells everyone whether to go on; a refusal ends every rank with exit code 2."""
+    status = np.array([0 if message is None else 2], dtype=np.int64)
+    comm.Bcast(status, root=ROOT)
+    if status[0]:
+        raise BadInput()
+
+
+def distribute(comm, matrix, bounds: np.ndarray, how: str) -> np.ndarray:
+    """Each rank's slice of the portfolio matrix (rows bounds[r]:bounds[r+1])."""
+    rank, ncols = comm.Get_rank(), len(MATRIX_COLUMNS)
+    counts = np.diff(bounds)
+    row = _row_type(ncols)
+    try:
+        if how == "bcast":
+            if rank != ROOT:
+                matrix = np.empty((int(bounds[-1]), ncols))
+            _check_buffer(matrix)
+            comm.Bcast([matrix, int(bounds[-1]), row], root=ROOT)
+            return matrix[bounds[rank]:bounds[rank + 1]]
+        local = np.empty((int(counts[rank]), ncols))
+        if rank == ROOT:
+            _check_buffer(matrix)
+            send = [matrix, counts, bounds[:-1], row]
+        else:
+            send = None
+        comm.Scatterv(send, [local, int(counts[rank]), row], root=ROOT)
+        return local
+    finally:
+        row.Free()
+
+
+def gather_prices(comm, prices: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    _check_buffer(prices)
+    full = np.empty(int(bounds[-1])) if comm.Get_rank() == ROOT else None
+    recv = [full, np.diff(bounds), bounds[:-1], MPI.DOUBLE] if full is not None else None
+    comm.Gatherv([prices, prices.size, MPI.DOUBLE], recv, root=ROOT)
+    return full
+
+
+def _read_and_check(cfg: RunConfig):
+    """Rank 0 only: everything that can be wrong with the input, found before any work."""
+    tree_named(cfg.tree)
+    resolve_backend(cfg.backend)
+    check_output_path(cfg.output, cfg.overwrite)
+    portfolio = read_portfolio(cfg.input)
+    matrix = portfolio.to_matrix()
+    lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
+    return portfolio, matrix
+
+
+def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
+    """Price cfg.input into cfg.output on every rank of comm; returns the summary on rank 0.
+    `prepare`, if given, runs on rank 0 first (a job's portfolio generation)."""
+    comm = comm or MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t_start = time.perf_counter()
+    stages = {}
+    expected = launcher_world_size()
+    message = None
+    portfolio = matrix = bounds = None
+    if rank == ROOT:
+        try:
+            if expected is not None and expected != size:
+                raise InputError(f"the launcher started {expected} processes but MPI sees a world of "
+                                 f"{size}: mpi4py is linked to a different MPI than the launcher's")
+            if prepare is not None:
+                prepare()
+            portfolio, matrix = _read_and_check(cfg)
+        except InputError as exc:
+            message = str(exc)
+            print(f"pricer: error: {message}", file=sys.stderr, flush=True)
+    _verdict(comm, message)
+    threads = configure_threads(comm, cfg.threads)
+
+    n = np.array([len(portfolio) if rank == ROOT else 0], dtype=np.int64)
+    comm.Bcast(n, root=ROOT)
+    bounds = np.empty(size + 1, dtype=np.int64)
+    if rank == ROOT:
+        bounds[:] = partition(portfolio.steps, size, cfg.partition)
+    comm.Bcast(bounds, root=ROOT)
+    stages["read"] = time.perf_counter() - t_start
+
+    t = time.perf_counter()
+    local = distribute(comm, matrix, bounds, cfg.distribute)
+    stages["distribute"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    columns = columns_from_matrix(local)
+    engine = get_engine(cfg.backend)
+    prices = engine.price(lattice_parameters(columns, cfg.tree))
+    compute = time.perf_counter() - t
+    stages["compute"] = compute
+
+    t = time.perf_counter()
+    full = gather_prices(comm, np.ascontiguousarray(prices, dtype=np.float64), bounds)
+    stats = np.array([compute, local.shape[0], lattice_nodes(columns["steps"]).sum(), threads],
+                     dtype=np.float64)
+    all_stats = np.empty((size, 4)) if rank == ROOT else None
+    comm.Gather(stats, all_stats, root=ROOT)
+    stages["gather"] = time.perf_counter() - t
+    if rank != ROOT:
+        return None
+
+    t = time.perf_counter()
+    wall = time.perf_counter() - t_start
+    attrs = {"backend": engine.name, "tree": cfg.tree, "ranks": size, "partition": cfg.partition,
+             "distribute": cfg.distribute, "wall_seconds": wall, "utc_time": utc_now(),
+             "input_sha256": sha256_of_file(cfg.input), "input_path": os.path.abspath(cfg.input)}
+    run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
+                 "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
+    write_results(cfg.output, portfolio.id, full, attrs, run_stats)
+    stages["write"] = time.perf_counter() - t
+    return RunSummary(options=int(n[0]), nodes=float(all_stats[:, 2].sum()), ranks=size,
+                      backend=engine.name, wall=time.perf_counter() - t_start, stages=stages)

@@ -1,0 +1,90 @@
+"""The `cpu` backend: all cores of the rank, numba-parallel, static schedule.
+
+Two kinds of parallelism, as the seed's OpenMP version found best (static, one parallel region per
+block of levels rather than per level):
+- across options: the options are cut into one contiguous group per thread with equal total cost
+  (Σ N², the same cost partitioner MPI uses) and each thread prices its group serially;
+- within a level, for the single very large options: the level is cut into one chunk per thread and
+  each chunk advances `BLOCK_STEPS` levels on its own, reading a halo of that many extra nodes, so the
+  threads meet once per block instead of once per level. Narrow levels finish on one core.
+Every node is computed with the serial engine's exact operations, so the prices are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from pricer.engines.serial import (advance, backward_inplace, kernel_arguments, power_tables, price_range,
+                                   terminal_values)
+from pricer.lattice import LatticeParams
+from pricer.partition import partition_by_cost
+
+# Options with at least this many steps are priced one at a time with all threads on each level.
+LEVEL_PARALLEL_MIN_STEPS = 20_000
+# Levels advanced per parallel block, and the narrowest level still split across threads.
+BLOCK_STEPS = 64
+MIN_CHUNK_NODES = 2_048
+
+
+@njit(cache=True, parallel=True)
+def _price_groups(spot, strike, steps, call, american, log_up, log_down, pu, pd, order,
+                  group_bounds, out):
+    for g in prange(group_bounds.size - 1):
+        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
+                    order[group_bounds[g]:group_bounds[g + 1]], out)
+
+
+@njit(cache=True, nogil=True)
+def _advance_chunk(src, dst, a, b, t_top, block, strike, sign, american, pu, pd, level_base, ratio):
+    """Nodes [a, b) of level t_top - block, from nodes [a, b + block) of level t_top."""
+    local = src[a:b + block].copy()
+    advance(local, b - a + block, t_top, block, strike, sign, american, pu, pd, level_base,
+            ratio[a:])
+    dst[a:b] = local[:b - a]
+
+
+@njit(cache=True, parallel=True)
+def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, chunks):
+    sign = 1.0 if call else -1.0
+    level_base = np.empty(steps + 1)
+    ratio = np.empty(steps + 1)
+    power_tables(spot, log_up, log_down, steps, level_base, ratio)
+    src = np.empty(steps + 1)
+    dst = np.empty(steps + 1)
+    terminal_values(src, steps, strike, sign, level_base, ratio)
+    t = steps
+    while t - BLOCK_STEPS + 1 >= chunks * MIN_CHUNK_NODES:
+        width = t - BLOCK_STEPS + 1
+        size = (width + chunks - 1) // chunks
+        for c in prange(chunks):
+            a = c * size
+            b = min(a + size, width)
+            if a < b:
+                _advance_chunk(src, dst, a, b, t, BLOCK_STEPS, strike, sign, american,
+                               pu, pd, level_base, ratio)
+        src, dst = dst, src
+        t -= BLOCK_STEPS
+    backward_inplace(src, t, 0, strike, sign, american, pu, pd, level_base, ratio)
+    return src[0]
+
+
+class CpuEngine:
+    """All the rank's cores (numba's thread count, set per rank by distributed.py)."""
+
+    name = "cpu"
+
+    def price(self, params: LatticeParams) -> np.ndarray:
+        threads = numba.get_num_threads()
+        out = np.empty(len(params))
+        wide = params.steps >= LEVEL_PARALLEL_MIN_STEPS if threads > 1 else np.zeros(len(params), bool)
+        narrow = np.flatnonzero(~wide).astype(np.int64)
+        if narrow.size:
+            bounds = partition_by_cost(params.steps[narrow], min(threads, narrow.size))
+            _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out)
+        for k in np.flatnonzero(wide):
+            out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
+                                 params.american[k], params.log_up[k], params.log_down[k],
+                                 params.pu[k], params.pd[k], threads)
+        return out

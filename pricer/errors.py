@@ -1,0 +1,14 @@
+"""The one exception type that means "the user's input is wrong": exit code 2, no traceback."""
+
+
+class InputError(Exception):
+    """Bad input: a message that names the cause (file, column, option ids, value)."""
+
+
+def first_ids(ids, mask, limit=5):
+    """The first few ids where mask holds, formatted for a message ("7, 12, 19 and 3 more")."""
+    bad = ids[mask]
+    shown = ", ".join(str(int(i)) for i in bad[:limit])
+    if bad.size > limit:
+        shown += f" and {bad.size - limit} more"
+    return shown

@@ -1,0 +1,214 @@
+"""Stage 1: the portfolio — its HDF5 schema, reading, writing and validation with named reasons.
+
+Only rank 0 calls `read_portfolio`; the other ranks receive the validated columns as one float64
+matrix (`to_matrix`/`from_matrix`), so they never open the input file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import h5py
+import numpy as np
+
+from pricer.errors import InputError, first_ids
+
+SCHEMA = "pricer.portfolio/1"
+GROUP = "portfolio"
+
+# Columns that travel to the workers, in matrix order. `id` stays on rank 0.
+FLOAT_COLUMNS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
+INT_COLUMNS = ("steps",)
+FLAG_COLUMNS = ("call", "american")
+MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS
+OPTIONAL_DEFAULTS = {"dividend": 0.0}
+ALL_COLUMNS = ("id",) + MATRIX_COLUMNS
+
+# Working set of one option on the CPU engine: two value levels and two power tables of N+1 doubles.
+BYTES_PER_STEP = 4 * 8
+
+
+@dataclass
+class Portfolio:
+    id: np.ndarray
+    spot: np.ndarray
+    strike: np.ndarray
+    maturity: np.ndarray
+    rate: np.ndarray
+    dividend: np.ndarray
+    volatility: np.ndarray
+    steps: np.ndarray
+    call: np.ndarray
+    american: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.id.shape[0])
+
+    def to_matrix(self) -> np.ndarray:
+        """The columns the engines need, as one C-contiguous float64 (n, 9) matrix for MPI."""
+        return np.ascontiguousarray(
+            np.column_stack([getattr(self, c).astype(np.float64) for c in MATRIX_COLUMNS])
+        )
+
+    def take(self, index) -> "Portfolio":
+        return Portfolio(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def nodes(self) -> int:
+        return int(lattice_nodes(self.steps).sum())
+
+
+def lattice_nodes(steps: np.ndarray) -> np.ndarray:
+    """Nodes of a recombining lattice with N steps: (N+1)(N+2)/2, as float64 (exact below 2^53)."""
+    n = np.asarray(steps, dtype=np.float64)
+    return (n + 1.0) * (n + 2.0) / 2.0
+
+
+def columns_from_matrix(matrix: np.ndarray) -> dict:
+    """The worker-side view of a portfolio slice: column name -> array (ids are not needed there)."""
+    cols = {name: matrix[:, j] for j, name in enumerate(MATRIX_COLUMNS)}
+    cols["steps"] = cols["steps"].astype(np.int64)
+    cols["call"] = cols["call"] != 0.0
+    cols["american"] = cols["american"] != 0.0
+    return cols
+
+
+def max_steps_for_memory() -> int:
+    """The largest N whose per-option working set fits in half of this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return int(total // 2 // BYTES_PER_STEP) - 1
+
+
+def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) -> None:
+    """Write a portfolio in the `pricer.portfolio/1` schema (atomically: temp file, then rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            g = f.create_group(GROUP)
+            g.attrs["schema"] = SCHEMA
+            g.attrs.update(attrs or {})
+            g.create_dataset("id", data=portfolio.id.astype(np.int64))
+            for c in FLOAT_COLUMNS:
+                g.create_dataset(c, data=getattr(portfolio, c).astype(np.float64))
+            g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
+            for c in FLAG_COLUMNS:
+                g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_portfolio(path: str) -> Portfolio:
+    """Read and validate a portfolio file; any problem raises InputError naming the cause."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory, not a portfolio file")
+    if not h5py.is_hdf5(path):
+        raise InputError(f"{path}: not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            columns = _read_columns(path, f)
+    except InputError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise InputError(f"{path}: cannot read the portfolio: {exc}") from None
+    portfolio = Portfolio(**columns)
+    validate(portfolio, path)
+    return portfolio
+
+
+def _read_columns(path: str, f: h5py.File) -> dict:
+    if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
+        raise InputError(f"{path}: no group /{GROUP} (expected schema {SCHEMA!r})")
+    g = f[GROUP]
+    schema = g.attrs.get("schema")
+    if isinstance(schema, bytes):
+        schema = schema.decode("utf-8", "replace")
+    if schema != SCHEMA:
+        raise InputError(f"{path}: /{GROUP} attribute schema is {schema!r}, expected {SCHEMA!r}")
+    unknown = sorted(set(g.keys()) - set(ALL_COLUMNS))
+    if unknown:
+        raise InputError(f"{path}: /{GROUP} has unknown column(s) {', '.join(unknown)}; "
+                         f"known columns are {', '.join(ALL_COLUMNS)}")
+    missing = [c for c in ALL_COLUMNS if c not in g and c not in OPTIONAL_DEFAULTS]
+    if missing:
+        raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
+    length = None
+    raw = {}
+    for name in ALL_COLUMNS:
+        if name not in g:
+            continue
+        ds = g[name]
+        if not isinstance(ds, h5py.Dataset):
+            raise InputError(f"{path}: /{GROUP}/{name} is a group, expected a 1-D dataset")
+        if ds.ndim != 1:
+            raise InputError(f"{path}: column {name} has shape {ds.shape}, expected a 1-D dataset")
+        if length is None:
+            length = ds.shape[0]
+        elif ds.shape[0] != length:
+            raise InputError(f"{path}: column {name} has {ds.shape[0]} rows, column id has {length}")
+        raw[name] = _typed_column(path, name, ds)
+    if length == 0:
+        raise InputError(f"{path}: the portfolio is empty (0 options)")
+    for name, default in OPTIONAL_DEFAULTS.items():
+        if name not in raw:
+            raw[name] = np.full(length, default)
+    return raw
+
+
+def _typed_column(path: str, name: str, ds: h5py.Dataset) -> np.ndarray:
+    kind = ds.dtype.kind
+    if name in ("id", "steps"):
+        if kind not in "iu":
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers")
+        data = ds[()]
+        if kind == "u" and data.size and data.max() > np.iinfo(np.int64).max:
+            raise InputError(f"{path}: column {name} has values beyond int64")
+        return data.astype(np.int64)
+    if name in FLAG_COLUMNS:
+        if kind not in "biu":
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1")
+        data = ds[()]
+        if kind != "b" and not np.isin(data, (0, 1)).all():
+            raise InputError(f"{path}: column {name} holds values other than 0/1: "
+                             f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}")
+        return data.astype(bool)
+    if kind not in "iuf":
+        raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64")
+    return ds[()].astype(np.float64)
+
+
+def validate(p: Portfolio, source: str = "portfolio") -> None:
+    """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in lattice.py."""
+    ids = p.id
+    unique, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        dup = unique[counts > 1]
+        raise InputError(f"{source}: column id has duplicate ids: "
+                         f"{first_ids(dup, np.ones(dup.size, bool))}")
+    for name in FLOAT_COLUMNS:
+        values = getattr(p, name)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
+                             f"{first_ids(ids, bad)}")
+    for name in ("spot", "strike", "maturity", "volatility"):
+        bad = getattr(p, name) <= 0.0
+        if bad.any():
+            raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
+                             f"{first_ids(ids, bad)} (first value {getattr(p, name)[bad][0]!r})")
+    bad = p.steps < 1
+    if bad.any():
+        raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
+                         f"{first_ids(ids, bad)} (first value {int(p.steps[bad][0])})")
+    limit = max_steps_for_memory()
+    bad = p.steps > limit
+    if bad.any():
+        raise InputError(f"{source}: column steps is too large for this machine's memory for option "
+                         f"id(s) {first_ids(ids, bad)} (first value {int(p.steps[bad][0])}, "
+                         f"limit {limit})")
