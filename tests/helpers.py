@@ -1,0 +1,43 @@
+"""Running the real `pricer` command (and `mpiexec`) from tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    """The launcher beside this Python (the mpich extra installs one), else the one on PATH."""
+    local = BIN / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise RuntimeError("no mpiexec: install the mpich extra (pip install '.[mpich]') or an MPI")
+    return found
+
+
+def pricer_command() -> list[str]:
+    exe = BIN / "pricer"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pricer"]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    e.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return e
+
+
+def run_pricer(args, ranks: int | None = None, timeout: float = 120, cwd=None):
+    """Run `pricer ARGS` (under `mpiexec -n RANKS` if ranks is given); returns CompletedProcess."""
+    cmd = pricer_command() + [str(a) for a in args]
+    if ranks is not None:
+        cmd = [mpiexec(), "-n", str(ranks)] + cmd
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd)
