@@ -73,8 +73,9 @@ def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = N
         first = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"the {tree} lattice is not arbitrage-free for option id(s) {who}: "
-            f"p = {p[first]!r} is outside (0, 1) (rate {cols['rate'][first]!r}, dividend "
-            f"{cols['dividend'][first]!r}, volatility {cols['volatility'][first]!r}, "
+            f"p = {float(p[first])!r} is outside (0, 1) (rate {float(cols['rate'][first])!r}, "
+            f"dividend {float(cols['dividend'][first])!r}, volatility "
+            f"{float(cols['volatility'][first])!r}, "
             f"steps {int(cols['steps'][first])}); use more steps or check the inputs")
     disc = np.exp(-cols["rate"] * dt)
     return LatticeParams(

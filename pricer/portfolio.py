@@ -201,7 +201,7 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
         bad = getattr(p, name) <= 0.0
         if bad.any():
             raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
-                             f"{first_ids(ids, bad)} (first value {getattr(p, name)[bad][0]!r})")
+                             f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})")
     bad = p.steps < 1
     if bad.any():
         raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
