@@ -1,8 +1,8 @@
 """The `serial` backend: one core, numba-compiled backward induction — the reference engine.
 
-Asset prices are never updated incrementally: node (t, i) uses S0*exp(t*log_down) * exp(i*(log_up -
-log_down)) from two tables built with one exp each, so the exercise value is within a few ulp at any
-N. The kernels below are also the building blocks of the `cpu` backend and of the GPU CPU tail; all
+Asset prices are never updated incrementally over the lattice: node (t, i) uses S0*exp(t*log_down) *
+exp(i*(log_up - log_down)) from two tables whose entries are within a few ulp (see _exp_table), so
+the exercise value is as accurate at N = 1 000 000 as at N = 10. The kernels below are also the building blocks of the `cpu` backend and of the GPU CPU tail; all
 of them do exactly the same floating-point operations per node, so every backend that uses them is
 bitwise equal to this one.
 """
@@ -18,12 +18,24 @@ from pricer.lattice import LatticeParams
 
 
 @njit(cache=True, nogil=True)
+def _exp_table(scale, rate, count, out):
+    """out[k] = scale * exp(k * rate) for k < count, with about 2*sqrt(count) calls to exp: each
+    entry is one product of two correctly rounded exponentials, so it is within a few ulp."""
+    block = int(math.sqrt(count)) + 1
+    small = np.empty(block)
+    for j in range(block):
+        small[j] = math.exp(j * rate)
+    for start in range(0, count, block):
+        big = scale * math.exp(start * rate)
+        for j in range(min(block, count - start)):
+            out[start + j] = big * small[j]
+
+
+@njit(cache=True, nogil=True)
 def power_tables(spot, log_up, log_down, steps, level_base, ratio):
     """level_base[t] = S0*d^t (price of node (t, 0)); ratio[i] = (u/d)^i."""
-    log_ratio = log_up - log_down
-    for t in range(steps + 1):
-        level_base[t] = spot * math.exp(t * log_down)
-        ratio[t] = math.exp(t * log_ratio)
+    _exp_table(spot, log_down, steps + 1, level_base)
+    _exp_table(1.0, log_up - log_down, steps + 1, ratio)
 
 
 @njit(cache=True, nogil=True)
