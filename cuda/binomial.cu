@@ -1,0 +1,248 @@
+// pricer GPU kernels: backward induction on one binomial lattice, FP64 throughout.
+//
+// Level t holds nodes 0..t (node i = i up-moves).  One backward step:
+//     hold      = pu * V[t+1][i+1] + pd * V[t+1][i]
+//     exercise  = sign * (level_base[t] * ratio[i] - strike)        (American only)
+//     V[t][i]   = exercise > hold ? exercise : hold
+// level_base[t] = spot * exp(t * log_down) and ratio[i] = exp(i * (log_up - log_down)) are tables
+// built once per option (on the host by pricer.engines.serial.power_tables, or on the device by
+// power_tables below); asset prices are never updated incrementally.  Every kernel takes the
+// per-option numbers as arguments (pu, pd, strike, sign, american, tables), so any tree type that
+// produces them reuses these kernels unchanged.
+//
+// Arithmetic: with PRICER_FMA=0 (default) every product and sum is rounded on its own
+// (__dmul_rn/__dadd_rn forbid contraction into FMA), the exact operation sequence of the serial CPU
+// engine, so the prices are bitwise equal to it when the tables are the host's.  PRICER_FMA=1 lets
+// hold and exercise use fused multiply-adds (fewer instructions, results differ by rounding only).
+//
+// Kernels (seed 002, section 5):
+//   terminal_values  payoff at maturity
+//   wavefront_step   one launch per time step, one thread per node (baseline)
+//   tiled_steps      K steps fused per launch; TILED_B threads x TILED_VT nodes per thread in
+//                    registers, neighbour through a double-buffered shared-memory halo (one
+//                    __syncthreads per step; shared memory holds only the halo); each block writes only its exact valid region
+//   warp_steps       32-thread blocks, WARP_VT nodes per thread in registers, neighbour through
+//                    __shfl_down_sync; no shared memory, no __syncthreads; many steps per launch
+// Level buffers are double-buffered (in -> out) because a block's halo overlaps the next block's
+// output region.
+
+#ifndef PRICER_FMA
+#define PRICER_FMA 0
+#endif
+#ifndef TILED_B
+#define TILED_B 256
+#endif
+#ifndef TILED_VT
+#define TILED_VT 4
+#endif
+#ifndef WARP_VT
+#define WARP_VT 8
+#endif
+
+#define TILED_W (TILED_B * TILED_VT)
+#define WARP_W (32 * WARP_VT)
+
+__device__ __forceinline__ double hold_value(double pu, double pd, double v_up, double v_down)
+{
+#if PRICER_FMA
+    return fma(pu, v_up, pd * v_down);
+#else
+    return __dadd_rn(__dmul_rn(pu, v_up), __dmul_rn(pd, v_down));
+#endif
+}
+
+// sbase = sign * level_base[t], mstrike = -sign * strike: sign is +-1, so
+// sbase * r + mstrike == sign * (level_base[t] * r - strike) exactly (negation is exact).
+__device__ __forceinline__ double exercise_value(double sbase, double r, double mstrike)
+{
+#if PRICER_FMA
+    return fma(sbase, r, mstrike);
+#else
+    return __dadd_rn(__dmul_rn(sbase, r), mstrike);
+#endif
+}
+
+template <bool AMERICAN>
+__device__ __forceinline__ double node(double pu, double pd, double v_up, double v_down,
+                                       double sbase, double r, double mstrike)
+{
+    double hold = hold_value(pu, pd, v_up, v_down);
+    if (AMERICAN) {
+        double exercise = exercise_value(sbase, r, mstrike);
+        return exercise > hold ? exercise : hold;
+    }
+    return hold;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables and payoff.
+
+extern "C" __global__ void power_tables(double* __restrict__ level_base, double* __restrict__ ratio,
+                                        int steps, double spot, double log_up, double log_down)
+{
+    // Device alternative to the host tables (exp on the device: within an ulp of the host's).
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t <= steps) {
+        level_base[t] = spot * exp((double)t * log_down);
+        ratio[t] = exp((double)t * (log_up - log_down));
+    }
+}
+
+extern "C" __global__ void terminal_values(double* __restrict__ values,
+                                           const double* __restrict__ level_base,
+                                           const double* __restrict__ ratio,
+                                           int steps, double strike, double sign)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i <= steps) {
+        double payoff = sign * __dadd_rn(__dmul_rn(level_base[steps], ratio[i]), -strike);
+        values[i] = payoff > 0.0 ? payoff : 0.0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wavefront: level t+1 (in) -> level t (out), one thread per node.
+
+template <bool AMERICAN>
+__device__ __forceinline__ void wavefront_body(const double* __restrict__ vin, double* __restrict__ vout,
+                                               const double* __restrict__ level_base,
+                                               const double* __restrict__ ratio, int t, double pu,
+                                               double pd, double strike, double sign)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i <= t) {
+        double r = AMERICAN ? ratio[i] : 0.0;
+        vout[i] = node<AMERICAN>(pu, pd, vin[i + 1], vin[i], sign * level_base[t], r, -sign * strike);
+    }
+}
+
+extern "C" __global__ void wavefront_step(const double* __restrict__ vin, double* __restrict__ vout,
+                                          const double* __restrict__ level_base,
+                                          const double* __restrict__ ratio, int t, double pu,
+                                          double pd, double strike, double sign, int american)
+{
+    if (american)
+        wavefront_body<true>(vin, vout, level_base, ratio, t, pu, pd, strike, sign);
+    else
+        wavefront_body<false>(vin, vout, level_base, ratio, t, pu, pd, strike, sign);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled: level t (in, nodes 0..t) -> level t-k (out, nodes 0..t-k), 1 <= k <= TILED_W - 1.
+// Block b reads nodes [b*(W-k), b*(W-k)+W) and writes its valid outputs [b*(W-k), b*(W-k)+W-k).
+// Thread j holds nodes j*VT .. j*VT+VT-1 of the tile.  After s steps the local nodes < W-s are
+// exact; the rest (the halo) is garbage that is never stored.
+
+template <bool AMERICAN>
+__device__ __forceinline__ void tiled_body(const double* __restrict__ vin, double* __restrict__ vout,
+                                           const double* __restrict__ level_base,
+                                           const double* __restrict__ ratio, int t, int k,
+                                           double pu, double pd, double strike, double sign)
+{
+    __shared__ double halo[2][TILED_B + 1];
+    const int tid = threadIdx.x;
+    const int out_w = TILED_W - k;
+    const long long start = (long long)blockIdx.x * out_w;
+    const long long base = start + (long long)tid * TILED_VT;
+
+    // Each thread loads its own strip of VT consecutive nodes (and their ratios); the warp's
+    // requests cover one contiguous stretch, so the L1 serves the strided loads.
+    double v[TILED_VT], r[TILED_VT];
+#pragma unroll
+    for (int q = 0; q < TILED_VT; ++q) {
+        long long g = base + q;
+        bool in = g <= (long long)t;
+        v[q] = in ? vin[g] : 0.0;
+        r[q] = (AMERICAN && in) ? ratio[g] : 0.0;
+    }
+    if (tid == 0) {
+        halo[0][TILED_B] = 0.0;
+        halo[1][TILED_B] = 0.0;
+    }
+    const double mstrike = -sign * strike;
+
+    for (int s = 1; s <= k; ++s) {
+        // Double-buffered halo: the write of step s+2 into the same buffer cannot overtake a read
+        // of step s, because the barrier of step s+1 lies between them.
+        halo[s & 1][tid] = v[0];
+        __syncthreads();
+        const double nb = halo[s & 1][tid + 1];
+        const double sbase = AMERICAN ? sign * level_base[t - s] : 0.0;
+#pragma unroll
+        for (int q = 0; q < TILED_VT - 1; ++q)
+            v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
+        v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
+    }
+
+    const long long last_out = (long long)t - k;
+#pragma unroll
+    for (int q = 0; q < TILED_VT; ++q) {
+        int local = tid * TILED_VT + q;
+        long long g = start + local;
+        if (local < out_w && g <= last_out) vout[g] = v[q];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_B)
+tiled_steps(const double* __restrict__ vin, double* __restrict__ vout,
+            const double* __restrict__ level_base, const double* __restrict__ ratio, int t, int k,
+            double pu, double pd, double strike, double sign, int american)
+{
+    if (american)
+        tiled_body<true>(vin, vout, level_base, ratio, t, k, pu, pd, strike, sign);
+    else
+        tiled_body<false>(vin, vout, level_base, ratio, t, k, pu, pd, strike, sign);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp per block: the same tiling with one warp per block, W = 32 * WARP_VT, 1 <= k <= W - 1.
+// The neighbour of a lane's last node is the next lane's first node, fetched with
+// __shfl_down_sync; lane 31 gets its own value back (halo garbage, never stored).  A level that
+// fits in one tile (t + 1 <= W) finishes all its remaining steps in one launch.
+
+template <bool AMERICAN>
+__device__ __forceinline__ void warp_body(const double* __restrict__ vin, double* __restrict__ vout,
+                                          const double* __restrict__ level_base,
+                                          const double* __restrict__ ratio, int t, int k,
+                                          double pu, double pd, double strike, double sign)
+{
+    const int lane = threadIdx.x;
+    const int out_w = WARP_W - k;
+    const long long start = (long long)blockIdx.x * out_w;
+    const long long base = start + lane * WARP_VT;
+    double v[WARP_VT], r[WARP_VT];
+#pragma unroll
+    for (int q = 0; q < WARP_VT; ++q) {
+        long long g = base + q;
+        bool in = g <= (long long)t;
+        v[q] = in ? vin[g] : 0.0;
+        r[q] = (AMERICAN && in) ? ratio[g] : 0.0;
+    }
+    const double mstrike = -sign * strike;
+    for (int s = 1; s <= k; ++s) {
+        const double nb = __shfl_down_sync(0xffffffffu, v[0], 1);
+        const double sbase = AMERICAN ? sign * level_base[t - s] : 0.0;
+#pragma unroll
+        for (int q = 0; q < WARP_VT - 1; ++q)
+            v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
+        v[WARP_VT - 1] = node<AMERICAN>(pu, pd, nb, v[WARP_VT - 1], sbase, r[WARP_VT - 1], mstrike);
+    }
+    const long long last_out = (long long)t - k;
+#pragma unroll
+    for (int q = 0; q < WARP_VT; ++q) {
+        int local = lane * WARP_VT + q;
+        long long g = start + local;
+        if (local < out_w && g <= last_out) vout[g] = v[q];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+warp_steps(const double* __restrict__ vin, double* __restrict__ vout,
+           const double* __restrict__ level_base, const double* __restrict__ ratio, int t, int k,
+           double pu, double pd, double strike, double sign, int american)
+{
+    if (american)
+        warp_body<true>(vin, vout, level_base, ratio, t, k, pu, pd, strike, sign);
+    else
+        warp_body<false>(vin, vout, level_base, ratio, t, k, pu, pd, strike, sign);
+}

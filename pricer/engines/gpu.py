@@ -1,0 +1,458 @@
+"""The `gpu` and `hybrid` backends: the seed's GPU regimes (cuda/binomial.cu) driven from Python.
+
+Regimes, per option, as the level narrows (t = steps still to take = level width - 1):
+- tiled          while t > T1: K steps fused per launch, TILED_B threads x TILED_VT nodes each;
+- warp per block while t > T2 (`hybrid`) or down to 0 (`gpu`): 32-thread blocks, shuffles only;
+- CPU tail       (`hybrid`): the level (<= T2 + 1 nodes) is copied to the host and finished with
+                 pricer.engines.serial.backward_inplace.
+`hybrid` also prices options with steps <= T2 on the CPU outright (the `cpu` engine).
+The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
+
+Exactness: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
+`power_tables` and uploaded; with fma=False (default) the kernels round every product and sum
+separately, in the serial engine's order, so prices are bitwise equal to the serial engine's.
+
+Process model: one CUDA context per process, created on first use on device
+(local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
+MPI runs with more than one rank (a collective: engines are built on every rank), else from the
+launcher's environment; CUDA_VISIBLE_DEVICES is honoured by the driver. The context is pushed once
+and popped at exit (atexit, or GpuRuntime.close()), after every device array has been freed.
+
+Kernels are compiled at run time for the device's sm_XY with nvcc (through pycuda) and cached on
+disk as cubins keyed by the hash of source + options + arch (PRICER_CUDA_CACHE, else
+$XDG_CACHE_HOME/pricer/cuda, else ~/.cache/pricer/cuda); cache files are written atomically.
+pycuda is imported lazily, so this module imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from pricer.engines.serial import backward_inplace, power_tables
+from pricer.lattice import LatticeParams
+
+MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
+
+
+class GpuUnavailable(RuntimeError):
+    """No usable GPU: pycuda missing, no device, or no nvcc to build the kernels."""
+
+
+def cuda_source_dir() -> Path:
+    env = os.environ.get("PRICER_CUDA_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for candidate in (here.parent.parent / "cuda", here.parents[2] / "cuda"):
+        if (candidate / "binomial.cu").exists():
+            return candidate
+    return here.parents[2] / "cuda"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PRICER_CUDA_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pricer" / "cuda"
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    t1: int = 80_000          # tiled while t > t1
+    t2: int = 500             # warp per block while t > t2 (hybrid), CPU below
+    tiled_b: int = 256        # threads per tiled block
+    tiled_vt: int = 8         # nodes per thread (tiled)
+    tiled_k: int = 256        # steps fused per tiled launch (< tiled_b * tiled_vt)
+    warp_vt: int = 16         # nodes per lane (warp per block)
+    warp_k: int = 128         # steps per warp launch while the level is wider than one tile
+    wavefront_block: int = 256
+    fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
+
+    @property
+    def tiled_w(self) -> int:
+        return self.tiled_b * self.tiled_vt
+
+    @property
+    def warp_w(self) -> int:
+        return 32 * self.warp_vt
+
+    def check(self) -> "GpuConfig":
+        if not (1 <= self.tiled_k < self.tiled_w):
+            raise ValueError(f"tiled_k must be in [1, {self.tiled_w - 1}], got {self.tiled_k}")
+        if not (1 <= self.warp_k < self.warp_w):
+            raise ValueError(f"warp_k must be in [1, {self.warp_w - 1}], got {self.warp_k}")
+        if self.t1 < 0 or self.t2 < 0:
+            raise ValueError("t1 and t2 must be >= 0")
+        if self.tiled_b % 32 or not (32 <= self.tiled_b <= 1024):
+            raise ValueError("tiled_b must be a multiple of 32 in [32, 1024]")
+        return self
+
+    def defines(self) -> list[str]:
+        return [f"-DPRICER_FMA={int(self.fma)}", f"-DTILED_B={self.tiled_b}",
+                f"-DTILED_VT={self.tiled_vt}", f"-DWARP_VT={self.warp_vt}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide CUDA runtime (one context per process).
+
+def local_rank() -> int:
+    """This process's rank among the processes of its node."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        try:
+            if mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+                node = mpi.COMM_WORLD.Split_type(mpi.COMM_TYPE_SHARED)
+                try:
+                    return node.Get_rank()
+                finally:
+                    node.Free()
+        except Exception:  # pragma: no cover - fall back to the launcher's environment
+            pass
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK", "PMI_LOCAL_RANK",
+                "SLURM_LOCALID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class GpuRuntime:
+    """The process's CUDA context and everything allocated in it."""
+
+    _instance: "GpuRuntime | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self, device_index: int | None = None):
+        try:
+            import pycuda.driver as cuda
+        except ImportError as exc:
+            raise GpuUnavailable(f"pycuda is not installed ({exc})") from exc
+        self.cuda = cuda
+        cuda.init()
+        count = cuda.Device.count()
+        if count == 0:
+            raise GpuUnavailable("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+        self.local_rank = local_rank()
+        self.device_index = (self.local_rank % count) if device_index is None else device_index
+        self.device = cuda.Device(self.device_index)
+        self.context = self.device.make_context()   # pushed: current for the rest of the process
+        major, minor = self.device.compute_capability()
+        self.arch = f"sm_{major}{minor}"
+        self.name = self.device.name()
+        try:
+            self.pci_bus_id = self.device.pci_bus_id()
+        except Exception:  # pragma: no cover
+            self.pci_bus_id = "?"
+        self._allocations: list = []
+        self._modules: dict = {}
+        self.stream = cuda.Stream()
+        self.closed = False
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> "GpuRuntime":
+        with cls._lock:
+            if cls._instance is None or cls._instance.closed:
+                cls._instance = GpuRuntime()
+            return cls._instance
+
+    def alloc(self, nbytes: int):
+        a = self.cuda.mem_alloc(max(int(nbytes), 8))
+        self._allocations.append(a)
+        return a
+
+    def free(self, allocation) -> None:
+        try:
+            self._allocations.remove(allocation)
+        except ValueError:
+            pass
+        allocation.free()
+
+    def module(self, defines: list[str]):
+        """The kernels compiled for this device with these -D options (disk-cached cubin)."""
+        key = tuple(defines)
+        if key not in self._modules:
+            self._modules[key] = self.cuda.module_from_buffer(compiled_cubin(self.arch, defines))
+        return self._modules[key]
+
+    def close(self) -> None:
+        """Free every device array, then pop and detach the context (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.context.synchronize()
+        except Exception:
+            pass
+        for a in self._allocations:
+            try:
+                a.free()
+            except Exception:
+                pass
+        self._allocations.clear()
+        self._modules.clear()
+        self.stream = None
+        try:
+            self.context.pop()
+        finally:
+            self.context.detach()
+
+
+def compiled_cubin(arch: str, defines: list[str]) -> bytes:
+    source = (cuda_source_dir() / "binomial.cu").read_text()
+    options = ["-O3", *defines]
+    key = hashlib.sha256("\0".join([source, arch, *options]).encode()).hexdigest()[:24]
+    folder = cache_dir()
+    path = folder / f"binomial-{key}-{arch}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    from pycuda.compiler import compile as nvcc_compile
+    cubin = nvcc_compile(source, options=options, arch=arch, no_extern_c=True, cache_dir=False)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".cubin")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(cubin)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs a recompile next time
+    return cubin
+
+
+class CudaKernels:
+    """The launch interface the schedule uses, backed by pycuda (see NumpyKernels for the emulation)."""
+
+    def __init__(self, config: GpuConfig, runtime: GpuRuntime | None = None):
+        self.config = config
+        self.rt = runtime or GpuRuntime.get()
+        mod = self.rt.module(config.defines())
+        self._terminal = mod.get_function("terminal_values")
+        self._terminal.prepare("PPPidd")   # values, level_base, ratio, steps, strike, sign
+        self._wave = mod.get_function("wavefront_step")
+        self._wave.prepare("PPPPiddddi")
+        self._tiled = mod.get_function("tiled_steps")
+        self._tiled.prepare("PPPPiiddddi")
+        self._warp = mod.get_function("warp_steps")
+        self._warp.prepare("PPPPiiddddi")
+        self._capacity = 0
+        self._bufs = None
+
+    # buffers: two level buffers and the two tables, grown to the largest option seen
+    def reserve(self, nodes: int):
+        if nodes > self._capacity:
+            if self._bufs is not None:
+                for b in self._bufs:
+                    self.rt.free(b)
+            cap = max(nodes, 1024)
+            self._bufs = [self.rt.alloc(8 * cap) for _ in range(4)]
+            self._capacity = cap
+        return self._bufs
+
+    def upload(self, dst, host: np.ndarray):
+        self.rt.cuda.memcpy_htod(dst, host)
+
+    def download(self, host: np.ndarray, src):
+        self.rt.cuda.memcpy_dtoh(host, src)
+
+    def terminal(self, v, lb, r, steps, strike, sign):
+        block = 256
+        grid = ((steps + 1 + block - 1) // block, 1)
+        self._terminal.prepared_async_call(grid, (block, 1, 1), self.rt.stream, v, lb, r,
+                                           np.int32(steps), strike, sign)
+
+    def wavefront(self, vin, vout, lb, r, t, pu, pd, strike, sign, american):
+        """Level t+1 -> level t."""
+        block = self.config.wavefront_block
+        grid = ((t + 1 + block - 1) // block, 1)
+        self._wave.prepared_async_call(grid, (block, 1, 1), self.rt.stream, vin, vout, lb, r,
+                                       np.int32(t), pu, pd, strike, sign, np.int32(american))
+
+    def tiled(self, vin, vout, lb, r, t, k, pu, pd, strike, sign, american):
+        """Level t -> level t-k."""
+        out_w = self.config.tiled_w - k
+        grid = ((t - k + 1 + out_w - 1) // out_w, 1)
+        self._tiled.prepared_async_call(grid, (self.config.tiled_b, 1, 1), self.rt.stream, vin, vout,
+                                        lb, r, np.int32(t), np.int32(k), pu, pd, strike, sign,
+                                        np.int32(american))
+
+    def warp(self, vin, vout, lb, r, t, k, pu, pd, strike, sign, american):
+        """Level t -> level t-k."""
+        out_w = self.config.warp_w - k
+        grid = ((t - k + 1 + out_w - 1) // out_w, 1)
+        self._warp.prepared_async_call(grid, (32, 1, 1), self.rt.stream, vin, vout, lb, r,
+                                       np.int32(t), np.int32(k), pu, pd, strike, sign,
+                                       np.int32(american))
+
+    def synchronize(self):
+        self.rt.stream.synchronize()
+
+
+class NumpyKernels:
+    """A numpy emulation of cuda/binomial.cu with the same tiles, halos and guards (exact
+    arithmetic, fma=False), so the schedule and the index logic can be checked without a GPU."""
+
+    def __init__(self, config: GpuConfig):
+        self.config = config
+        self._bufs = None
+
+    def reserve(self, nodes):
+        if self._bufs is None or self._bufs[0].size < nodes:
+            self._bufs = [np.zeros(nodes) for _ in range(4)]
+        return self._bufs
+
+    def upload(self, dst, host):
+        dst[:host.size] = host
+
+    def download(self, host, src):
+        host[:] = src[:host.size]
+
+    def synchronize(self):
+        pass
+
+    def terminal(self, v, lb, r, steps, strike, sign):
+        payoff = sign * (lb[steps] * r[:steps + 1] - strike)
+        v[:steps + 1] = np.where(payoff > 0.0, payoff, 0.0)
+
+    @staticmethod
+    def _node(pu, pd, up, down, sbase, r, mstrike, american):
+        hold = pu * up + pd * down
+        if american:
+            ex = sbase * r + mstrike
+            return np.where(ex > hold, ex, hold)
+        return hold
+
+    def wavefront(self, vin, vout, lb, r, t, pu, pd, strike, sign, american):
+        n = t + 1
+        vout[:n] = self._node(pu, pd, vin[1:n + 1], vin[:n], sign * lb[t], r[:n], -sign * strike,
+                              american)
+
+    def _tiles(self, vin, vout, lb, r, t, k, pu, pd, strike, sign, american, width, vt, warp):
+        out_w = width - k
+        blocks = (t - k + 1 + out_w - 1) // out_w
+        g = np.arange(blocks)[:, None] * out_w + np.arange(width)[None, :]
+        inside = g <= t
+        gi = np.where(inside, g, 0)
+        v = np.where(inside, vin[gi], 0.0)
+        rr = np.where(inside, r[gi], 0.0) if american else np.zeros_like(v)
+        mstrike = -sign * strike
+        for s in range(1, k + 1):
+            up = np.empty_like(v)
+            up[:, :-1] = v[:, 1:]
+            # the last node's neighbour: lane 31's own v[0] (shuffle) or the zeroed halo slot
+            up[:, -1] = v[:, width - vt] if warp else 0.0
+            v = self._node(pu, pd, up, v, sign * lb[t - s], rr, mstrike, american)
+        keep = (np.arange(width)[None, :] < out_w) & (g <= t - k)
+        vout[g[keep]] = v[keep]
+
+    def tiled(self, vin, vout, lb, r, t, k, *args):
+        c = self.config
+        self._tiles(vin, vout, lb, r, t, k, *args, c.tiled_w, c.tiled_vt, warp=False)
+
+    def warp(self, vin, vout, lb, r, t, k, *args):
+        c = self.config
+        self._tiles(vin, vout, lb, r, t, k, *args, c.warp_w, c.warp_vt, warp=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule.
+
+class GpuEngine:
+    """Options one after another, each through the regimes of `mode` (see the module docstring)."""
+
+    def __init__(self, mode: str = "gpu", config: GpuConfig | None = None, kernels=None, **overrides):
+        if mode not in MODES:
+            raise ValueError(f"unknown GPU mode {mode!r}; known: {', '.join(MODES)}")
+        self.mode = mode
+        self.name = "hybrid" if mode == "hybrid" else ("gpu" if mode == "gpu" else f"gpu-{mode}")
+        self.config = replace(config or GpuConfig(), **overrides).check()
+        self.kernels = kernels if kernels is not None else CudaKernels(self.config)
+        self._host = None
+
+    def _host_buffers(self, nodes):
+        if self._host is None or self._host[0].size < nodes:
+            self._host = [np.empty(nodes) for _ in range(3)]
+        return self._host
+
+    def price(self, params: LatticeParams) -> np.ndarray:
+        out = np.empty(len(params))
+        if len(params) == 0:
+            return out
+        gpu_rows = np.arange(len(params))
+        if self.mode == "hybrid":
+            small = params.steps <= self.config.t2
+            if small.any():
+                from pricer.engines.cpu import CpuEngine
+                out[small] = CpuEngine().price(params.take(np.flatnonzero(small)))
+            gpu_rows = np.flatnonzero(~small)
+        if gpu_rows.size:
+            top = int(params.steps[gpu_rows].max()) + 2
+            bufs = self.kernels.reserve(top)
+            host = self._host_buffers(top)
+            for k in gpu_rows:
+                out[k] = self.price_one(params, int(k), bufs, host)
+        return out
+
+    def price_one(self, p: LatticeParams, k: int, bufs=None, host=None) -> float:
+        n = int(p.steps[k])
+        if n < 1:
+            raise ValueError("steps must be >= 1")
+        if bufs is None:
+            bufs = self.kernels.reserve(n + 2)
+        if host is None:
+            host = self._host_buffers(n + 2)
+        c, K = self.config, self.kernels
+        a, b, lb_d, r_d = bufs
+        values, lb, ratio = host
+        sign = 1.0 if p.call[k] else -1.0
+        american = bool(p.american[k])
+        strike, pu, pd = float(p.strike[k]), float(p.pu[k]), float(p.pd[k])
+        power_tables(float(p.spot[k]), float(p.log_up[k]), float(p.log_down[k]), n, lb, ratio)
+        K.upload(lb_d, lb[:n + 1])
+        K.upload(r_d, ratio[:n + 1])
+        K.terminal(a, lb_d, r_d, n, strike, sign)
+        src, dst = a, b
+        t = n
+        scalars = (pu, pd, strike, sign, american)
+
+        if self.mode == "wavefront":
+            while t > 0:
+                K.wavefront(src, dst, lb_d, r_d, t - 1, *scalars)
+                src, dst = dst, src
+                t -= 1
+        else:
+            if self.mode in ("gpu", "hybrid", "tiled"):
+                stop = 0 if self.mode == "tiled" else c.t1
+                while t > stop:
+                    step = min(c.tiled_k, t - stop)
+                    K.tiled(src, dst, lb_d, r_d, t, step, *scalars)
+                    src, dst = dst, src
+                    t -= step
+            stop = c.t2 if self.mode == "hybrid" else 0
+            while t > stop:
+                if t + 1 <= c.warp_w:
+                    step = t - stop          # the whole rest in one launch, one block
+                else:
+                    step = min(c.warp_k, t - stop)
+                K.warp(src, dst, lb_d, r_d, t, step, *scalars)
+                src, dst = dst, src
+                t -= step
+
+        level = values[:t + 1]
+        K.download(level, src)
+        if t > 0:
+            backward_inplace(values, t, 0, strike, sign, american, pu, pd, lb, ratio)
+        return float(values[0])
+
+
+def make_engine(mode: str, **overrides) -> GpuEngine:
+    return GpuEngine(mode, **overrides)
