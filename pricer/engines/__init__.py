@@ -6,9 +6,36 @@ option, in the order given). Engines never see ids, files or MPI.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import shutil
+
 from pricer.errors import InputError
 
-BACKENDS = ("auto", "serial", "cpu")
+BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
+
+# `auto` on a GPU machine: hybrid, with options up to this many steps priced on the CPU outright
+# (one option per launch sequence cannot beat all cores on small trees; see docs/gpu-notes.md).
+AUTO_CPU_MAX_STEPS = 2_000
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    """True if the GPU backends can run here: pycuda importable, a CUDA device visible, nvcc found.
+    Cheap (no context is created); PRICER_NO_GPU=1 says no."""
+    if os.environ.get("PRICER_NO_GPU", "") not in ("", "0"):
+        return False
+    if importlib.util.find_spec("pycuda") is None:
+        return False
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        return False
+    try:
+        import pycuda.driver as cuda
+        cuda.init()
+        return cuda.Device.count() > 0
+    except Exception:
+        return False
 
 
 def resolve_backend(name: str) -> str:
@@ -16,12 +43,23 @@ def resolve_backend(name: str) -> str:
     if name not in BACKENDS:
         raise InputError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
     if name == "auto":
-        return "cpu"
+        return "hybrid" if gpu_available() else "cpu"
+    if name in ("gpu", "hybrid") and not gpu_available():
+        # raised on rank 0 while the input is checked, before any collective work
+        raise InputError(f"backend {name!r} needs a CUDA GPU, pycuda and nvcc; none usable here "
+                         f"(use --backend cpu)")
     return name
 
 
 def get_engine(name: str):
     backend = resolve_backend(name)
+    if backend in ("gpu", "hybrid"):
+        from pricer.engines.gpu import GpuEngine, GpuUnavailable
+        overrides = {"cpu_max_steps": AUTO_CPU_MAX_STEPS} if name == "auto" else {}
+        try:
+            return GpuEngine(backend, **overrides)
+        except GpuUnavailable as exc:
+            raise InputError(f"backend {backend!r} needs a usable GPU: {exc}") from None
     if backend == "serial":
         from pricer.engines.serial import SerialEngine
         return SerialEngine()

@@ -5,7 +5,8 @@ Regimes, per option, as the level narrows (t = steps still to take = level width
 - warp per block while t > T2 (`hybrid`) or down to 0 (`gpu`): 32-thread blocks, shuffles only;
 - CPU tail       (`hybrid`): the level (<= T2 + 1 nodes) is copied to the host and finished with
                  pricer.engines.serial.backward_inplace.
-`hybrid` also prices options with steps <= T2 on the CPU outright (the `cpu` engine).
+`hybrid` also prices options with steps <= cpu_max_steps (default T2) on the CPU outright (the
+`cpu` engine, bitwise equal to serial).
 The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
 
 Exactness: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
@@ -77,6 +78,7 @@ class GpuConfig:
     warp_k: int = 128         # steps per warp launch while the level is wider than one tile
     wavefront_block: int = 256
     fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
+    cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
 
     @property
     def tiled_w(self) -> int:
@@ -352,7 +354,11 @@ class NumpyKernels:
             up[:, -1] = v[:, width - vt] if warp else 0.0
             v = self._node(pu, pd, up, v, sign * lb[t - s], rr, mstrike, american)
         keep = (np.arange(width)[None, :] < out_w) & (g <= t - k)
-        vout[g[keep]] = v[keep]
+        written = g[keep]
+        # on the GPU the blocks run in any order: every output node written exactly once
+        if written.size != t - k + 1 or not np.array_equal(np.sort(written), np.arange(t - k + 1)):
+            raise AssertionError(f"tiles write {written.size} nodes for a level of {t - k + 1}")
+        vout[written] = v[keep]
 
     def tiled(self, vin, vout, lb, r, t, k, *args):
         c = self.config
@@ -389,7 +395,8 @@ class GpuEngine:
             return out
         gpu_rows = np.arange(len(params))
         if self.mode == "hybrid":
-            small = params.steps <= self.config.t2
+            limit = self.config.t2 if self.config.cpu_max_steps is None else self.config.cpu_max_steps
+            small = params.steps <= limit
             if small.any():
                 from pricer.engines.cpu import CpuEngine
                 out[small] = CpuEngine().price(params.take(np.flatnonzero(small)))
