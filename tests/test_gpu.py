@@ -1,0 +1,236 @@
+"""The GPU engines (`gpu`, `hybrid`, and the single-regime modes) against the serial engine.
+
+Tests marked `gpu` need pycuda, a CUDA device and nvcc, and skip here with the reason; they run for
+real on the GPU machine (../shared/device/README.md):
+    source .device/setup.sh && python3 -m pytest -m gpu -q tests/test_gpu.py
+PRICER_GPU_LARGE=1 adds N = 1 000 000 (compared with the `cpu` engine, bitwise equal to serial).
+The emulation tests (numpy stand-ins for the kernels, same tiles and halos) run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from pricer.engines import gpu_available
+from pricer.engines.cpu import CpuEngine
+from pricer.engines.gpu import MODES, GpuConfig, GpuEngine, NumpyKernels, local_rank
+from pricer.engines.serial import SerialEngine
+from pricer.lattice import lattice_parameters
+
+# A small configuration whose thresholds and tile widths are cheap to straddle.
+SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30)
+
+
+def _why_no_gpu() -> str:
+    if importlib.util.find_spec("pycuda") is None:
+        return "pycuda is not installed (it is in the GPU machine kit, ../shared/device)"
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        return "nvcc not found (needed to build the kernels)"
+    return "no usable CUDA device"
+
+
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
+GPU = [pytest.mark.gpu, needs_gpu]
+
+
+def options(rng, steps, call=None, american=None):
+    n = len(steps)
+    cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n),
+                maturity=rng.uniform(0.05, 3.0, n), volatility=rng.uniform(0.05, 0.6, n),
+                rate=rng.uniform(0.0, 0.08, n), dividend=rng.uniform(0.0, 0.05, n),
+                steps=np.asarray(steps, dtype=np.int64),
+                call=(rng.random(n) < 0.5) if call is None else np.full(n, call),
+                american=(rng.random(n) < 0.6) if american is None else np.full(n, american))
+    # keep p inside (0, 1) at N = 1 (low volatility with a high rate can leave it)
+    cols["volatility"] = np.maximum(cols["volatility"], 2 * cols["rate"] * np.sqrt(cols["maturity"]) + 0.05)
+    return lattice_parameters(cols)
+
+
+def every_kind(rng, steps):
+    """Each N as an American/European call/put."""
+    steps = np.repeat(np.asarray(steps), 4)
+    p = options(rng, steps)
+    p.call[:] = np.tile([True, True, False, False], steps.size // 4)
+    p.american[:] = np.tile([True, False, True, False], steps.size // 4)
+    return p
+
+
+def error(got, ref, strike):
+    """Relative error; absolute scaled by the strike where the price is below 1e-8 of the strike."""
+    scale = np.where(np.abs(ref) < 1e-8 * strike, strike, np.abs(ref))
+    return np.abs(got - ref) / scale
+
+
+def tolerance(steps):
+    return np.where(np.asarray(steps) <= 10_000, 1e-11, 1e-9)
+
+
+def assert_close(got, ref, p, label=""):
+    err = error(got, ref, p.strike)
+    bad = err > tolerance(p.steps)
+    assert not bad.any(), (f"{label}: {bad.sum()} prices off; worst N={p.steps[np.argmax(err)]} "
+                           f"err={err.max():.3g} got={got[np.argmax(err)]!r} ref={ref[np.argmax(err)]!r}")
+
+
+def boundary_steps(c: GpuConfig):
+    s = {1, 2, 3, 4, 5, 31, 32, 33, 100}
+    for edge in (c.t2, c.t1, c.warp_w, c.tiled_w, c.t2 + c.warp_k, c.t1 + c.tiled_k,
+                 c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k):
+        s.update({edge - 1, edge, edge + 1})
+    return sorted(x for x in s if x >= 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Everywhere: the schedule and the kernels' index logic, through the numpy emulation.
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", [SMALL, GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
+                                                     tiled_k=100, warp_vt=8, warp_k=64)],
+                         ids=["small", "medium"])
+def test_emulated_kernels_equal_serial(mode, config, rng):
+    p = options(rng, boundary_steps(config) + list(rng.integers(1, 2500, 6)))
+    got = GpuEngine(mode, config=config, kernels=NumpyKernels(config)).price(p)
+    ref = SerialEngine().price(p)
+    # same tables, same operations in the same order: bitwise
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        GpuConfig(tiled_k=GpuConfig().tiled_w).check()
+    with pytest.raises(ValueError):
+        GpuConfig(warp_k=0).check()
+    with pytest.raises(ValueError):
+        GpuEngine("nope", kernels=NumpyKernels(GpuConfig()))
+
+
+def test_local_rank_from_launcher(monkeypatch):
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK", "PMI_LOCAL_RANK",
+                "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "mpi4py.MPI", None)
+    assert local_rank() == 0
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert local_rank() == 3
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert local_rank() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU.
+
+@pytest.fixture(scope="module")
+def engines():
+    return {mode: GpuEngine(mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def small_engines():
+    return {mode: GpuEngine(mode, config=SMALL) for mode in MODES}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_runtime_one_context():
+    from pricer.engines.gpu import GpuRuntime
+    rt = GpuRuntime.get()
+    assert rt is GpuRuntime.get()
+    assert rt.arch.startswith("sm_") and not rt.closed
+    import pycuda.driver as cuda
+    assert cuda.Context.get_current() is not None
+    assert rt.device_index == local_rank() % cuda.Device.count()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_small_config_boundaries(mode, small_engines, rng):
+    p = every_kind(rng, boundary_steps(SMALL))
+    got = small_engines[mode].price(p)
+    ref = SerialEngine().price(p)
+    assert_close(got, ref, p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_default_config_small_n(mode, engines, rng):
+    c = GpuConfig()
+    steps = [1, 2, 3, 7, 64, c.t2 - 1, c.t2, c.t2 + 1, c.warp_w - 1, c.warp_w, c.warp_w + 1,
+             c.t2 + c.warp_k, c.t2 + c.warp_k + 1, c.tiled_w - 1, c.tiled_w, c.tiled_w + 1, 5000]
+    if mode == "wavefront":
+        steps = steps[:-1]
+    p = every_kind(rng, steps)
+    assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", ["gpu", "hybrid", "tiled", "warp"])
+def test_gpu_fresh_random_options(mode, engines, rng):
+    p = options(rng, rng.integers(1, 10_001, 24))
+    assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_t1_boundary_default(engines, rng):
+    c = GpuConfig()
+    steps = [c.t1 - 1, c.t1, c.t1 + 1, c.t1 + c.tiled_k + 1, 100_000]
+    p = options(rng, steps)
+    ref = CpuEngine().price(p)          # bitwise equal to serial, all cores
+    for mode in ("hybrid", "gpu"):
+        assert_close(engines[mode].price(p), ref, p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_fma_within_tolerance(rng):
+    p = every_kind(rng, [1, 2, 499, 501, 3000, 10_000])
+    got = GpuEngine("gpu", fma=True, t1=2000).price(p)
+    assert_close(got, SerialEngine().price(p), p, "fma")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_exact_mode_is_bitwise(engines, rng):
+    p = every_kind(rng, [1, 2, 600, 3000])
+    ref = SerialEngine().price(p)
+    for mode in ("gpu", "hybrid", "tiled", "warp", "wavefront"):
+        np.testing.assert_array_equal(engines[mode].price(p), ref, err_msg=mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not os.environ.get("PRICER_GPU_LARGE"), reason="N = 1e6 takes a minute of CPU "
+                    "reference time: set PRICER_GPU_LARGE=1")
+def test_gpu_one_million_steps(engines, rng):
+    p = options(rng, [1_000_000, 1_000_000, 500_000])
+    p.call[:] = [False, True, False]
+    p.american[:] = [True, False, True]
+    ref = CpuEngine().price(p)
+    assert_close(engines["hybrid"].price(p), ref, p, "hybrid")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mpirun_two_ranks_one_gpu_cli(tmp_path):
+    from helpers import run_pricer
+    from pricer.results import read_results
+    src = tmp_path / "p.h5"
+    gen = run_pricer(["generate", "--dist", "random", "--count", "40", "--seed", "7", "--min-steps", "1",
+                      "--max-steps", "3000", "-o", src])
+    assert gen.returncode == 0, gen.stderr
+    hyb = run_pricer(["price", src, "-o", tmp_path / "h.h5", "--backend", "hybrid"], ranks=2, timeout=300)
+    assert hyb.returncode == 0, hyb.stdout + hyb.stderr
+    ser = run_pricer(["price", src, "-o", tmp_path / "s.h5", "--backend", "serial"])
+    assert ser.returncode == 0, ser.stderr
+    h, s = read_results(tmp_path / "h.h5"), read_results(tmp_path / "s.h5")
+    assert h["attrs"]["backend"] == "hybrid" and int(h["attrs"]["ranks"]) == 2
+    np.testing.assert_array_equal(h["id"], s["id"])
+    np.testing.assert_allclose(h["price"], s["price"], rtol=1e-11, atol=0)
