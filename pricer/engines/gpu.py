@@ -180,11 +180,11 @@ class GpuRuntime:
             pass
         allocation.free()
 
-    def module(self, defines: list[str]):
-        """The kernels compiled for this device with these -D options (disk-cached cubin)."""
-        key = tuple(defines)
+    def module(self, defines: list[str], source: str = "binomial.cu"):
+        """The kernels of cuda/SOURCE compiled for this device with these -D options (disk-cached)."""
+        key = (source, *defines)
         if key not in self._modules:
-            self._modules[key] = self.cuda.module_from_buffer(compiled_cubin(self.arch, defines))
+            self._modules[key] = self.cuda.module_from_buffer(compiled_cubin(self.arch, defines, source))
         return self._modules[key]
 
     def close(self) -> None:
@@ -210,12 +210,12 @@ class GpuRuntime:
             self.context.detach()
 
 
-def compiled_cubin(arch: str, defines: list[str]) -> bytes:
-    source = (cuda_source_dir() / "binomial.cu").read_text()
+def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu") -> bytes:
+    source = (cuda_source_dir() / name).read_text()
     options = ["-O3", *defines]
     key = hashlib.sha256("\0".join([source, arch, *options]).encode()).hexdigest()[:24]
     folder = cache_dir()
-    path = folder / f"binomial-{key}-{arch}.cubin"
+    path = folder / f"{Path(name).stem}-{key}-{arch}.cubin"
     if path.exists():
         return path.read_bytes()
     from pycuda.compiler import compile as nvcc_compile
