@@ -75,6 +75,34 @@ __device__ __forceinline__ double node(double pu, double pd, double v_up, double
 }
 
 // ---------------------------------------------------------------------------------------------
+// level_base for the fused steps, without a global load on every step's critical path: each warp
+// keeps 32 consecutive entries in a register (lane j holds level_base[t - (s0 + 1 + j)]) and the
+// next 32 in flight; step s reads its entry with a shuffle.  All 32 lanes must call next().
+
+struct LevelBaseCache {
+    const double* __restrict__ table;
+    int t, lane;
+    double cur, nxt;
+    __device__ __forceinline__ double at(int idx) const { return idx >= 0 ? table[idx] : 0.0; }
+    __device__ __forceinline__ LevelBaseCache(const double* __restrict__ tab, int t_, int lane_)
+        : table(tab), t(t_), lane(lane_)
+    {
+        cur = at(t - 1 - lane);
+        nxt = at(t - 33 - lane);
+    }
+    // level_base[t - s] for step s = 1, 2, ... (called once per step, in order)
+    __device__ __forceinline__ double next(int s)
+    {
+        const int j = (s - 1) & 31;
+        if (j == 0 && s > 1) {
+            cur = nxt;
+            nxt = at(t - s - 32 - lane);
+        }
+        return __shfl_sync(0xffffffffu, cur, j);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Tables and payoff.
 
 extern "C" __global__ void power_tables(double* __restrict__ level_base, double* __restrict__ ratio,
@@ -160,14 +188,15 @@ __device__ __forceinline__ void tiled_body(const double* __restrict__ vin, doubl
         halo[1][TILED_B] = 0.0;
     }
     const double mstrike = -sign * strike;
+    LevelBaseCache lbc(level_base, t, tid & 31);
 
     for (int s = 1; s <= k; ++s) {
+        const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
         // Double-buffered halo: the write of step s+2 into the same buffer cannot overtake a read
         // of step s, because the barrier of step s+1 lies between them.
         halo[s & 1][tid] = v[0];
         __syncthreads();
         const double nb = halo[s & 1][tid + 1];
-        const double sbase = AMERICAN ? sign * level_base[t - s] : 0.0;
 #pragma unroll
         for (int q = 0; q < TILED_VT - 1; ++q)
             v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
@@ -219,9 +248,10 @@ __device__ __forceinline__ void warp_body(const double* __restrict__ vin, double
         r[q] = (AMERICAN && in) ? ratio[g] : 0.0;
     }
     const double mstrike = -sign * strike;
+    LevelBaseCache lbc(level_base, t, lane);
     for (int s = 1; s <= k; ++s) {
         const double nb = __shfl_down_sync(0xffffffffu, v[0], 1);
-        const double sbase = AMERICAN ? sign * level_base[t - s] : 0.0;
+        const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
 #pragma unroll
         for (int q = 0; q < WARP_VT - 1; ++q)
             v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);

@@ -111,7 +111,7 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
             rows.append(dict(n=n, kernel=k, seconds=sec, repeats=done, price=price,
                              nodes_per_s=nodes(n) / sec, peak_share=nodes(n) / sec / (peak / 4)))
             log(f"N={n:>8} {k:>9}: {sec * 1e3:10.3f} ms  {nodes(n) / sec:9.3g} nodes/s  "
-                f"price {price:.12f}  ({done} runs)")
+                f"price {price!r}  ({done} runs)")
         if cpu:
             from pricer.engines.cpu import CpuEngine
             from pricer.engines.serial import SerialEngine
@@ -126,6 +126,32 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
                     f"price {price:.12f}  ({done} runs)")
     return dict(device=rt.name, arch=rt.arch, fp64_fma_peak=peak, option="American put S=K=100 T=1 "
                 "sigma=0.2 r=0.05 q=0", config=dict((overrides or {})), rows=rows)
+
+
+def crossover(sizes=(1_000, 2_000, 5_000, 10_000, 20_000), count: int = 64, log=print) -> list:
+    """A portfolio of `count` options at one N: hybrid (every option through the GPU) against the
+    all-cores `cpu` engine, wall time; where the GPU stops losing sets AUTO_CPU_MAX_STEPS."""
+    from pricer.engines.cpu import CpuEngine
+    from pricer.engines.gpu import GpuEngine
+
+    gpu, cpu = GpuEngine("hybrid", cpu_max_steps=0), CpuEngine()
+    rows = []
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        cols = dict(spot=rng.uniform(80, 120, count), strike=rng.uniform(80, 120, count),
+                    maturity=rng.uniform(0.25, 2, count), volatility=rng.uniform(0.1, 0.4, count),
+                    rate=np.full(count, 0.03), dividend=np.zeros(count),
+                    steps=np.full(count, n, dtype=np.int64), call=rng.random(count) < 0.5,
+                    american=np.ones(count, dtype=bool))
+        p = lattice_parameters(cols)
+        gpu.price(p.take(np.arange(2)))
+        cpu.price(p.take(np.arange(2)))
+        t = time.perf_counter(); a = gpu.price(p); tg = time.perf_counter() - t
+        t = time.perf_counter(); b = cpu.price(p); tc = time.perf_counter() - t
+        rows.append(dict(n=n, count=count, gpu_s=tg, cpu_s=tc, equal=bool(np.array_equal(a, b))))
+        log(f"crossover N={n:>6} x{count}: hybrid {tg * 1e3:9.2f} ms  cpu {tc * 1e3:9.2f} ms  "
+            f"bitwise equal {np.array_equal(a, b)}")
+    return rows
 
 
 def markdown(result: dict) -> str:
@@ -157,7 +183,15 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="GpuConfig override, e.g. --set t1=40000 --set fma=1")
     ap.add_argument("--out", default=None, help="write the measurements as JSON here")
+    ap.add_argument("--crossover", action="store_true",
+                    help="only: portfolios of one N, hybrid against the cpu engine")
     args = ap.parse_args(argv)
+    if args.crossover:
+        rows = crossover()
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return 0
     sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else (
         SIZES[:5] if args.quick else SIZES)
     overrides = {}

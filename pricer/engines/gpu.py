@@ -74,8 +74,8 @@ class GpuConfig:
     tiled_b: int = 256        # threads per tiled block
     tiled_vt: int = 8         # nodes per thread (tiled)
     tiled_k: int = 256        # steps fused per tiled launch (< tiled_b * tiled_vt)
-    warp_vt: int = 16         # nodes per lane (warp per block)
-    warp_k: int = 128         # steps per warp launch while the level is wider than one tile
+    warp_vt: int = 8          # nodes per lane (warp per block)
+    warp_k: int = 64          # steps per warp launch while the level is wider than one tile
     wavefront_block: int = 256
     fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -249,16 +249,22 @@ class CudaKernels:
         self._capacity = 0
         self._bufs = None
 
-    # buffers: two level buffers and the two tables, grown to the largest option seen
+    # buffers: two level buffers and one table buffer (level_base then ratio, 2 * (N + 1) entries),
+    # grown to the largest option seen
     def reserve(self, nodes: int):
         if nodes > self._capacity:
             if self._bufs is not None:
                 for b in self._bufs:
                     self.rt.free(b)
             cap = max(nodes, 1024)
-            self._bufs = [self.rt.alloc(8 * cap) for _ in range(4)]
+            self._bufs = [self.rt.alloc(8 * cap), self.rt.alloc(8 * cap), self.rt.alloc(16 * cap)]
             self._capacity = cap
         return self._bufs
+
+    @staticmethod
+    def split_tables(tab, steps: int):
+        """Device addresses of level_base and ratio inside the table buffer."""
+        return int(tab), int(tab) + 8 * (steps + 1)
 
     def upload(self, dst, host: np.ndarray):
         self.rt.cuda.memcpy_htod(dst, host)
@@ -309,8 +315,12 @@ class NumpyKernels:
 
     def reserve(self, nodes):
         if self._bufs is None or self._bufs[0].size < nodes:
-            self._bufs = [np.zeros(nodes) for _ in range(4)]
+            self._bufs = [np.zeros(nodes), np.zeros(nodes), np.zeros(2 * nodes)]
         return self._bufs
+
+    @staticmethod
+    def split_tables(tab, steps: int):
+        return tab[:steps + 1], tab[steps + 1:2 * steps + 2]
 
     def upload(self, dst, host):
         dst[:host.size] = host
@@ -386,7 +396,7 @@ class GpuEngine:
 
     def _host_buffers(self, nodes):
         if self._host is None or self._host[0].size < nodes:
-            self._host = [np.empty(nodes) for _ in range(3)]
+            self._host = [np.empty(nodes), np.empty(2 * nodes)]
         return self._host
 
     def price(self, params: LatticeParams) -> np.ndarray:
@@ -418,14 +428,15 @@ class GpuEngine:
         if host is None:
             host = self._host_buffers(n + 2)
         c, K = self.config, self.kernels
-        a, b, lb_d, r_d = bufs
-        values, lb, ratio = host
+        a, b, tab_d = bufs
+        values, tab = host
+        lb, ratio = tab[:n + 1], tab[n + 1:2 * n + 2]
         sign = 1.0 if p.call[k] else -1.0
         american = bool(p.american[k])
         strike, pu, pd = float(p.strike[k]), float(p.pu[k]), float(p.pd[k])
         power_tables(float(p.spot[k]), float(p.log_up[k]), float(p.log_down[k]), n, lb, ratio)
-        K.upload(lb_d, lb[:n + 1])
-        K.upload(r_d, ratio[:n + 1])
+        K.upload(tab_d, tab[:2 * n + 2])           # both tables in one copy
+        lb_d, r_d = K.split_tables(tab_d, n)
         K.terminal(a, lb_d, r_d, n, strike, sign)
         src, dst = a, b
         t = n
