@@ -276,3 +276,70 @@ warp_steps(const double* __restrict__ vin, double* __restrict__ vout,
     else
         warp_body<false>(vin, vout, level_base, ratio, t, k, pu, pd, strike, sign);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Batch: one block per option, the whole lattice in one launch (steps + 1 <= TILED_W).  Per-option
+// arrays; option o's tables are level_base = tables + offsets[o] (steps + 1 entries) followed by
+// ratio (steps + 1 entries).  The terminal payoff is formed in registers, the nodes stay in
+// registers for all steps (neighbour through the shared-memory halo, as in tiled_steps), and
+// thread 0 writes the price.  Compile one module per size class (TILED_B, TILED_VT).
+
+template <bool AMERICAN>
+__device__ __forceinline__ double batch_body(const double* __restrict__ lb, const double* __restrict__ ratio,
+                                             int n, double pu, double pd, double strike, double sign)
+{
+    __shared__ double halo[2][TILED_B + 1];
+    const int tid = threadIdx.x;
+    const double base_n = lb[n];
+    double v[TILED_VT], r[TILED_VT];
+#pragma unroll
+    for (int q = 0; q < TILED_VT; ++q) {
+        const int i = tid * TILED_VT + q;
+        if (i <= n) {
+            const double ri = ratio[i];
+            const double payoff = sign * __dadd_rn(__dmul_rn(base_n, ri), -strike);
+            v[q] = payoff > 0.0 ? payoff : 0.0;
+            r[q] = ri;
+        } else {
+            v[q] = 0.0;
+            r[q] = 0.0;
+        }
+    }
+    if (tid == 0) {
+        halo[0][TILED_B] = 0.0;
+        halo[1][TILED_B] = 0.0;
+    }
+    const double mstrike = -sign * strike;
+    LevelBaseCache lbc(lb, n, tid & 31);
+    for (int s = 1; s <= n; ++s) {
+        const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
+        halo[s & 1][tid] = v[0];
+        __syncthreads();
+        const double nb = halo[s & 1][tid + 1];
+#pragma unroll
+        for (int q = 0; q < TILED_VT - 1; ++q)
+            v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
+        v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
+    }
+    return v[0];
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_B)
+batch_price(const double* __restrict__ tables, const long long* __restrict__ offsets,
+            const int* __restrict__ steps, const double* __restrict__ pu,
+            const double* __restrict__ pd, const double* __restrict__ strike,
+            const double* __restrict__ sign, const int* __restrict__ american,
+            double* __restrict__ out, int count)
+{
+    const int o = blockIdx.x;
+    if (o >= count) return;   // uniform per block
+    const int n = steps[o];
+    const double* lb = tables + offsets[o];
+    const double* ratio = lb + n + 1;
+    double price;
+    if (american[o])
+        price = batch_body<true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o]);
+    else
+        price = batch_body<false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o]);
+    if (threadIdx.x == 0) out[o] = price;
+}

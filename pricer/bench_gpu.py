@@ -128,7 +128,7 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
                 "sigma=0.2 r=0.05 q=0", config=dict((overrides or {})), rows=rows)
 
 
-def crossover(sizes=(1_000, 2_000, 5_000, 10_000, 20_000), count: int = 64, log=print) -> list:
+def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000, 20_000), count: int = 128, log=print) -> list:
     """A portfolio of `count` options at one N: hybrid (every option through the GPU) against the
     all-cores `cpu` engine, wall time; where the GPU stops losing sets AUTO_CPU_MAX_STEPS."""
     from pricer.engines.cpu import CpuEngine
@@ -149,8 +149,8 @@ def crossover(sizes=(1_000, 2_000, 5_000, 10_000, 20_000), count: int = 64, log=
         t = time.perf_counter(); a = gpu.price(p); tg = time.perf_counter() - t
         t = time.perf_counter(); b = cpu.price(p); tc = time.perf_counter() - t
         rows.append(dict(n=n, count=count, gpu_s=tg, cpu_s=tc, equal=bool(np.array_equal(a, b))))
-        log(f"crossover N={n:>6} x{count}: hybrid {tg * 1e3:9.2f} ms  cpu {tc * 1e3:9.2f} ms  "
-            f"bitwise equal {np.array_equal(a, b)}")
+        log(f"crossover N={n:>6} x{count}: hybrid {tg * 1e3:9.2f} ms ({count * nodes(n) / tg:.3g} nodes/s)"
+            f"  cpu {tc * 1e3:9.2f} ms ({count * nodes(n) / tc:.3g} nodes/s)  bitwise equal {np.array_equal(a, b)}")
     return rows
 
 

@@ -18,12 +18,15 @@ import pytest
 
 from pricer.engines import gpu_available
 from pricer.engines.cpu import CpuEngine
-from pricer.engines.gpu import MODES, GpuConfig, GpuEngine, NumpyKernels, local_rank
+from pricer.engines.gpu import MODES, GpuConfig, GpuEngine, NumpyKernels, batch_class, local_rank
 from pricer.engines.serial import SerialEngine
 from pricer.lattice import lattice_parameters
 
 # A small configuration whose thresholds and tile widths are cheap to straddle.
-SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30)
+SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
+                  batch_max_steps=0)
+# the batch kernel's size-class edges
+BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047]
 
 
 def _why_no_gpu() -> str:
@@ -90,7 +93,8 @@ def boundary_steps(c: GpuConfig):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", [SMALL, GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
-                                                     tiled_k=100, warp_vt=8, warp_k=64)],
+                                                     tiled_k=100, warp_vt=8, warp_k=64,
+                                                     batch_max_steps=0)],
                          ids=["small", "medium"])
 def test_emulated_kernels_equal_serial(mode, config, rng):
     p = options(rng, boundary_steps(config) + list(rng.integers(1, 2500, 6)))
@@ -98,6 +102,13 @@ def test_emulated_kernels_equal_serial(mode, config, rng):
     ref = SerialEngine().price(p)
     # same tables, same operations in the same order: bitwise
     np.testing.assert_array_equal(got, ref)
+
+
+def test_emulated_batch_equals_serial(rng):
+    p = options(rng, BATCH_EDGES[:10] + [700])
+    rows = np.arange(len(p))
+    np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows), SerialEngine().price(p))
+    assert list(batch_class(np.array([1, 255, 256, 511, 512, 2047]))) == [0, 0, 1, 1, 2, 3]
 
 
 def test_config_is_checked():
@@ -126,7 +137,8 @@ def test_local_rank_from_launcher(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines():
-    return {mode: GpuEngine(mode) for mode in MODES}
+    """Every option through the regimes (no batch kernel)."""
+    return {mode: GpuEngine(mode, batch_max_steps=0) for mode in MODES}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +187,19 @@ def test_gpu_default_config_small_n(mode, engines, rng):
 def test_gpu_fresh_random_options(mode, engines, rng):
     p = options(rng, rng.integers(1, 10_001, 24))
     assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
+def test_gpu_batch_kernel(mode, rng):
+    """Portfolios mixing batch size classes, options wider than any class, and (hybrid) CPU ones."""
+    steps = BATCH_EDGES + list(rng.integers(1, 2048, 40)) + [2048, 2049, 4000]
+    p = every_kind(rng, steps)
+    order = rng.permutation(len(p))
+    p = p.take(order)
+    assert_close(GpuEngine(mode).price(p), SerialEngine().price(p), p, mode)
+    np.testing.assert_array_equal(GpuEngine(mode).price(p), SerialEngine().price(p))
 
 
 @pytest.mark.gpu

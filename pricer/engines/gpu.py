@@ -6,7 +6,10 @@ Regimes, per option, as the level narrows (t = steps still to take = level width
 - CPU tail       (`hybrid`): the level (<= T2 + 1 nodes) is copied to the host and finished with
                  pricer.engines.serial.backward_inplace.
 `hybrid` also prices options with steps <= cpu_max_steps (default T2) on the CPU outright (the
-`cpu` engine, bitwise equal to serial).
+`cpu` engine, bitwise equal to serial). In `gpu` and `hybrid`, the remaining options with steps <=
+batch_max_steps (2047) go through the batch kernel: one block per option, all steps in one launch,
+nodes in registers, one launch per size class (BATCH_CLASSES); wider options run one by one
+through the regimes.
 The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
 
 Exactness: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
@@ -38,10 +41,43 @@ from pathlib import Path
 
 import numpy as np
 
+from numba import njit
+
 from pricer.engines.serial import backward_inplace, power_tables
 from pricer.lattice import LatticeParams
 
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
+# batch kernel size classes (threads per block, nodes per thread): an option with steps + 1 <= B*VT
+# goes to the smallest class that holds it
+BATCH_CLASSES = ((32, 8), (64, 8), (128, 8), (256, 8))
+
+
+def batch_class(steps: np.ndarray) -> np.ndarray:
+    widths = np.array([b * vt for b, vt in BATCH_CLASSES])
+    return np.searchsorted(widths, np.asarray(steps) + 1)
+
+
+@njit(cache=True, nogil=True)
+def batch_tables(spot, log_up, log_down, steps, offsets, tab):
+    """Option j's level_base at tab[offsets[j]:][:steps+1], its ratio right after."""
+    for j in range(steps.size):
+        n = steps[j]
+        o = offsets[j]
+        power_tables(spot[j], log_up[j], log_down[j], n, tab[o:o + n + 1], tab[o + n + 1:o + 2 * n + 2])
+
+
+def batch_inputs(p: LatticeParams, rows: np.ndarray):
+    """Host arrays for batch_price over options `rows` (in that order)."""
+    steps = p.steps[rows].astype(np.int64)
+    sizes = 2 * (steps + 1)
+    offsets = np.zeros(rows.size, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    tab = np.empty(int(sizes.sum()))
+    batch_tables(p.spot[rows], p.log_up[rows], p.log_down[rows], steps, offsets, tab)
+    return dict(tables=tab, offsets=offsets, steps=steps.astype(np.int32),
+                pu=np.ascontiguousarray(p.pu[rows]), pd=np.ascontiguousarray(p.pd[rows]),
+                strike=np.ascontiguousarray(p.strike[rows]),
+                sign=np.where(p.call[rows], 1.0, -1.0), american=p.american[rows].astype(np.int32))
 
 
 class GpuUnavailable(RuntimeError):
@@ -79,6 +115,8 @@ class GpuConfig:
     wavefront_block: int = 256
     fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
+    batch_max_steps: int = 2047       # gpu/hybrid: options up to this many steps go through the
+                                      # batch kernel (one block per option, one launch per size class)
 
     @property
     def tiled_w(self) -> int:
@@ -93,6 +131,8 @@ class GpuConfig:
             raise ValueError(f"tiled_k must be in [1, {self.tiled_w - 1}], got {self.tiled_k}")
         if not (1 <= self.warp_k < self.warp_w):
             raise ValueError(f"warp_k must be in [1, {self.warp_w - 1}], got {self.warp_k}")
+        if self.batch_max_steps >= BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]:
+            raise ValueError(f"batch_max_steps must be < {BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]}")
         if self.t1 < 0 or self.t2 < 0:
             raise ValueError("t1 and t2 must be >= 0")
         if self.tiled_b % 32 or not (32 <= self.tiled_b <= 1024):
@@ -304,6 +344,51 @@ class CudaKernels:
     def synchronize(self):
         self.rt.stream.synchronize()
 
+    def batch(self, p: LatticeParams, rows: np.ndarray) -> np.ndarray:
+        """Prices of options `rows` (all with steps + 1 <= the largest class width), one launch
+        per size class."""
+        cls = batch_class(p.steps[rows])
+        order = np.argsort(cls, kind="stable")
+        rows_sorted, cls_sorted = rows[order], cls[order]
+        host = batch_inputs(p, rows_sorted)
+        cuda, rt = self.rt.cuda, self.rt
+        dev = {}
+        try:
+            for key, arr in host.items():
+                dev[key] = rt.alloc(arr.nbytes)
+                cuda.memcpy_htod(dev[key], arr)
+            out_d = dev["out"] = rt.alloc(8 * rows.size)
+            for c in np.unique(cls_sorted):
+                lo, hi = np.searchsorted(cls_sorted, [c, c + 1])
+                b, vt = BATCH_CLASSES[int(c)]
+                fn = self._batch_fn(b, vt)
+                ptr = lambda key, size: int(dev[key]) + size * int(lo)  # noqa: E731
+                fn.prepared_async_call((int(hi - lo), 1), (b, 1, 1), rt.stream, int(dev["tables"]),
+                                       ptr("offsets", 8), ptr("steps", 4), ptr("pu", 8), ptr("pd", 8),
+                                       ptr("strike", 8), ptr("sign", 8), ptr("american", 4),
+                                       int(out_d) + 8 * int(lo), np.int32(hi - lo))
+            out_sorted = np.empty(rows.size)
+            cuda.memcpy_dtoh(out_sorted, out_d)     # waits for the stream (blocking stream)
+        finally:
+            rt.stream.synchronize()
+            for a in dev.values():
+                rt.free(a)
+        out = np.empty(rows.size)
+        out[order] = out_sorted
+        return out
+
+    def _batch_fn(self, b, vt):
+        key = (b, vt)
+        if not hasattr(self, "_batch_fns"):
+            self._batch_fns = {}
+        if key not in self._batch_fns:
+            defines = [f"-DPRICER_FMA={int(self.config.fma)}", f"-DTILED_B={b}", f"-DTILED_VT={vt}",
+                       f"-DWARP_VT={self.config.warp_vt}"]
+            fn = self.rt.module(defines).get_function("batch_price")
+            fn.prepare("PPPPPPPPPi")
+            self._batch_fns[key] = fn
+        return self._batch_fns[key]
+
 
 class NumpyKernels:
     """A numpy emulation of cuda/binomial.cu with the same tiles, halos and guards (exact
@@ -370,6 +455,28 @@ class NumpyKernels:
             raise AssertionError(f"tiles write {written.size} nodes for a level of {t - k + 1}")
         vout[written] = v[keep]
 
+    def batch(self, p: LatticeParams, rows: np.ndarray) -> np.ndarray:
+        h = batch_inputs(p, rows)
+        out = np.empty(rows.size)
+        for j, c in enumerate(batch_class(p.steps[rows])):
+            b, vt = BATCH_CLASSES[int(c)]
+            width, n, o = b * vt, int(h["steps"][j]), int(h["offsets"][j])
+            lb, r = h["tables"][o:o + n + 1], h["tables"][o + n + 1:o + 2 * n + 2]
+            sign, strike, american = h["sign"][j], h["strike"][j], bool(h["american"][j])
+            rr = np.zeros(width)
+            rr[:n + 1] = r
+            v = np.zeros(width)
+            payoff = sign * (lb[n] * r - strike)
+            v[:n + 1] = np.where(payoff > 0.0, payoff, 0.0)
+            for s in range(1, n + 1):
+                up = np.empty_like(v)
+                up[:-1] = v[1:]
+                up[-1] = 0.0
+                v = self._node(h["pu"][j], h["pd"][j], up, v, sign * lb[n - s], rr, -sign * strike,
+                               american)
+            out[j] = v[0]
+        return out
+
     def tiled(self, vin, vout, lb, r, t, k, *args):
         c = self.config
         self._tiles(vin, vout, lb, r, t, k, *args, c.tiled_w, c.tiled_vt, warp=False)
@@ -411,6 +518,12 @@ class GpuEngine:
                 from pricer.engines.cpu import CpuEngine
                 out[small] = CpuEngine().price(params.take(np.flatnonzero(small)))
             gpu_rows = np.flatnonzero(~small)
+        if self.mode in ("gpu", "hybrid") and self.config.batch_max_steps > 0 and gpu_rows.size:
+            in_batch = params.steps[gpu_rows] <= self.config.batch_max_steps
+            if in_batch.any():
+                rows = gpu_rows[in_batch]
+                out[rows] = self.kernels.batch(params, rows)
+                gpu_rows = gpu_rows[~in_batch]
         if gpu_rows.size:
             top = int(params.steps[gpu_rows].max()) + 2
             bufs = self.kernels.reserve(top)
