@@ -89,7 +89,7 @@ def time_cpu(engine, params, repeats: int, cap_s: float):
 
 
 def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu: bool = True,
-        cpu_max=(10_000, 100_000), overrides: dict | None = None, log=print) -> dict:
+        cpu_max=(10_000, 50_000), overrides: dict | None = None, log=print) -> dict:
     from pricer.engines.gpu import GpuEngine, GpuRuntime
 
     rt = GpuRuntime.get()
@@ -128,7 +128,7 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
                 "sigma=0.2 r=0.05 q=0", config=dict((overrides or {})), rows=rows)
 
 
-def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000, 20_000), count: int = 128, log=print) -> list:
+def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000), count: int = 128, log=print) -> list:
     """A portfolio of `count` options at one N: hybrid (every option through the GPU) against the
     all-cores `cpu` engine, wall time; where the GPU stops losing sets AUTO_CPU_MAX_STEPS."""
     from pricer.engines.cpu import CpuEngine

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
 # the default build and the tunings the GPU engine may ask for
-VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=8"]]
+VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16"],
+            ["-DTILED_B=1024", "-DTILED_VT=8"]]
 
 
 def _nvcc() -> str:

@@ -26,7 +26,8 @@ from pricer.lattice import lattice_parameters
 SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
                   batch_max_steps=0)
 # the batch kernel's size-class edges
-BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047]
+BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047, 2048,
+               4095, 4096, 4097, 8190, 8191]
 
 
 def _why_no_gpu() -> str:
@@ -105,10 +106,10 @@ def test_emulated_kernels_equal_serial(mode, config, rng):
 
 
 def test_emulated_batch_equals_serial(rng):
-    p = options(rng, BATCH_EDGES[:10] + [700])
+    p = options(rng, BATCH_EDGES[:10] + [700, 2048, 4097])
     rows = np.arange(len(p))
     np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows), SerialEngine().price(p))
-    assert list(batch_class(np.array([1, 255, 256, 511, 512, 2047]))) == [0, 0, 1, 1, 2, 3]
+    assert list(batch_class(np.array([1, 255, 256, 511, 512, 2047, 2048, 8191]))) == [0, 0, 1, 1, 2, 3, 4, 5]
 
 
 def test_config_is_checked():
@@ -194,7 +195,7 @@ def test_gpu_fresh_random_options(mode, engines, rng):
 @pytest.mark.parametrize("mode", ["gpu", "hybrid"])
 def test_gpu_batch_kernel(mode, rng):
     """Portfolios mixing batch size classes, options wider than any class, and (hybrid) CPU ones."""
-    steps = BATCH_EDGES + list(rng.integers(1, 2048, 40)) + [2048, 2049, 4000]
+    steps = BATCH_EDGES + list(rng.integers(1, 8192, 30)) + [8192, 8193, 9000]
     p = every_kind(rng, steps)
     order = rng.permutation(len(p))
     p = p.take(order)

@@ -16,8 +16,8 @@ from pricer.errors import InputError
 BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
 
 # `auto` on a GPU machine: hybrid, with options up to this many steps priced on the CPU outright
-# (one option per launch sequence cannot beat all cores on small trees; see docs/gpu-notes.md).
-AUTO_CPU_MAX_STEPS = 2_000
+# (all cores beat the GPU batch kernel on such small trees: docs/gpu-notes.md, H200, 16 cores).
+AUTO_CPU_MAX_STEPS = 500
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ Regimes, per option, as the level narrows (t = steps still to take = level width
                  pricer.engines.serial.backward_inplace.
 `hybrid` also prices options with steps <= cpu_max_steps (default T2) on the CPU outright (the
 `cpu` engine, bitwise equal to serial). In `gpu` and `hybrid`, the remaining options with steps <=
-batch_max_steps (2047) go through the batch kernel: one block per option, all steps in one launch,
+batch_max_steps (8191) go through the batch kernel: one block per option, all steps in one launch,
 nodes in registers, one launch per size class (BATCH_CLASSES); wider options run one by one
 through the regimes.
 The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
@@ -49,7 +49,7 @@ from pricer.lattice import LatticeParams
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
 # batch kernel size classes (threads per block, nodes per thread): an option with steps + 1 <= B*VT
 # goes to the smallest class that holds it
-BATCH_CLASSES = ((32, 8), (64, 8), (128, 8), (256, 8))
+BATCH_CLASSES = ((32, 8), (64, 8), (128, 8), (256, 8), (512, 8), (1024, 8))
 
 
 def batch_class(steps: np.ndarray) -> np.ndarray:
@@ -115,7 +115,7 @@ class GpuConfig:
     wavefront_block: int = 256
     fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
-    batch_max_steps: int = 2047       # gpu/hybrid: options up to this many steps go through the
+    batch_max_steps: int = 8191       # gpu/hybrid: options up to this many steps go through the
                                       # batch kernel (one block per option, one launch per size class)
 
     @property
