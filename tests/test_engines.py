@@ -1,0 +1,475 @@
+"""The CRR lattice and the CPU engines: the seed's Table 1 invariants, Black–Scholes–Merton, put–call
+parity, hand computations at N = 1 and 2, an independent numpy lattice, QuantLib, the seed's own
+benchmark prices, the N = 20 000 reference set, and serial == cpu bit for bit.
+
+Tolerances that come from the lattice (not from rounding) are written as C * S*sigma*sqrt(T) / N: the
+CRR error of a vanilla option is O(1/N) with a constant proportional to S*sigma*sqrt(T) (Diener &
+Diener 2004); C was measured over thousands of random options in the ranges drawn here (largest seen:
+0.35 against Black–Scholes–Merton, 0.16 for |V_N - V_2N|) and is set a few times above that.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+
+from pricer.engines.cpu import (BLOCK_STEPS, LEVEL_PARALLEL_MIN_STEPS, MIN_CHUNK_NODES, CpuEngine,
+                                _price_wide)
+from pricer.engines.serial import SerialEngine
+from pricer.errors import InputError
+from pricer.generate import generate
+from pricer.lattice import lattice_parameters
+from pricer.portfolio import columns_from_matrix
+
+DATA = Path(__file__).parent / "data"
+SERIAL, CPU = SerialEngine(), CpuEngine()
+REFERENCE_STEPS = 20_000
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def make_columns(**given) -> dict:
+    """Engine input columns; scalars are broadcast to the length of the array arguments."""
+    n = max(np.size(v) for v in given.values())
+    defaults = {"dividend": 0.0, "call": False, "american": True}
+    cols = {}
+    for name in ("spot", "strike", "maturity", "rate", "dividend", "volatility", "steps", "call",
+                 "american"):
+        value = given.get(name, defaults.get(name))
+        dtype = {"steps": np.int64, "call": bool, "american": bool}.get(name, np.float64)
+        cols[name] = np.array(np.broadcast_to(np.asarray(value, dtype=dtype), (n,)))
+    return cols
+
+
+def price(cols: dict, engine=SERIAL) -> np.ndarray:
+    return engine.price(lattice_parameters(cols))
+
+
+def random_market(rng, n: int, steps=(200, 2000), call=None, american=None, dividend=True) -> dict:
+    """Random options in the ranges the tolerances above were measured on."""
+    strike = rng.uniform(80.0, 120.0, n)
+    return make_columns(
+        spot=strike * rng.uniform(0.7, 1.4, n), strike=strike, maturity=rng.uniform(0.1, 3.0, n),
+        rate=rng.uniform(0.0, 0.1, n), dividend=rng.uniform(0.0, 0.05, n) if dividend else 0.0,
+        volatility=rng.uniform(0.1, 0.6, n), steps=rng.integers(steps[0], steps[1] + 1, n),
+        call=rng.random(n) < 0.5 if call is None else call,
+        american=rng.random(n) < 0.5 if american is None else american)
+
+
+def lattice_scale(cols: dict) -> np.ndarray:
+    """S*sigma*sqrt(T)/N: the size of the CRR discretisation error."""
+    return cols["spot"] * cols["volatility"] * np.sqrt(cols["maturity"]) / cols["steps"]
+
+
+def bsm(spot, strike, maturity, rate, dividend, vol, call) -> float:
+    """Black–Scholes–Merton price with a continuous dividend yield."""
+    cdf = lambda x: 0.5 * math.erfc(-x / math.sqrt(2.0))  # noqa: E731
+    sd = vol * math.sqrt(maturity)
+    d1 = (math.log(spot / strike) + (rate - dividend + 0.5 * vol * vol) * maturity) / sd
+    d2 = d1 - sd
+    fwd_s, fwd_k = spot * math.exp(-dividend * maturity), strike * math.exp(-rate * maturity)
+    if call:
+        return fwd_s * cdf(d1) - fwd_k * cdf(d2)
+    return fwd_k * cdf(-d2) - fwd_s * cdf(-d1)
+
+
+def bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a, np.float64), np.ascontiguousarray(b, np.float64)
+    return a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
+
+
+def relative_error(value, reference, strike) -> np.ndarray:
+    """|value - reference| relative to the reference, or to 1e-8 * strike for tiny prices."""
+    return np.abs(value - reference) / np.maximum(np.abs(reference), 1e-8 * strike)
+
+
+@pytest.fixture
+def two_threads():
+    """The cpu engine with two numba threads (its parallel paths), restored afterwards."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    yield 2
+    numba.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------- Table 1 invariants
+
+def test_american_put_bounds(rng):
+    cols = random_market(rng, 48, call=False, american=True)
+    s, k, t, r, q = (cols[c] for c in ("spot", "strike", "maturity", "rate", "dividend"))
+    american = price(cols)
+    european = price(dict(cols, american=np.zeros(48, bool)))
+    assert (american > 0).all()
+    assert (american <= k).all()
+    assert (american >= np.maximum(k - s, 0.0)).all()
+    assert (american >= european).all()
+    # European bounds: max(K e^-rT - S e^-qT, 0) <= P <= K e^-rT (the lattice keeps them to rounding)
+    assert (european <= k * np.exp(-r * t) * (1 + 1e-12)).all()
+    assert (european >= k * np.exp(-r * t) - s * np.exp(-q * t) - 1e-12 * k).all()
+    # the early-exercise premium is real for some of them (deep ITM puts with r > 0)
+    assert (american > european + 1e-6).any()
+
+
+def test_american_put_monotone(rng):
+    n = 40
+    cols = random_market(rng, n, call=False, american=True)
+    base = price(cols)
+    bump = rng.uniform(0.01, 0.1, n)
+    # In S and K the lattice is monotone exactly, rounding included: a fixed N fixes u, d and p,
+    # and rounded products, sums and max are monotone in their arguments.
+    assert (price(dict(cols, spot=cols["spot"] * (1 + bump))) <= base).all()
+    assert (price(dict(cols, strike=cols["strike"] * (1 + bump))) >= base).all()
+    higher_vol = price(dict(cols, volatility=cols["volatility"] + 0.05))
+    longer = price(dict(cols, maturity=cols["maturity"] * 1.25))
+    assert (higher_vol >= base - 1e-12 * cols["strike"]).all()
+    assert (longer >= base - 1e-12 * cols["strike"]).all()
+    # and the bumps matter where the option is not simply exercised now
+    alive = base > np.maximum(cols["strike"] - cols["spot"], 0.0) + 1e-3
+    assert alive.any()
+    assert (higher_vol[alive] > base[alive]).all()
+
+
+def test_american_call_bounds_and_monotone(rng):
+    n = 40
+    cols = random_market(rng, n, call=True, american=True)
+    s, k = cols["spot"], cols["strike"]
+    american = price(cols)
+    european = price(dict(cols, american=np.zeros(n, bool)))
+    assert (american > 0).all()
+    assert (american <= s).all()
+    assert (american >= np.maximum(s - k, 0.0)).all()
+    assert (american >= european).all()
+    bump = rng.uniform(0.01, 0.1, n)
+    assert (price(dict(cols, spot=s * (1 + bump))) >= american).all()
+    assert (price(dict(cols, strike=k * (1 + bump))) <= american).all()
+    assert (price(dict(cols, volatility=cols["volatility"] + 0.05)) >= american - 1e-12 * k).all()
+    assert (price(dict(cols, maturity=cols["maturity"] * 1.25)) >= american - 1e-12 * k).all()
+
+
+def test_american_call_without_dividend_is_european(rng):
+    """With q = 0 and r >= 0 early exercise of a call never pays, on the lattice too (the hold value
+    is at least S - K e^{-r dt} >= S - K at every node)."""
+    cols = random_market(rng, 30, call=True, american=True, dividend=False)
+    american = price(cols)
+    european = price(dict(cols, american=np.zeros(30, bool)))
+    assert (relative_error(american, european, cols["strike"]) <= 1e-12).all()
+    # ... whereas with a dividend it does pay for some deep in-the-money calls
+    deep = make_columns(spot=180.0, strike=100.0, maturity=2.0, rate=0.02, dividend=0.08,
+                        volatility=0.2, steps=500, call=True, american=True)
+    assert price(deep)[0] > price(dict(deep, american=np.zeros(1, bool)))[0] + 1.0
+
+
+@pytest.mark.parametrize("call", [False, True], ids=["put", "call"])
+def test_cauchy_convergence(rng, call):
+    """|V_N - V_2N| is O(1/N) for every option, and shrinks ~16x from N = 100 to N = 1600 over a batch
+    (single options oscillate between N and 2N, so the shrinking is checked on the sum)."""
+    cols = random_market(rng, 30, call=call, american=True)
+    levels = [100, 200, 400, 800, 1600, 3200]
+    values = np.array([price(dict(cols, steps=np.full(30, n))) for n in levels])
+    diffs = np.abs(np.diff(values, axis=0))
+    for j, n in enumerate(levels[:-1]):
+        scale = cols["spot"] * cols["volatility"] * np.sqrt(cols["maturity"]) / n
+        assert (diffs[j] <= 1.0 * scale).all(), (n, (diffs[j] / scale).max())
+    assert diffs[-1].sum() * 3 <= diffs[0].sum(), diffs.sum(axis=1)
+
+
+# --------------------------------------------------------------------- European: BSM and put–call parity
+
+@pytest.mark.parametrize("call", [False, True], ids=["put", "call"])
+def test_european_matches_black_scholes_merton(rng, call):
+    n = 60
+    cols = random_market(rng, n, steps=(200, 2000), call=call, american=False)
+    lattice = price(cols)
+    exact = np.array([bsm(*(cols[c][i] for c in ("spot", "strike", "maturity", "rate", "dividend",
+                                                 "volatility")), call) for i in range(n)])
+    ratio = np.abs(lattice - exact) / lattice_scale(cols)
+    assert ratio.max() <= 1.0, (ratio.max(), int(ratio.argmax()))
+
+
+def test_bsm_formula_agrees_with_quantlib(rng):
+    """The closed form used above, checked against QuantLib's AnalyticEuropeanEngine."""
+    ql = pytest.importorskip("QuantLib")
+    today = ql.Date(2, 1, 2024)
+    ql.Settings.instance().evaluationDate = today
+    dc = ql.Actual365Fixed()
+    for _ in range(10):
+        s, k = rng.uniform(70, 140), rng.uniform(80, 120)
+        days = int(rng.integers(30, 1100))
+        r, q, vol, call = rng.uniform(0, 0.1), rng.uniform(0, 0.05), rng.uniform(0.1, 0.6), rng.random() < 0.5
+        process = ql.BlackScholesMertonProcess(
+            ql.QuoteHandle(ql.SimpleQuote(s)), ql.YieldTermStructureHandle(ql.FlatForward(today, q, dc)),
+            ql.YieldTermStructureHandle(ql.FlatForward(today, r, dc)),
+            ql.BlackVolTermStructureHandle(ql.BlackConstantVol(today, ql.NullCalendar(), vol, dc)))
+        option = ql.VanillaOption(ql.PlainVanillaPayoff(ql.Option.Call if call else ql.Option.Put, k),
+                                  ql.EuropeanExercise(today + days))
+        option.setPricingEngine(ql.AnalyticEuropeanEngine(process))
+        assert bsm(s, k, days / 365, r, q, vol, call) == pytest.approx(option.NPV(), rel=1e-9, abs=1e-12)
+
+
+def test_put_call_parity_on_the_lattice(rng):
+    """C - P = S e^{-qT} - K e^{-rT} holds exactly on the CRR lattice (p makes the discounted asset a
+    martingale, and max(x, 0) - max(-x, 0) = x); in FP64 to about N * eps."""
+    n = 60
+    cols = random_market(rng, n, steps=(1, 2000), american=False)
+    cols["steps"][:4] = [1, 2, 3, 7]
+    cols["volatility"][:4] = 0.5  # keeps p in (0, 1) at N = 1
+    calls = price(dict(cols, call=np.ones(n, bool)))
+    puts = price(dict(cols, call=np.zeros(n, bool)))
+    s, k, t = cols["spot"], cols["strike"], cols["maturity"]
+    forward = s * np.exp(-cols["dividend"] * t) - k * np.exp(-cols["rate"] * t)
+    error = np.abs((calls - puts) - forward) / np.maximum(s, k)
+    assert error.max() <= 1e-12, error.max()
+
+
+# ------------------------------------------------------------------------- small N by hand, p checks
+
+def hand_price(s, k, t, r, q, vol, steps, call, american):
+    """N = 1 or 2 written out node by node."""
+    dt = t / steps
+    u = math.exp(vol * math.sqrt(dt))
+    d = 1.0 / u
+    p = (math.exp((r - q) * dt) - d) / (u - d)
+    disc = math.exp(-r * dt)
+
+    def pay(x):
+        return max(x - k, 0.0) if call else max(k - x, 0.0)
+
+    def node(up_value, down_value, asset):
+        hold = disc * (p * up_value + (1 - p) * down_value)
+        return max(hold, pay(asset)) if american else hold
+
+    if steps == 1:
+        return node(pay(s * u), pay(s * d), s)
+    up = node(pay(s * u * u), pay(s), s * u)
+    down = node(pay(s), pay(s * d * d), s * d)
+    return node(up, down, s)
+
+
+HAND_CASES = {
+    # name: (S, K, T, r, q, sigma, N, call, american, early exercise binds at t = 0)
+    "put-american-N1-exercise-now": (80.0, 100.0, 0.5, 0.08, 0.0, 0.2, 1, False, True, True),
+    "put-european-N1": (80.0, 100.0, 0.5, 0.08, 0.0, 0.2, 1, False, False, False),
+    "call-european-N1-dividend": (105.0, 100.0, 1.0, 0.03, 0.02, 0.3, 1, True, False, False),
+    "put-american-N2": (100.0, 100.0, 1.0, 0.1, 0.0, 0.25, 2, False, True, False),
+    "call-american-N2-dividend": (150.0, 100.0, 1.0, 0.0, 0.12, 0.2, 2, True, True, True),
+    "call-european-N2": (95.0, 100.0, 0.75, 0.05, 0.01, 0.35, 2, True, False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(HAND_CASES), ids=list(HAND_CASES))
+def test_one_and_two_steps_by_hand(case, two_threads):
+    s, k, t, r, q, vol, steps, call, american, exercise_now = HAND_CASES[case]
+    expected = hand_price(s, k, t, r, q, vol, steps, call, american)
+    cols = make_columns(spot=s, strike=k, maturity=t, rate=r, dividend=q, volatility=vol, steps=steps,
+                        call=call, american=american)
+    for engine in (SERIAL, CPU):
+        assert price(cols, engine)[0] == pytest.approx(expected, rel=1e-13)
+    intrinsic = max(s - k, 0.0) if call else max(k - s, 0.0)
+    assert (expected == intrinsic) == exercise_now
+    if american:
+        european = hand_price(s, k, t, r, q, vol, steps, call, False)
+        if exercise_now or case == "put-american-N2":
+            assert expected > european  # the case really exercises the American branch
+
+
+def test_p_outside_unit_interval_is_rejected_by_id():
+    # id 4242: r = 50 % with sigma = 1 % over one step: e^{r dt} > u, so p > 1.
+    # id 77: a 60 % dividend yield: e^{(r-q) dt} < d, so p < 0.
+    ids = np.array([31337, 4242, 50505, 77])
+    cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=[0.05, 0.5, 0.05, 0.0],
+                        dividend=[0.0, 0.0, 0.0, 0.6], volatility=[0.2, 0.01, 0.2, 0.05],
+                        steps=[100, 1, 100, 1], call=False, american=True)
+    with pytest.raises(InputError) as info:
+        lattice_parameters(cols, ids=ids)
+    message = str(info.value)
+    assert "4242" in message and "77" in message
+    assert "31337" not in message and "50505" not in message
+    assert "(0, 1)" in message
+    # each alone
+    for bad_id, row in ((4242, 1), (77, 3)):
+        keep = np.array([0, row, 2])
+        with pytest.raises(InputError, match=str(bad_id)):
+            lattice_parameters({c: v[keep] for c, v in cols.items()}, ids=ids[keep])
+    # and the good ones alone are accepted
+    good = np.array([0, 2])
+    params = lattice_parameters({c: v[good] for c, v in cols.items()}, ids=ids[good])
+    assert len(params) == 2
+
+
+# ---------------------------------------------------------------------- serial and cpu bit for bit
+
+def test_serial_and_cpu_bitwise_equal(rng, two_threads):
+    n = 60
+    cols = random_market(rng, n, steps=(1, 3000))
+    cols["volatility"] = np.maximum(cols["volatility"], 0.35)  # p in (0, 1) at N = 1
+    cols["steps"][rng.choice(n, 4, replace=False)] = [1, 2, 3, 5]
+    wide = int(rng.integers(0, n))
+    cols["steps"][wide] = int(rng.integers(LEVEL_PARALLEL_MIN_STEPS, LEVEL_PARALLEL_MIN_STEPS + 4000))
+    assert numba.get_num_threads() == 2  # so the wide option takes the level-parallel path
+    params = lattice_parameters(cols)
+    serial, cpu = SERIAL.price(params), CPU.price(params)
+    assert bitwise_equal(serial, cpu), np.flatnonzero(serial != cpu)
+    # the engines price the options they are given, in that order
+    order = rng.permutation(n)
+    assert bitwise_equal(CPU.price(params.take(order)), serial[order])
+
+
+def test_level_parallel_chunks_bitwise_equal(rng):
+    """The wide path with several chunk counts and sizes, so chunk edges fall everywhere."""
+    for chunks in (2, 3, 5):
+        low = chunks * MIN_CHUNK_NODES + BLOCK_STEPS
+        steps = int(rng.integers(low, low + 4000))
+        call, american = bool(rng.random() < 0.5), bool(rng.random() < 0.7)
+        cols = random_market(rng, 1, steps=(steps, steps), call=call, american=american)
+        p = lattice_parameters(cols)
+        wide = _price_wide(p.spot[0], p.strike[0], p.steps[0], p.call[0], p.american[0], p.log_up[0],
+                           p.log_down[0], p.pu[0], p.pd[0], chunks)
+        assert bitwise_equal(np.array([wide]), SERIAL.price(p)), (chunks, steps)
+
+
+def test_cpu_engine_single_thread_and_empty(rng):
+    cols = random_market(rng, 10, steps=(16, 500))
+    params = lattice_parameters(cols)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert bitwise_equal(CPU.price(params), SERIAL.price(params))
+    finally:
+        numba.set_num_threads(before)
+    empty = params.take(slice(0, 0))
+    assert CPU.price(empty).shape == (0,) and SERIAL.price(empty).shape == (0,)
+
+
+# ------------------------------------------------------------------------------ independent oracles
+
+def numpy_lattice(s, k, t, r, q, vol, steps, call, american) -> float:
+    """The textbook CRR lattice, written independently: whole levels with numpy, the asset at node
+    (t, j) as S u^j d^(t-j) = S exp((2j - t) sigma sqrt(dt)) (one exp per node: u**j would carry u's
+    rounding error j-fold), the discount applied to the expectation."""
+    dt = t / steps
+    log_u = vol * np.sqrt(dt)
+    u, d = np.exp(log_u), np.exp(-log_u)
+    p = (np.exp((r - q) * dt) - d) / (u - d)
+    disc = np.exp(-r * dt)
+    sign = 1.0 if call else -1.0
+
+    def exercise(level):
+        return sign * (s * np.exp((2.0 * np.arange(level + 1) - level) * log_u) - k)
+
+    values = np.maximum(exercise(steps), 0.0)
+    for level in range(steps - 1, -1, -1):
+        values = disc * (p * values[1:] + (1.0 - p) * values[:-1])
+        if american:
+            values = np.maximum(values, exercise(level))
+    return float(values[0])
+
+
+def test_textbook_lattice_matches_independent_numpy(rng):
+    n = 16
+    cols = random_market(rng, n, steps=(4, 2000))
+    cols["call"][:4] = [False, False, True, True]
+    cols["american"][:4] = [True, False, True, False]
+    ours = price(cols)
+    theirs = np.array([numpy_lattice(*(cols[c][i] for c in ("spot", "strike", "maturity", "rate",
+                                                             "dividend", "volatility", "steps",
+                                                             "call", "american"))) for i in range(n)])
+    error = relative_error(ours, theirs, cols["strike"])
+    assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
+
+
+def test_close_to_quantlib_binomial_crr(rng):
+    """QuantLib's "crr" tree has the same u and d but p = 1/2 + (r - q - sigma^2/2) sqrt(dt) / (2 sigma):
+    it differs from the textbook p by O(dt^1.5), so the prices agree to O(1/N) (measured: within
+    0.01 S sigma sqrt(T) / N; the bound checked is ten times that)."""
+    ql = pytest.importorskip("QuantLib")
+    today = ql.Date(2, 1, 2024)
+    ql.Settings.instance().evaluationDate = today
+    dc = ql.Actual365Fixed()
+    n, steps = 16, 1000
+    cols = random_market(rng, n, steps=(steps, steps), american=True)
+    days = rng.integers(60, 730, n)
+    cols["maturity"] = days / 365.0
+    ours = price(cols)
+    for i in range(n):
+        s, k, r, q, vol = (float(cols[c][i]) for c in ("spot", "strike", "rate", "dividend", "volatility"))
+        process = ql.BlackScholesMertonProcess(
+            ql.QuoteHandle(ql.SimpleQuote(s)), ql.YieldTermStructureHandle(ql.FlatForward(today, q, dc)),
+            ql.YieldTermStructureHandle(ql.FlatForward(today, r, dc)),
+            ql.BlackVolTermStructureHandle(ql.BlackConstantVol(today, ql.NullCalendar(), vol, dc)))
+        kind = ql.Option.Call if cols["call"][i] else ql.Option.Put
+        option = ql.VanillaOption(ql.PlainVanillaPayoff(kind, k),
+                                  ql.AmericanExercise(today, today + int(days[i])))
+        option.setPricingEngine(ql.BinomialVanillaEngine(process, "crr", steps))
+        bound = 0.1 * s * vol * math.sqrt(cols["maturity"][i]) / steps
+        assert abs(ours[i] - option.NPV()) <= bound, (i, ours[i], option.NPV(), bound)
+
+
+def test_seed_american_put_benchmarks():
+    """The seed's reference set: 4-decimal American put prices from an N = 20 000 lattice, whatever
+    its N column says; each distinct parameter set priced at N = 20 000 must round to it."""
+    rows = np.loadtxt(DATA / "seed002_american_put_benchmarks.txt", delimiter=",", comments="#")
+    assert rows.shape[1] == 7
+    sets = np.unique(rows[:, [0, 1, 2, 3, 4, 6]], axis=0)  # S0, K, r, sigma, T, expected
+    assert len(sets) >= 14
+    cols = make_columns(spot=sets[:, 0], strike=sets[:, 1], rate=sets[:, 2], volatility=sets[:, 3],
+                        maturity=sets[:, 4], steps=REFERENCE_STEPS, call=False, american=True)
+    error = np.abs(price(cols) - sets[:, 5])
+    assert error.max() <= 5e-5, (error.max(), sets[int(error.argmax())])
+
+
+# ------------------------------------------------------------------ the reference set at N = 20 000
+
+def load_reference() -> dict:
+    with open(DATA / "scenarios_n20000.csv") as f:
+        rows = [line.strip().split(",") for line in f if line.strip() and not line.startswith("#")]
+    header, body = rows[0], rows[1:]
+    out = {}
+    for j, name in enumerate(header):
+        kind = np.int64 if name in ("id", "steps", "call", "american") else np.float64
+        out[name] = np.array([kind(row[j]) for row in body])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = load_reference()
+    grid = generate("scenarios", 270, steps=REFERENCE_STEPS)
+    for name in ("id", "spot", "strike", "maturity", "rate", "dividend", "volatility", "steps"):
+        assert np.array_equal(ref[name], getattr(grid, name)), name
+    assert np.array_equal(ref["call"] != 0, grid.call) and np.array_equal(ref["american"] != 0,
+                                                                           grid.american)
+    cols = columns_from_matrix(grid.to_matrix())
+    return lattice_parameters(cols, ids=grid.id), ref["price"], ref["strike"]
+
+
+def check_against_reference(engine, reference, index) -> None:
+    params, prices, strike = reference
+    got = engine.price(params.take(index))
+    error = relative_error(got, prices[index], strike[index])
+    assert error.max() <= 1e-12, (engine.name, error.max(), index[int(error.argmax())])
+
+
+def test_reference_file_is_the_scenarios_grid(reference):
+    params, prices, _ = reference
+    assert len(params) == prices.size == 270
+    assert (prices > 0).all() and np.isfinite(prices).all()
+
+
+def test_serial_matches_reference_subset(reference, rng):
+    check_against_reference(SERIAL, reference, np.sort(rng.choice(270, 20, replace=False)))
+
+
+def test_cpu_matches_reference_subset(reference, rng, two_threads):
+    """A random part of the grid through the cpu engine's level-parallel path (every N here is
+    LEVEL_PARALLEL_MIN_STEPS or more); the whole grid is the slow test below."""
+    assert REFERENCE_STEPS >= LEVEL_PARALLEL_MIN_STEPS
+    check_against_reference(CPU, reference, np.sort(rng.choice(270, 8, replace=False)))
+
+
+@pytest.mark.slow
+def test_cpu_matches_reference_full(reference, two_threads):
+    check_against_reference(CPU, reference, np.arange(270))

@@ -1,0 +1,336 @@
+"""The portfolio file: write/read round trip, what is accepted, and every validation error of issue 2
+(each must be an InputError whose message names the column and the first offending option ids)."""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from pricer.errors import InputError
+from pricer.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, SCHEMA, Portfolio,
+                              columns_from_matrix, max_steps_for_memory, read_portfolio,
+                              write_portfolio)
+
+# ids that cannot be mistaken for anything else in a message (row numbers, counts, values)
+IDS = np.array([7000101, 7000205, 7000307, 7000411, 7000513, 7000617, 7000719, 7000823], np.int64)
+N = IDS.size
+
+
+def valid_columns() -> dict:
+    return {
+        "id": IDS.copy(),
+        "spot": np.linspace(90.0, 110.0, N),
+        "strike": np.full(N, 100.0),
+        "maturity": np.linspace(0.25, 2.0, N),
+        "rate": np.full(N, 0.05),
+        "dividend": np.full(N, 0.01),
+        "volatility": np.linspace(0.1, 0.5, N),
+        "steps": np.arange(100, 100 + N, dtype=np.int64),
+        "call": np.arange(N) % 2 == 0,
+        "american": np.arange(N) % 3 == 0,
+    }
+
+
+def write_raw(path, columns: dict, schema=SCHEMA, group="portfolio") -> str:
+    """A portfolio file written directly with h5py, so it can be wrong in any way."""
+    with h5py.File(path, "w") as f:
+        g = f.create_group(group)
+        if schema is not None:
+            g.attrs["schema"] = schema
+        for name, value in columns.items():
+            g.create_dataset(name, data=value)
+    return str(path)
+
+
+def error_of(path) -> str:
+    with pytest.raises(InputError) as info:
+        read_portfolio(str(path))
+    return str(info.value)
+
+
+def message_without_path(path, message: str) -> str:
+    return message.replace(str(path), "<file>")
+
+
+def random_portfolio(rng, n: int) -> Portfolio:
+    return Portfolio(
+        id=rng.permutation(np.arange(10 * n, dtype=np.int64))[:n],
+        spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n), maturity=rng.uniform(0.1, 5, n),
+        rate=rng.uniform(-0.01, 0.1, n), dividend=rng.uniform(0, 0.05, n),
+        volatility=rng.uniform(0.05, 1.0, n), steps=rng.integers(1, 100_000, n),
+        call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+
+
+# ----------------------------------------------------------------------------------------- round trip
+
+def test_write_read_round_trip(tmp_path, rng):
+    original = random_portfolio(rng, 257)
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), original, attrs={"note": "round trip"})
+    assert os.listdir(tmp_path) == ["book.h5"]  # no temporary file left beside it
+    with h5py.File(path, "r") as f:
+        assert f["portfolio"].attrs["schema"] == SCHEMA
+        assert f["portfolio"].attrs["note"] == "round trip"
+        assert set(f["portfolio"]) == set(ALL_COLUMNS)
+    back = read_portfolio(str(path))
+    for name in ALL_COLUMNS:
+        got, want = getattr(back, name), getattr(original, name)
+        assert np.array_equal(got, want), name
+    assert back.id.dtype == np.int64 and back.steps.dtype == np.int64
+    assert back.call.dtype == bool and back.american.dtype == bool
+    assert all(getattr(back, c).dtype == np.float64 for c in FLOAT_COLUMNS)
+    assert len(back) == 257 and back.nodes() == pytest.approx(
+        float(((original.steps + 1.0) * (original.steps + 2.0) / 2).sum()), rel=1e-15)
+
+
+def test_matrix_round_trip(rng):
+    """What the workers receive: one float64 (n, 9) matrix, back into typed columns."""
+    p = random_portfolio(rng, 50)
+    matrix = p.to_matrix()
+    assert matrix.dtype == np.float64 and matrix.flags.c_contiguous
+    assert matrix.shape == (50, len(MATRIX_COLUMNS))
+    cols = columns_from_matrix(matrix)
+    for name in MATRIX_COLUMNS:
+        assert np.array_equal(cols[name], getattr(p, name)), name
+    assert cols["steps"].dtype == np.int64 and cols["call"].dtype == bool
+
+
+def test_other_dtypes_accepted_and_converted(tmp_path):
+    cols = valid_columns()
+    cols["id"] = IDS.astype(np.uint32)
+    cols["spot"] = cols["spot"].astype(np.float32)
+    cols["strike"] = np.full(N, 100, dtype=np.int32)
+    cols["steps"] = cols["steps"].astype(np.uint16)
+    cols["call"] = cols["call"].astype(np.int8)
+    cols["american"] = cols["american"].astype(np.uint8)
+    p = read_portfolio(write_raw(tmp_path / "b.h5", cols))
+    assert np.array_equal(p.id, IDS) and p.id.dtype == np.int64
+    assert np.array_equal(p.spot, cols["spot"].astype(np.float64)) and p.spot.dtype == np.float64
+    assert np.array_equal(p.strike, np.full(N, 100.0))
+    assert p.steps.dtype == np.int64 and np.array_equal(p.steps, valid_columns()["steps"])
+    assert np.array_equal(p.call, valid_columns()["call"]) and p.call.dtype == bool
+    assert np.array_equal(p.american, valid_columns()["american"])
+
+
+def test_dividend_is_optional_and_defaults_to_zero(tmp_path):
+    cols = valid_columns()
+    del cols["dividend"]
+    p = read_portfolio(write_raw(tmp_path / "b.h5", cols))
+    assert p.dividend.dtype == np.float64 and p.dividend.shape == (N,)
+    assert (p.dividend == 0.0).all()
+    assert np.array_equal(p.spot, cols["spot"])
+
+
+def test_schema_as_bytes_and_negative_rates_accepted(tmp_path):
+    cols = valid_columns()
+    cols["rate"] = np.full(N, -0.01)      # any finite rate and dividend yield is allowed
+    cols["dividend"] = np.full(N, -0.02)
+    p = read_portfolio(write_raw(tmp_path / "b.h5", cols, schema=np.bytes_(SCHEMA.encode())))
+    assert (p.rate == -0.01).all() and (p.dividend == -0.02).all()
+
+
+# ---------------------------------------------------------------------------- file-level problems
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "absent.h5"
+    message = error_of(path)
+    assert str(path) in message and "no such file" in message
+
+
+def test_directory(tmp_path):
+    (tmp_path / "dir.h5").mkdir()
+    message = error_of(tmp_path / "dir.h5")
+    assert "directory" in message
+
+
+def test_not_hdf5(tmp_path):
+    path = tmp_path / "book.h5"
+    path.write_text("id,spot\n1,100\n")
+    assert "not an HDF5 file" in error_of(path)
+
+
+def test_no_portfolio_group(tmp_path):
+    path = write_raw(tmp_path / "b.h5", valid_columns(), group="book")
+    message = error_of(path)
+    assert "/portfolio" in message and "no group" in message
+
+
+def test_portfolio_is_a_dataset(tmp_path):
+    path = tmp_path / "b.h5"
+    with h5py.File(path, "w") as f:
+        f["portfolio"] = np.arange(3)
+    assert "no group /portfolio" in error_of(path)
+
+
+@pytest.mark.parametrize("schema", ["pricer.portfolio/0", "pricer.results/1", None])
+def test_wrong_or_missing_schema(tmp_path, schema):
+    message = error_of(write_raw(tmp_path / "b.h5", valid_columns(), schema=schema))
+    assert "schema" in message and repr(schema) in message
+
+
+# ---------------------------------------------------------------------------- column-level problems
+
+def test_unknown_column(tmp_path):
+    cols = valid_columns()
+    cols["delta"] = np.zeros(N)
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert "unknown column" in message and "delta" in message
+
+
+@pytest.mark.parametrize("column", [c for c in ALL_COLUMNS if c != "dividend"])
+def test_missing_column(tmp_path, column):
+    cols = valid_columns()
+    del cols[column]
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert "missing column" in message and column in message
+
+
+@pytest.mark.parametrize("column", ["spot", "steps", "id", "call"])
+def test_column_not_one_dimensional(tmp_path, column):
+    cols = valid_columns()
+    cols[column] = cols[column].reshape(N, 1)
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert f"column {column}" in message and "1-D" in message and f"({N}, 1)" in message
+
+
+def test_scalar_column(tmp_path):
+    cols = valid_columns()
+    cols["volatility"] = np.float64(0.2)
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert "column volatility" in message and "1-D" in message
+
+
+def test_column_is_a_group(tmp_path):
+    path = tmp_path / "b.h5"
+    cols = valid_columns()
+    del cols["strike"]
+    write_raw(path, cols)
+    with h5py.File(path, "a") as f:
+        f["portfolio"].create_group("strike")
+    message = error_of(path)
+    assert "strike" in message and "group" in message
+
+
+@pytest.mark.parametrize("column", ["strike", "steps", "american", "dividend"])
+def test_unequal_lengths(tmp_path, column):
+    cols = valid_columns()
+    cols[column] = cols[column][:-1]
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert f"column {column}" in message and f"{N - 1} rows" in message
+
+
+@pytest.mark.parametrize("column,data", [
+    ("spot", np.array([b"100.0"] * N)),
+    ("volatility", np.array(["0.2"] * N, dtype=h5py.string_dtype())),
+    ("id", IDS.astype(np.float64)),
+    ("steps", np.full(N, 100.0)),
+    ("call", np.zeros(N)),
+    ("american", np.array([b"yes"] * N)),
+], ids=["spot-bytes", "volatility-str", "id-float", "steps-float", "call-float", "american-bytes"])
+def test_wrong_dtype(tmp_path, column, data):
+    cols = valid_columns()
+    cols[column] = data
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert f"column {column}" in message and "dtype" in message
+
+
+def test_unsigned_ids_beyond_int64(tmp_path):
+    cols = valid_columns()
+    cols["id"] = np.array([2**63 + 5] + list(range(1, N)), dtype=np.uint64)
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert "column id" in message and "int64" in message
+
+
+@pytest.mark.parametrize("column", ["call", "american"])
+def test_flags_not_zero_or_one(tmp_path, column):
+    cols = valid_columns()
+    flags = cols[column].astype(np.int64)
+    flags[3] = 2
+    flags[5] = -1
+    cols[column] = flags
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert f"column {column}" in message and "0/1" in message and "2" in message
+
+
+def test_empty_portfolio(tmp_path):
+    cols = {name: value[:0] for name, value in valid_columns().items()}
+    assert "empty" in error_of(write_raw(tmp_path / "b.h5", cols))
+
+
+# ----------------------------------------------------------------------------- value-level problems
+
+def check_names_ids(path, message: str, column: str, bad_rows) -> None:
+    text = message_without_path(path, message)
+    assert f"column {column}" in text, text
+    for row in bad_rows:
+        assert str(IDS[row]) in text, (row, text)
+    for row in set(range(N)) - set(bad_rows):
+        assert str(IDS[row]) not in text, (row, text)
+
+
+def test_duplicate_ids(tmp_path):
+    cols = valid_columns()
+    cols["id"][5] = cols["id"][2]
+    cols["id"][7] = cols["id"][0]
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = error_of(path)
+    assert "duplicate" in message
+    check_names_ids(path, message, "id", [0, 2])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("column", FLOAT_COLUMNS)
+def test_non_finite_values(tmp_path, column, bad):
+    cols = valid_columns()
+    cols[column][[2, 6]] = bad
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = error_of(path)
+    assert "NaN or infinite" in message
+    check_names_ids(path, message, column, [2, 6])
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.5], ids=["zero", "negative"])
+@pytest.mark.parametrize("column", ["spot", "strike", "maturity", "volatility"])
+def test_non_positive_values(tmp_path, column, bad):
+    cols = valid_columns()
+    cols[column][[1, 4]] = bad
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = error_of(path)
+    assert "> 0" in message and repr(bad) in message
+    check_names_ids(path, message, column, [1, 4])
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_steps_below_one(tmp_path, bad):
+    cols = valid_columns()
+    cols["steps"][[3, 7]] = bad
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = error_of(path)
+    assert ">= 1" in message
+    check_names_ids(path, message, "steps", [3, 7])
+
+
+def test_steps_too_large_for_memory(tmp_path):
+    limit = max_steps_for_memory()
+    cols = valid_columns()
+    cols["steps"][0] = limit  # the largest accepted N: read, not priced, so no memory is used
+    assert read_portfolio(write_raw(tmp_path / "ok.h5", cols)).steps[0] == limit
+    cols["steps"][[0, 6]] = [limit + 1, 2**40]
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = error_of(path)
+    assert "memory" in message and str(limit) in message
+    check_names_ids(path, message, "steps", [0, 6])
+
+
+def test_many_bad_ids_are_summarised(tmp_path):
+    cols = valid_columns()
+    cols["maturity"][:] = -1.0
+    path = write_raw(tmp_path / "b.h5", cols)
+    message = message_without_path(path, error_of(path))
+    assert "column maturity" in message
+    assert all(str(i) in message for i in IDS[:5])
+    assert f"and {N - 5} more" in message
+    assert str(IDS[5]) not in message
