@@ -1,0 +1,340 @@
+"""The real `pricer` command (and `python -m pricer`) on real files: generate, info, price, run, the
+refusals with exit code 2, and bad input under `mpiexec -n 3`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import ROOT, env, run_pricer
+from pricer import __version__
+from pricer.engines.serial import SerialEngine
+from pricer.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
+from pricer.lattice import lattice_parameters
+from pricer.portfolio import Portfolio, columns_from_matrix, read_portfolio, write_portfolio
+from pricer.results import SCHEMA as RESULTS_SCHEMA
+from pricer.results import read_results
+
+BAD_INPUT = 2
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, one `pricer: error:` line naming every needle, no traceback."""
+    assert proc.returncode == BAD_INPUT, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    assert proc.stderr.count("pricer: error:") == 1, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+    return proc.stderr
+
+
+def reference_prices(portfolio: Portfolio) -> np.ndarray:
+    cols = columns_from_matrix(portfolio.to_matrix())
+    return SerialEngine().price(lattice_parameters(cols, ids=portfolio.id))
+
+
+def bitwise_equal(a, b) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
+
+
+def small_book(seed: int = 7, n: int = 30) -> Portfolio:
+    """A small heterogeneous book whose ids are not in sorted order (so input order is visible)."""
+    rng = np.random.default_rng(seed)
+    return Portfolio(
+        id=rng.permutation(np.arange(1000, 1000 + 5 * n, 5, dtype=np.int64)),
+        spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n), maturity=rng.uniform(0.25, 2, n),
+        rate=rng.uniform(0, 0.08, n), dividend=rng.uniform(0, 0.04, n),
+        volatility=rng.uniform(0.15, 0.5, n), steps=rng.integers(1, 600, n),
+        call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    path = tmp_path_factory.mktemp("book") / "book.h5"
+    portfolio = small_book()
+    write_portfolio(str(path), portfolio)
+    return path, portfolio
+
+
+# ------------------------------------------------------------------------------------------ help
+
+@pytest.mark.parametrize("sub", [None, "price", "run", "generate", "info", "bench"])
+def test_help(sub):
+    args = [sys.executable, "-m", "pricer"] + ([sub] if sub else []) + ["--help"]
+    proc = ok(subprocess.run(args, capture_output=True, text=True, timeout=60, env=env()))
+    assert proc.stdout.startswith("usage: pricer" + (f" {sub}" if sub else ""))
+    if sub is None:
+        for command in ("price", "run", "generate", "info", "bench"):
+            assert command in proc.stdout
+
+
+def test_version():
+    proc = ok(run_pricer(["--version"]))
+    assert __version__ in proc.stdout
+
+
+# -------------------------------------------------------------------------------------- generate
+
+@pytest.mark.parametrize("dist", ["uniform", "random", "skewed", "scenarios"])
+def test_generate_each_distribution(tmp_path, dist):
+    out = tmp_path / f"{dist}.h5"
+    count = 300
+    proc = ok(run_pricer(["generate", "--dist", dist, "--count", count, "--seed", 3, "--steps", 128,
+                          "--min-steps", 20, "--max-steps", 90, "-o", out]))
+    assert str(out) in proc.stdout and f"{count} options" in proc.stdout
+    p = read_portfolio(str(out))  # a valid portfolio file
+    assert len(p) == count and np.array_equal(p.id, np.arange(1, count + 1))
+    if dist == "uniform":
+        assert (p.steps == 128).all()
+    elif dist == "random":
+        assert p.steps.min() >= 20 and p.steps.max() <= 90 and np.unique(p.steps).size > 10
+    elif dist == "skewed":
+        assert p.steps.min() >= 64 and np.median(p.steps) <= 256 and p.steps.max() > 256
+    else:
+        assert (p.steps == 128).all() and (p.strike == 100.0).all()
+        assert p.american.all() and not p.call.any() and (p.dividend == 0).all()
+        assert set(p.spot) == set(SCENARIO_SPOTS) and set(p.volatility) == set(SCENARIO_VOLS)
+        assert set(p.maturity) == set(SCENARIO_MATURITIES) and set(p.rate) == set(SCENARIO_RATES)
+        assert len({tuple(row) for row in zip(p.spot[:270], p.volatility[:270], p.maturity[:270],
+                                              p.rate[:270])}) == 270
+
+
+def test_generate_is_deterministic(tmp_path):
+    paths = [tmp_path / name for name in ("a.h5", "b.h5", "c.h5")]
+    for path, seed in zip(paths, (11, 11, 12)):
+        ok(run_pricer(["generate", "--dist", "random", "--count", 50, "--seed", seed, "-o", path]))
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    a, c = read_portfolio(str(paths[0])), read_portfolio(str(paths[2]))
+    assert not np.array_equal(a.spot, c.spot) and not np.array_equal(a.steps, c.steps)
+
+
+def test_generate_refuses_existing_output(tmp_path):
+    out = tmp_path / "g.h5"
+    out.write_bytes(b"keep me")
+    refused(run_pricer(["generate", "--dist", "uniform", "--count", 5, "-o", out]), str(out),
+            "--overwrite")
+    assert out.read_bytes() == b"keep me"
+    ok(run_pricer(["generate", "--dist", "uniform", "--count", 5, "-o", out, "--overwrite"]))
+    assert len(read_portfolio(str(out))) == 5
+
+
+# ------------------------------------------------------------------------------------ price, info
+
+def test_price_single_process(tmp_path, book):
+    path, portfolio = book
+    out = tmp_path / "prices.h5"
+    proc = ok(run_pricer(["price", path, "-o", out, "--backend", "cpu", "--threads", 2]))
+    assert f"priced {len(portfolio)} options" in proc.stdout
+    r = read_results(str(out))
+    attrs = r["attrs"]
+    assert attrs["schema"] == RESULTS_SCHEMA == "pricer.results/1"
+    assert np.array_equal(r["id"], portfolio.id)  # input order, not sorted
+    assert r["id"].dtype == np.int64 and r["price"].dtype == np.float64
+    assert bitwise_equal(r["price"], reference_prices(portfolio))
+    assert attrs["pricer_version"] == __version__
+    assert attrs["backend"] == "cpu" and attrs["tree"] == "crr" and int(attrs["ranks"]) == 1
+    assert 0 < float(attrs["wall_seconds"]) < 120
+    assert str(attrs["utc_time"]).endswith("+00:00")
+    assert attrs["input_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    run = r["run"]
+    assert {"seconds", "options", "nodes"} <= set(run)
+    assert run["seconds"].shape == run["options"].shape == run["nodes"].shape == (1,)
+    assert run["options"][0] == len(portfolio)
+    assert run["nodes"][0] == portfolio.nodes()
+    assert sorted(os.listdir(tmp_path)) == ["prices.h5"]  # no temporary file left
+
+
+def test_price_serial_backend_and_count_partition(tmp_path, book):
+    path, portfolio = book
+    out = tmp_path / "prices.h5"
+    ok(run_pricer(["price", path, "-o", out, "--backend", "serial", "--partition", "count",
+                   "--distribute", "bcast", "--quiet"]))
+    r = read_results(str(out))
+    assert r["attrs"]["backend"] == "serial"
+    assert bitwise_equal(r["price"], reference_prices(portfolio))
+
+
+def test_price_under_mpiexec_matches_one_process(tmp_path, book):
+    path, portfolio = book
+    out = tmp_path / "prices.h5"
+    ok(run_pricer(["price", path, "-o", out, "--threads", 1], ranks=2))
+    r = read_results(str(out))
+    assert int(r["attrs"]["ranks"]) == 2 and r["run"]["options"].shape == (2,)
+    assert r["run"]["options"].sum() == len(portfolio)
+    assert np.array_equal(r["id"], portfolio.id)
+    assert bitwise_equal(r["price"], reference_prices(portfolio))
+
+
+def test_info_on_portfolio_and_results(tmp_path, book):
+    path, portfolio = book
+    proc = ok(run_pricer(["info", path]))
+    assert "portfolio" in proc.stdout and f"{len(portfolio)} options" in proc.stdout
+    assert f"max {portfolio.steps.max()}" in proc.stdout
+    out = tmp_path / "prices.h5"
+    ok(run_pricer(["price", path, "-o", out, "--quiet"]))
+    proc = ok(run_pricer(["info", out]))
+    assert "results (pricer.results/1)" in proc.stdout
+    assert f"{len(portfolio)} prices" in proc.stdout and "rank 0:" in proc.stdout
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in proc.stdout
+    refused(run_pricer(["info", tmp_path / "absent.h5"]), "no such file")
+
+
+def test_existing_output_needs_overwrite(tmp_path, book):
+    path, portfolio = book
+    out = tmp_path / "prices.h5"
+    out.write_bytes(b"an older result")
+    before = os.stat(out)
+    refused(run_pricer(["price", path, "-o", out]), str(out), "--overwrite")
+    assert out.read_bytes() == b"an older result" and os.stat(out).st_mtime_ns == before.st_mtime_ns
+    assert sorted(os.listdir(tmp_path)) == ["prices.h5"]
+    ok(run_pricer(["price", path, "-o", out, "--overwrite", "--quiet"]))
+    assert bitwise_equal(read_results(str(out))["price"], reference_prices(portfolio))
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+def _drop(column):
+    def edit(f):
+        del f["portfolio"][column]
+    return edit
+
+
+def _set(column, index, value):
+    def edit(f):
+        data = f["portfolio"][column][()]
+        data[index] = value
+        del f["portfolio"][column]
+        f["portfolio"][column] = data
+    return edit
+
+
+def _text_file(path):
+    path.write_text("not an HDF5 file\n")
+
+
+BAD_INPUTS = {
+    # name: (how to spoil the file, what the message must name)
+    "missing-file": (lambda path: path.unlink(), ["no such file"]),
+    "not-hdf5": (_text_file, ["not an HDF5 file"]),
+    "missing-column": (_drop("volatility"), ["missing column", "volatility"]),
+    "nan-spot": (_set("spot", [3, 8], np.nan), ["column spot", "NaN", "<id3>", "<id8>"]),
+    "negative-maturity": (_set("maturity", 5, -1.0), ["column maturity", "> 0", "<id5>"]),
+    "zero-steps": (_set("steps", 2, 0), ["column steps", ">= 1", "<id2>"]),
+    "steps-too-large": (_set("steps", 4, 10**15), ["column steps", "memory", "<id4>"]),
+    "duplicate-ids": (_set("id", 6, 1005), ["column id", "duplicate", "1005"]),
+    # p > 1: a 60 % rate with 1 % volatility over a single step
+    "p-outside-0-1": (lambda f: (_set("rate", 9, 0.6)(f), _set("volatility", 9, 0.01)(f),
+                                  _set("steps", 9, 1)(f)), ["not arbitrage-free", "<id9>", "(0, 1)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_exit_2_nothing_written(tmp_path, case):
+    spoil, needles = BAD_INPUTS[case]
+    portfolio = small_book(n=12)
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), portfolio)
+    if case in ("missing-file", "not-hdf5"):
+        spoil(path)
+    else:
+        with h5py.File(path, "a") as f:
+            spoil(f)
+    needles = [str(portfolio.id[int(n[3:-1])]) if n.startswith("<id") else n for n in needles]
+    before = sorted(os.listdir(tmp_path))
+    out = tmp_path / "prices.h5"
+    refused(run_pricer(["price", path, "-o", out]), *needles)
+    assert sorted(os.listdir(tmp_path)) == before  # no output, no temporary file
+
+
+def test_bad_input_under_mpiexec_3_ranks(tmp_path):
+    """Every rank exits 2 (no hang waiting in a collective), the message is printed once."""
+    portfolio = small_book(n=12)
+    portfolio.volatility[7] = -0.2
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), portfolio)
+    out = tmp_path / "prices.h5"
+    try:
+        proc = run_pricer(["price", path, "-o", out], ranks=3, timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec -n 3 with bad input hung: {exc}")
+    refused(proc, "column volatility", str(portfolio.id[7]))
+    assert sorted(os.listdir(tmp_path)) == ["book.h5"]
+
+
+def test_output_folder_missing(tmp_path, book):
+    path, _ = book
+    refused(run_pricer(["price", path, "-o", tmp_path / "nowhere" / "prices.h5"]), "does not exist")
+
+
+# ------------------------------------------------------------------------------------------- jobs
+
+JOB = """
+[portfolio]
+path = "book.h5"
+
+[portfolio.generate]
+dist = "random"
+count = 40
+seed = 99
+min_steps = 8
+max_steps = 300
+
+[pricing]
+backend = "cpu"
+partition = "count"
+distribute = "bcast"
+threads = 1
+
+[output]
+path = "out/results.h5"
+overwrite = true
+"""
+
+
+def test_run_job(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "job.toml").write_text(JOB)
+    proc = ok(run_pricer(["run", "job.toml"], cwd=tmp_path))
+    assert "priced 40 options" in proc.stdout
+    portfolio = read_portfolio(str(tmp_path / "book.h5"))
+    assert len(portfolio) == 40 and portfolio.steps.max() <= 300
+    r = read_results(str(tmp_path / "out" / "results.h5"))
+    assert r["attrs"]["backend"] == "cpu" and r["attrs"]["partition"] == "count"
+    assert r["attrs"]["distribute"] == "bcast"
+    assert np.array_equal(r["id"], portfolio.id)
+    assert bitwise_equal(r["price"], reference_prices(portfolio))
+    # a command-line flag overrides the file; the generated portfolio is kept as it is
+    stamp = os.stat(tmp_path / "book.h5").st_mtime_ns
+    ok(run_pricer(["run", "job.toml", "--backend", "serial", "-o", "again.h5"], cwd=tmp_path))
+    assert read_results(str(tmp_path / "again.h5"))["attrs"]["backend"] == "serial"
+    assert os.stat(tmp_path / "book.h5").st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("table,key", [("pricing", "engine"), ("portfolio.generate", "size"),
+                                       ("output", "compress")])
+def test_run_job_unknown_key(tmp_path, table, key):
+    text = JOB.replace(f"[{table}]\n", f"[{table}]\n{key} = 1\n")
+    assert text != JOB
+    (tmp_path / "job.toml").write_text(text)
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), f"unknown key {table}.{key}")
+    assert sorted(os.listdir(tmp_path)) == ["job.toml"]
+
+
+def test_demo_job_file_is_valid():
+    from pricer.jobs import load_job
+
+    job = load_job(str(ROOT / "jobs" / "demo.toml"))
+    assert job["portfolio"]["generate"]["dist"] in ("uniform", "random", "skewed", "scenarios")
