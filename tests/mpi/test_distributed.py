@@ -1,0 +1,259 @@
+"""The MPI master–worker, called collectively under `mpiexec -n K python -m pytest --with-mpi tests/mpi`
+(tests/test_mpi_suite.py runs this at 2 and 3 ranks).
+
+Every check that could fail on one rank only is decided on rank 0 and broadcast, so all ranks pass or
+fail the same test together and no rank is left waiting in the next test's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from pricer.distributed import BadInput, RunConfig, run
+from pricer.engines.serial import SerialEngine
+from pricer.lattice import lattice_parameters
+from pricer.partition import partition
+from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.results import read_results
+
+comm = MPI.COMM_WORLD
+RANK, SIZE = comm.Get_rank(), comm.Get_size()
+ROOT = 0
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def verdict(errors) -> None:
+    """Rank 0's list of problems, on every rank."""
+    errors = comm.bcast(errors if RANK == ROOT else None, root=ROOT)
+    assert not errors, errors
+
+
+def bitwise_equal(a, b) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
+
+
+def make_book(seed: int, n: int) -> Portfolio:
+    rng = np.random.default_rng(seed)
+    return Portfolio(
+        id=rng.permutation(np.arange(500, 500 + 3 * n, 3, dtype=np.int64)),
+        spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n), maturity=rng.uniform(0.25, 2, n),
+        rate=rng.uniform(0, 0.08, n), dividend=rng.uniform(0, 0.04, n),
+        volatility=rng.uniform(0.15, 0.5, n), steps=rng.integers(1, 700, n),
+        call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+
+
+def serial_reference(portfolio: Portfolio) -> np.ndarray:
+    """The one-process reference: the serial engine on the whole portfolio, no MPI involved."""
+    cols = columns_from_matrix(portfolio.to_matrix())
+    return SerialEngine().price(lattice_parameters(cols, ids=portfolio.id))
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    path = tempfile.mkdtemp(prefix="pricer-mpi-") if RANK == ROOT else None
+    path = comm.bcast(path, root=ROOT)
+    yield path
+    comm.Barrier()
+    if RANK == ROOT:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_book(shared_dir: str, name: str, portfolio: Portfolio | None) -> str:
+    """Rank 0 writes the file; every rank gets its path (only rank 0 ever reads it)."""
+    path = os.path.join(shared_dir, name)
+    if RANK == ROOT:
+        write_portfolio(path, portfolio)
+    comm.Barrier()
+    return path
+
+
+@pytest.fixture(scope="module")
+def book(shared_dir):
+    seed = int(os.environ.get("PRICER_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    seed = comm.bcast(seed, root=ROOT)
+    print(f"PRICER_TEST_SEED={seed}")
+    portfolio = make_book(seed, 41) if RANK == ROOT else None
+    path = write_book(shared_dir, "book.h5", portfolio)
+    reference = serial_reference(portfolio) if RANK == ROOT else None
+    return path, portfolio, reference
+
+
+def output_path(shared_dir: str, request) -> str:
+    name = "".join(c if c.isalnum() else "_" for c in request.node.name)
+    return os.path.join(shared_dir, f"{name}.h5")
+
+
+def check_results(out: str, portfolio: Portfolio, reference, cfg: RunConfig, summary) -> list:
+    """Rank 0: what is wrong with the results file (an empty list if nothing)."""
+    errors = []
+    r = read_results(out)
+    if not np.array_equal(r["id"], portfolio.id):
+        errors.append("ids not in input order")
+    if not bitwise_equal(r["price"], reference):
+        errors.append(f"prices differ from the one-process reference at rows "
+                      f"{np.flatnonzero(r['price'] != reference)[:10].tolist()}")
+    attrs = r["attrs"]
+    for key, want in (("ranks", SIZE), ("partition", cfg.partition), ("distribute", cfg.distribute),
+                      ("schema", "pricer.results/1")):
+        if attrs.get(key) != want:
+            errors.append(f"attribute {key} = {attrs.get(key)!r}, expected {want!r}")
+    run_group = r["run"]
+    expected = np.diff(partition(portfolio.steps, SIZE, cfg.partition))
+    if run_group["options"].shape != (SIZE,) or run_group["seconds"].shape != (SIZE,) \
+            or run_group["nodes"].shape != (SIZE,):
+        errors.append(f"/run does not have one row per rank: {run_group}")
+    elif not np.array_equal(run_group["options"], expected):
+        errors.append(f"/run options {run_group['options']} != partition {expected}")
+    elif run_group["nodes"].sum() != portfolio.nodes() or (run_group["seconds"] < 0).any():
+        errors.append(f"/run nodes {run_group['nodes']} do not add up to {portfolio.nodes()}")
+    if summary is None or summary.options != len(portfolio) or summary.ranks != SIZE:
+        errors.append(f"summary on rank 0: {summary}")
+    return errors
+
+
+@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+@pytest.mark.parametrize("method", ["cost", "count"])
+def test_bitwise_equal_to_one_process(book, shared_dir, request, method, distribute):
+    path, portfolio, reference = book
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu",
+                    partition=method, distribute=distribute, threads=1)
+    summary = run(cfg)
+    nonroot_summary = comm.gather(summary is None, root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = check_results(cfg.output, portfolio, reference, cfg, summary)
+        if not all(nonroot_summary[1:]):
+            errors.append("a rank other than 0 returned a summary")
+    verdict(errors)
+
+
+def test_serial_backend(book, shared_dir, request):
+    path, portfolio, reference = book
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="serial", threads=1)
+    summary = run(cfg)
+    errors = None
+    if RANK == ROOT:
+        errors = check_results(cfg.output, portfolio, reference, cfg, summary)
+        if read_results(cfg.output)["attrs"]["backend"] != "serial":
+            errors.append("backend attribute is not serial")
+    verdict(errors)
+
+
+@pytest.mark.parametrize("method", ["cost", "count"])
+@pytest.mark.parametrize("count", [1, 2])
+def test_fewer_options_than_ranks(shared_dir, request, count, method):
+    portfolio = make_book(1234 + count, count) if RANK == ROOT else None
+    path = write_book(shared_dir, f"few{count}.h5", portfolio)
+    for distribute in ("scatter", "bcast"):
+        cfg = RunConfig(input=path, output=output_path(shared_dir, request) + f".{distribute}.h5",
+                        partition=method, distribute=distribute, threads=1)
+        summary = run(cfg)
+        errors = None
+        if RANK == ROOT:
+            errors = check_results(cfg.output, portfolio, serial_reference(portfolio), cfg, summary)
+            options = read_results(cfg.output)["run"]["options"]
+            if (options == 0).sum() != SIZE - count:
+                errors.append(f"expected {SIZE - count} idle ranks, /run options {options}")
+        verdict(errors)
+
+
+def test_run_group_rows(book, shared_dir, request):
+    """/run: one row per rank; options and nodes add up to the portfolio's."""
+    path, portfolio, _ = book
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), threads=1)
+    run(cfg)
+    errors = None
+    if RANK == ROOT:
+        with h5py.File(cfg.output, "r") as f:
+            rows = {key: f["run"][key][()] for key in f["run"]}
+        errors = []
+        for key in ("seconds", "options", "nodes"):
+            if rows[key].shape != (SIZE,):
+                errors.append(f"/run/{key} has shape {rows[key].shape}, expected ({SIZE},)")
+        if rows["options"].sum() != len(portfolio):
+            errors.append(f"options {rows['options']} do not add up to {len(portfolio)}")
+        if not np.isclose(rows["nodes"].sum(), portfolio.nodes(), rtol=0, atol=0.5):
+            errors.append(f"nodes {rows['nodes']} do not add up to {portfolio.nodes()}")
+    verdict(errors)
+
+
+def spoiled(shared_dir: str, name: str, column: str, row: int, value):
+    portfolio = None
+    if RANK == ROOT:
+        portfolio = make_book(77, 12)
+        getattr(portfolio, column)[row] = value
+    path = write_book(shared_dir, name, portfolio)
+    bad_id = comm.bcast(int(portfolio.id[row]) if RANK == ROOT else None, root=ROOT)
+    return path, bad_id
+
+
+@pytest.mark.parametrize("column,value,needle", [
+    ("spot", np.nan, "column spot"),
+    ("steps", 0, "column steps"),
+    ("rate", 0.9, "not arbitrage-free"),  # p > 1 at N = 1 with a 90 % rate
+])
+def test_bad_input_every_rank_exits_2(shared_dir, request, capsys, column, value, needle):
+    path, bad_id = spoiled(shared_dir, f"bad_{column}.h5", column, 4, value)
+    if column == "rate":
+        if RANK == ROOT:  # one step, low volatility: p = (e^{r dt} - d)/(u - d) > 1
+            with h5py.File(path, "a") as f:
+                f["portfolio"]["steps"][4] = 1
+                f["portfolio"]["volatility"][4] = 0.05
+        comm.Barrier()
+    out = output_path(shared_dir, request)
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=path, output=out, threads=1))
+    code = info.value.code
+    err = capsys.readouterr().err
+    reports = comm.gather((code, err), root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = []
+        if [c for c, _ in reports] != [2] * SIZE:
+            errors.append(f"exit codes {[c for c, _ in reports]}")
+        if needle not in reports[0][1] or str(bad_id) not in reports[0][1]:
+            errors.append(f"rank 0 message does not name {needle!r} and id {bad_id}: {reports[0][1]!r}")
+        if any(e for _, e in reports[1:]):
+            errors.append(f"other ranks printed: {[e for _, e in reports[1:]]}")
+        if os.path.exists(out) or any(n.startswith(f".{os.path.basename(out)}")
+                                      for n in os.listdir(shared_dir)):
+            errors.append("an output or temporary file was written")
+    verdict(errors)
+
+
+def test_existing_output_refused_on_every_rank(book, shared_dir, request):
+    path, _, _ = book
+    out = output_path(shared_dir, request)
+    if RANK == ROOT:
+        with open(out, "wb") as f:
+            f.write(b"earlier results")
+    comm.Barrier()
+    with pytest.raises(BadInput):
+        run(RunConfig(input=path, output=out, threads=1))
+    errors = None
+    if RANK == ROOT:
+        with open(out, "rb") as f:
+            errors = [] if f.read() == b"earlier results" else ["the existing output was changed"]
+    verdict(errors)
+    # and with overwrite it is replaced by real results
+    run(RunConfig(input=path, output=out, overwrite=True, threads=1))
+    if RANK == ROOT:
+        errors = [] if read_results(out)["price"].size == 41 else ["not replaced"]
+    verdict(errors)
+
+
+def test_missing_input_every_rank_exits_2(shared_dir, request):
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=os.path.join(shared_dir, "absent.h5"),
+                      output=output_path(shared_dir, request), threads=1))
+    codes = comm.gather(info.value.code, root=ROOT)
+    verdict(None if RANK != ROOT else ([] if codes == [2] * SIZE else [f"codes {codes}"]))
