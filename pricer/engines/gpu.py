@@ -288,6 +288,7 @@ class CudaKernels:
         self._warp.prepare("PPPPiiddddi")
         self._capacity = 0
         self._bufs = None
+        self._batch_fns: dict = {}
 
     # buffers: two level buffers and one table buffer (level_base then ratio, 2 * (N + 1) entries),
     # grown to the largest option seen
@@ -379,8 +380,6 @@ class CudaKernels:
 
     def _batch_fn(self, b, vt):
         key = (b, vt)
-        if not hasattr(self, "_batch_fns"):
-            self._batch_fns = {}
         if key not in self._batch_fns:
             defines = [f"-DPRICER_FMA={int(self.config.fma)}", f"-DTILED_B={b}", f"-DTILED_VT={vt}",
                        f"-DWARP_VT={self.config.warp_vt}"]
