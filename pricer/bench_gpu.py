@@ -173,8 +173,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pricer bench gpu")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="N up to 100k, 3 repeats")
     ap.add_argument("--sizes", default=None, help="comma-separated N")
     ap.add_argument("--kernels", default=",".join(KERNELS))
@@ -185,7 +184,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the measurements as JSON here")
     ap.add_argument("--crossover", action="store_true",
                     help="only: portfolios of one N, hybrid against the cpu engine")
-    args = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pricer bench gpu")
+    add_arguments(ap)
+    return bench_gpu(ap.parse_args(argv))
+
+
+def bench_gpu(args) -> int:
     if args.crossover:
         rows = crossover()
         if args.out:

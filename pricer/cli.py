@@ -84,9 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
 
     p = sub.add_parser("bench", help="benchmarks (not tests): print and record measured tables")
-    p.add_argument("what", choices=("cpu",), help="cpu: serial and cpu engines beside QuantLib")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    p.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    which = p.add_subparsers(dest="what", required=True)
+    b = which.add_parser("cpu", help="serial and cpu engines beside QuantLib's CRR engine")
+    b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    b.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    b = which.add_parser("gpu", help="the seed's Table 5 layout: GPU regimes and hybrid by N")
+    from pricer.bench_gpu import add_arguments
+    add_arguments(b)
     return parser
 
 
@@ -155,8 +159,10 @@ def _info(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.what == "gpu":
+        from pricer.bench_gpu import bench_gpu
+        return bench_gpu(args)
     from pricer.bench import bench_cpu
-
     bench_cpu(quick=args.quick, out=args.out)
     return 0
 

@@ -4,9 +4,10 @@ Two kinds of parallelism, as the seed's OpenMP version found best (static, one p
 block of levels rather than per level):
 - across options: the options are cut into one contiguous group per thread with equal total cost
   (Σ N², the same cost partitioner MPI uses) and each thread prices its group serially;
-- within a level, for the single very large options: the level is cut into one chunk per thread and
-  each chunk advances `BLOCK_STEPS` levels on its own, reading a halo of that many extra nodes, so the
-  threads meet once per block instead of once per level. Narrow levels finish on one core.
+- within a level, for options larger than one thread's share: the level is cut into one chunk per
+  thread (fewer as it narrows, at least MIN_CHUNK_NODES each) and each chunk advances `BLOCK_STEPS`
+  levels on its own, reading a halo of that many extra nodes, so the threads meet once per block
+  instead of once per level. Narrow levels finish on one core.
 Every node is computed with the serial engine's exact operations, so the prices are bitwise equal.
 """
 
@@ -19,11 +20,12 @@ from numba import njit, prange
 from pricer.engines.serial import (advance, backward_inplace, kernel_arguments, power_tables, price_range,
                                    terminal_values)
 from pricer.lattice import LatticeParams
-from pricer.partition import partition_by_cost
+from pricer.partition import option_cost, partition_by_cost
 
-# Options with at least this many steps are priced one at a time with all threads on each level.
-LEVEL_PARALLEL_MIN_STEPS = 20_000
-# Levels advanced per parallel block, and the narrowest level still split across threads.
+# Options with at least this many steps (and more than a thread's share of the work) are priced one
+# at a time with all threads on each level.
+LEVEL_PARALLEL_MIN_STEPS = 2 * 2_048
+# Levels advanced per parallel block, and the fewest nodes per thread worth splitting a level for.
 BLOCK_STEPS = 64
 MIN_CHUNK_NODES = 2_048
 
@@ -55,10 +57,13 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
     dst = np.empty(steps + 1)
     terminal_values(src, steps, strike, sign, level_base, ratio)
     t = steps
-    while t - BLOCK_STEPS + 1 >= chunks * MIN_CHUNK_NODES:
+    while True:
         width = t - BLOCK_STEPS + 1
-        size = (width + chunks - 1) // chunks
-        for c in prange(chunks):
+        parts = min(chunks, width // MIN_CHUNK_NODES)
+        if parts < 2:
+            break
+        size = (width + parts - 1) // parts
+        for c in prange(parts):
             a = c * size
             b = min(a + size, width)
             if a < b:
@@ -78,7 +83,7 @@ class CpuEngine:
     def price(self, params: LatticeParams) -> np.ndarray:
         threads = numba.get_num_threads()
         out = np.empty(len(params))
-        wide = params.steps >= LEVEL_PARALLEL_MIN_STEPS if threads > 1 else np.zeros(len(params), bool)
+        wide = self.level_parallel(params.steps, threads)
         narrow = np.flatnonzero(~wide).astype(np.int64)
         if narrow.size:
             bounds = partition_by_cost(params.steps[narrow], min(threads, narrow.size))
@@ -88,3 +93,12 @@ class CpuEngine:
                                  params.american[k], params.log_up[k], params.log_down[k],
                                  params.pu[k], params.pd[k], threads)
         return out
+
+    @staticmethod
+    def level_parallel(steps: np.ndarray, threads: int) -> np.ndarray:
+        """Options that get all threads on each level: wide enough to split, and larger than one
+        thread's fair share of the work (so grouping them by option would leave threads idle)."""
+        if threads < 2:
+            return np.zeros(steps.size, bool)
+        cost = option_cost(steps)
+        return (steps >= LEVEL_PARALLEL_MIN_STEPS) & (cost * threads > cost.sum())
