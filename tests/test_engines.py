@@ -17,8 +17,7 @@ import numba
 import numpy as np
 import pytest
 
-from pricer.engines.cpu import (BLOCK_STEPS, LEVEL_PARALLEL_MIN_STEPS, MIN_CHUNK_NODES, CpuEngine,
-                                _price_wide)
+from pricer.engines.cpu import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
 from pricer.engines.serial import SerialEngine
 from pricer.errors import InputError
 from pricer.generate import generate
@@ -308,9 +307,11 @@ def test_serial_and_cpu_bitwise_equal(rng, two_threads):
     cols["volatility"] = np.maximum(cols["volatility"], 0.35)  # p in (0, 1) at N = 1
     cols["steps"][rng.choice(n, 4, replace=False)] = [1, 2, 3, 5]
     wide = int(rng.integers(0, n))
-    cols["steps"][wide] = int(rng.integers(LEVEL_PARALLEL_MIN_STEPS, LEVEL_PARALLEL_MIN_STEPS + 4000))
-    assert numba.get_num_threads() == 2  # so the wide option takes the level-parallel path
+    cols["steps"][wide] = int(rng.integers(20_000, 24_000))
     params = lattice_parameters(cols)
+    # with two threads the large option takes the level-parallel path, the others the per-option one
+    assert numba.get_num_threads() == 2
+    assert CpuEngine.level_parallel(params.steps, 2).tolist() == [k == wide for k in range(n)]
     serial, cpu = SERIAL.price(params), CPU.price(params)
     assert bitwise_equal(serial, cpu), np.flatnonzero(serial != cpu)
     # the engines price the options they are given, in that order
@@ -448,9 +449,12 @@ def reference():
     return lattice_parameters(cols, ids=grid.id), ref["price"], ref["strike"]
 
 
-def check_against_reference(engine, reference, index) -> None:
+def check_against_reference(engine, reference, index, one_by_one=False) -> None:
     params, prices, strike = reference
-    got = engine.price(params.take(index))
+    if one_by_one:
+        got = np.array([engine.price(params.take(index[k:k + 1]))[0] for k in range(index.size)])
+    else:
+        got = engine.price(params.take(index))
     error = relative_error(got, prices[index], strike[index])
     assert error.max() <= 1e-12, (engine.name, error.max(), index[int(error.argmax())])
 
@@ -466,14 +470,20 @@ def test_serial_matches_reference_subset(reference, rng):
 
 
 def test_cpu_matches_reference_subset(reference, rng, two_threads):
-    """A random part of the grid through the cpu engine's level-parallel path (every N here is
-    LEVEL_PARALLEL_MIN_STEPS or more). The whole grid is the slow test below (PRICER_SLOW=1): it takes
-    minutes on 2 cores, because in ~40 % of these lattices a tenth of the nodes hold subnormal
-    numbers, whose arithmetic is several times slower."""
-    assert REFERENCE_STEPS >= LEVEL_PARALLEL_MIN_STEPS
-    check_against_reference(CPU, reference, np.sort(rng.choice(270, 20, replace=False)))
+    """A random part of the grid through both paths of the cpu engine: as one batch (options spread
+    over the threads) and one option at a time (N = 20 000 alone is above a thread's share, so all
+    threads share each level). The whole grid is the slow test below (PRICER_SLOW=1): over a minute
+    on 2 cores, as in ~40 % of these lattices a tenth of the nodes hold subnormal numbers, whose
+    arithmetic is several times slower."""
+    params = reference[0]
+    assert not CpuEngine.level_parallel(params.steps[:20], 2).any()
+    assert CpuEngine.level_parallel(params.steps[:1], 2).all()
+    index = np.sort(rng.choice(270, 20, replace=False))
+    check_against_reference(CPU, reference, index)
+    check_against_reference(CPU, reference, index[rng.permutation(20)[:8]], one_by_one=True)
 
 
 @pytest.mark.slow
 def test_cpu_matches_reference_full(reference, two_threads):
     check_against_reference(CPU, reference, np.arange(270))
+    check_against_reference(CPU, reference, np.arange(270), one_by_one=True)
