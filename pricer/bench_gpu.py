@@ -128,13 +128,16 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
                 "sigma=0.2 r=0.05 q=0", config=dict((overrides or {})), rows=rows)
 
 
-def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000), count: int = 128, log=print) -> list:
+def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000), count: int = 128, log=print,
+              repeats: int = 1, config=None) -> list:
     """A portfolio of `count` options at one N: hybrid (every option through the GPU) against the
-    all-cores `cpu` engine, wall time; where the GPU stops losing sets AUTO_CPU_MAX_STEPS."""
+    all-cores `cpu` engine, wall time (median of `repeats`); where the GPU stops losing sets
+    AUTO_CPU_MAX_STEPS (and `pricer calibrate`'s cpu_max_steps). `config`: the GpuConfig to use
+    (default: the engine's own, calibrated where a calibration is cached)."""
     from pricer.engines.cpu import CpuEngine
     from pricer.engines.gpu import GpuEngine
 
-    gpu, cpu = GpuEngine("hybrid", cpu_max_steps=0), CpuEngine()
+    gpu, cpu = GpuEngine("hybrid", config=config, cpu_max_steps=0), CpuEngine()
     rows = []
     for n in sizes:
         rng = np.random.default_rng(n)
@@ -146,8 +149,11 @@ def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000), count: int = 128, l
         p = lattice_parameters(cols)
         gpu.price(p.take(np.arange(2)))
         cpu.price(p.take(np.arange(2)))
-        t = time.perf_counter(); a = gpu.price(p); tg = time.perf_counter() - t
-        t = time.perf_counter(); b = cpu.price(p); tc = time.perf_counter() - t
+        tgs, tcs = [], []
+        for _ in range(repeats):
+            t = time.perf_counter(); a = gpu.price(p); tgs.append(time.perf_counter() - t)
+            t = time.perf_counter(); b = cpu.price(p); tcs.append(time.perf_counter() - t)
+        tg, tc = statistics.median(tgs), statistics.median(tcs)
         rows.append(dict(n=n, count=count, gpu_s=tg, cpu_s=tc, equal=bool(np.array_equal(a, b))))
         log(f"crossover N={n:>6} x{count}: hybrid {tg * 1e3:9.2f} ms ({count * nodes(n) / tg:.3g} nodes/s)"
             f"  cpu {tc * 1e3:9.2f} ms ({count * nodes(n) / tc:.3g} nodes/s)  bitwise equal {np.array_equal(a, b)}")

@@ -16,7 +16,8 @@ from pricer.errors import InputError
 BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
 
 # `auto` on a GPU machine: hybrid, with options up to this many steps priced on the CPU outright
-# (all cores beat the GPU batch kernel on such small trees: docs/gpu-notes.md, H200, 16 cores).
+# (all cores beat the GPU batch kernel on such small trees: docs/gpu-notes.md, H200, 16 cores),
+# unless `pricer calibrate` measured another crossover for this GPU.
 AUTO_CPU_MAX_STEPS = 500
 
 
@@ -51,13 +52,16 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def get_engine(name: str):
+def get_engine(name: str, **overrides):
+    """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the GPU
+    backends over their calibrated or default values; the CPU backends have none and ignore them."""
     backend = resolve_backend(name)
     if backend in ("gpu", "hybrid"):
         from pricer.engines.gpu import GpuEngine, GpuUnavailable
-        overrides = {"cpu_max_steps": AUTO_CPU_MAX_STEPS} if name == "auto" else {}
+        # a default only: a cached calibration's cpu_max_steps replaces it
+        defaults = {"cpu_max_steps": AUTO_CPU_MAX_STEPS} if name == "auto" else {}
         try:
-            return GpuEngine(backend, **overrides)
+            return GpuEngine(backend, defaults=defaults, **overrides)
         except GpuUnavailable as exc:
             raise InputError(f"backend {backend!r} needs a usable GPU: {exc}") from None
     if backend == "serial":

@@ -489,15 +489,31 @@ class NumpyKernels:
 # The schedule.
 
 class GpuEngine:
-    """Options one after another, each through the regimes of `mode` (see the module docstring)."""
+    """Options one after another, each through the regimes of `mode` (see the module docstring).
 
-    def __init__(self, mode: str = "gpu", config: GpuConfig | None = None, kernels=None, **overrides):
+    Configuration: an explicit `config` is taken as it is; without one, GpuConfig() <- `defaults`
+    <- the cached calibration of this GPU (`pricer calibrate`; pricer/calibrate.py) <- nothing else.
+    `overrides` (GpuConfig fields, e.g. t1=..., t2=...) win in both cases. The calibration is looked
+    up by `device_name`, else by the name of the GPU the engine runs on (none with given kernels).
+    """
+
+    def __init__(self, mode: str = "gpu", config: GpuConfig | None = None, kernels=None,
+                 device_name: str | None = None, defaults: dict | None = None, **overrides):
         if mode not in MODES:
             raise ValueError(f"unknown GPU mode {mode!r}; known: {', '.join(MODES)}")
         self.mode = mode
         self.name = "hybrid" if mode == "hybrid" else ("gpu" if mode == "gpu" else f"gpu-{mode}")
-        self.config = replace(config or GpuConfig(), **overrides).check()
-        self.kernels = kernels if kernels is not None else CudaKernels(self.config)
+        runtime = None
+        self.calibration = None      # the calibration file the configuration came from, if any
+        if config is None:
+            if device_name is None and kernels is None:
+                runtime = GpuRuntime.get()
+                device_name = runtime.name
+            from pricer.calibrate import effective_config
+            self.config, self.calibration = effective_config(device_name, overrides, defaults)
+        else:
+            self.config = replace(config, **overrides).check()
+        self.kernels = kernels if kernels is not None else CudaKernels(self.config, runtime)
         self._host = None
 
     def _host_buffers(self, nodes):

@@ -1,0 +1,322 @@
+"""`pricer calibrate`: time the GPU regimes on the GPU at hand and cache the thresholds they choose.
+
+What is chosen, and how (every time from pricer.bench_gpu: CUDA events around one whole option,
+median of the repeats, or wall time of a portfolio for the CPU crossover):
+- tiled VT/K: `gpu` mode on one wide option, tiled down to a fifth of its width, for a few (VT, K);
+  warp VT/K: `warp` mode on one option. A candidate replaces the default only where it is faster
+  by more than 3 % (PAYS).
+- T1: for bands of level widths [lo, hi] (doubling), one option of N = hi through `gpu` mode with
+  T1 = lo (tiled over the band) and with T1 = hi (warp over the band); both finish with the same
+  warp levels below lo, so the difference is the band's. Level widths do not depend on N, so the
+  bands add up: T1 is the band edge that minimises the summed (tiled - warp) of the bands above it.
+- T2: likewise for narrow bands, `hybrid` with T2 = lo (warp over the band, CPU tail below) against
+  T2 = hi (the CPU tail, serial.backward_inplace, over the band as well); T2 is the edge that
+  minimises the summed (CPU - warp) of the bands below it.
+- cpu_max_steps: bench_gpu.crossover (portfolios of one N: hybrid, every option on the GPU, against
+  the all-cores `cpu` engine); the largest N kept on the CPU that minimises the summed time.
+The values go to a per-user cache, one JSON file per GPU name and pricer version:
+$XDG_CACHE_HOME (else ~/.cache) /pricer/calibration/<GPU name>-<version>.json, written atomically.
+GpuEngine (gpu/hybrid/auto) starts from those values when no explicit config is given; explicit
+overrides (`pricer price --t1/--t2`, job keys pricing.t1/t2, GpuEngine keywords) win.
+PRICER_CALIBRATION=off makes every engine ignore the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pricer import __version__
+from pricer.engines.gpu import GpuConfig
+from pricer.errors import InputError
+
+SCHEMA = "pricer.calibration/1"
+# the GpuConfig fields a calibration sets
+CALIBRATED = ("t1", "t2", "tiled_vt", "tiled_k", "warp_vt", "warp_k", "cpu_max_steps")
+PAYS = 0.97   # a VT/K candidate replaces the default only if at most 97 % of its time
+
+FULL = dict(
+    tiled_n=500_000, tiled=((4, 128), (4, 256), (8, 128), (8, 256), (8, 512), (16, 512), (16, 1024)),
+    warp_n=50_000, warp=((4, 32), (4, 64), (8, 32), (8, 64), (8, 128), (16, 128), (16, 256)),
+    t1_edges=(10_000, 20_000, 40_000, 80_000, 160_000, 320_000, 640_000),
+    t2_edges=(0, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+    cpu_sizes=(100, 200, 300, 500, 750, 1000, 1500, 2000, 3000),
+    repeats=5, band_repeats=21, count=128)
+QUICK = dict(
+    tiled_n=200_000, tiled=((4, 256), (8, 256), (16, 512)),
+    warp_n=20_000, warp=((4, 32), (8, 64), (16, 128)),
+    t1_edges=(10_000, 20_000, 40_000, 80_000, 160_000),
+    t2_edges=(0, 64, 128, 256, 512, 1024, 2048),
+    cpu_sizes=(100, 300, 500, 1000, 2000),
+    repeats=3, band_repeats=11, count=128)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache.
+
+def sanitise(name: str) -> str:
+    """A device name as a file-name part: letters, digits, '.', '_' and '-' only."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "gpu"
+
+
+def calibration_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pricer" / "calibration"
+
+
+def calibration_path(device_name: str, version: str = __version__) -> Path:
+    return calibration_dir() / f"{sanitise(device_name)}-{version}.json"
+
+
+def check_values(values: dict) -> dict:
+    """The calibrated GpuConfig fields of `values`, checked (ValueError says what is wrong)."""
+    if not isinstance(values, dict):
+        raise ValueError("values is not a table")
+    unknown = sorted(set(values) - set(CALIBRATED))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}")
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be a whole number >= 0, got {value!r}")
+    replace(GpuConfig(), **values).check()
+    return dict(values)
+
+
+def store_calibration(record: dict, path: Path | None = None) -> Path:
+    """Write `record` (with device, version and values) as JSON, atomically; returns the path."""
+    check_values(record["values"])
+    path = Path(path) if path is not None else calibration_path(record["device"], record["version"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def load_calibration(device_name: str, version: str = __version__) -> tuple[dict, Path] | None:
+    """The cached values for this device name and version, and their file; None if there are none
+    (or PRICER_CALIBRATION=off). A file that does not check out is ignored with a warning."""
+    if os.environ.get("PRICER_CALIBRATION", "").lower() in ("off", "0", "no"):
+        return None
+    path = calibration_path(device_name, version)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        warnings.warn(f"pricer: ignoring the calibration {path}: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        record = json.loads(text)
+        if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} file")
+        if record.get("device") != device_name or record.get("version") != version:
+            raise ValueError(f"made for {record.get('device')!r} / pricer {record.get('version')}, "
+                             f"not {device_name!r} / pricer {version}")
+        values = check_values(record.get("values"))
+    except ValueError as exc:   # json.JSONDecodeError is a ValueError
+        warnings.warn(f"pricer: ignoring the calibration {path}: {exc}; run `pricer calibrate` again",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return values, path
+
+
+def effective_config(device_name: str | None, overrides: dict | None = None,
+                     defaults: dict | None = None) -> tuple[GpuConfig, Path | None]:
+    """GpuConfig() <- defaults <- the cached calibration of `device_name` <- overrides, checked;
+    and the calibration file used (None if none)."""
+    config = replace(GpuConfig(), **(defaults or {}))
+    source = None
+    found = load_calibration(device_name) if device_name else None
+    if found is not None:
+        values, source = found
+        config = replace(config, **values)
+    return replace(config, **(overrides or {})).check(), source
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurements.
+
+def _best_edge(edges, diffs, above: bool) -> tuple[int, list[float]]:
+    """Index j into edges minimising the summed diffs of the bands above edge j (above=True: bands
+    j.. ; index len(edges)-1 sums nothing) or below it (above=False: bands ..j-1; index 0 sums
+    nothing); ties go to the edge that changes least (the top for T1, the bottom for T2)."""
+    m = len(diffs)
+    sums = [sum(diffs[j:]) if above else sum(diffs[:j]) for j in range(m + 1)]
+    order = range(m, -1, -1) if above else range(m + 1)
+    best = min(order, key=lambda j: sums[j])
+    return best, sums
+
+
+def calibrate(quick: bool = False, out: str | None = None, store: bool = True, log=print) -> dict:
+    """Measure, choose, print, and (store=True) write the cache; returns the record."""
+    from pricer.bench_gpu import american_put, crossover, time_gpu
+    from pricer.engines.gpu import CudaKernels, GpuEngine, GpuRuntime
+
+    plan = QUICK if quick else FULL
+    reps, band_reps = plan["repeats"], plan["band_repeats"]
+    t_start = time.perf_counter()
+    rt = GpuRuntime.get()
+    base = GpuConfig()
+    log(f"# pricer {__version__} calibrate{' --quick' if quick else ''} on {rt.name} ({rt.arch}); "
+        f"one American put S=K=100 T=1 sigma=0.2 r=0.05; GPU times: CUDA events, median of "
+        f"{reps} (bands: {band_reps}), one warm-up run not counted")
+    kernels_by_shape: dict = {}
+
+    def engine(mode: str, cfg: GpuConfig) -> GpuEngine:
+        # explicit config: the cache plays no part; kernels shared by configs of one tile shape
+        shape = (cfg.tiled_b, cfg.tiled_vt, cfg.warp_vt, cfg.fma)
+        if shape not in kernels_by_shape:
+            kernels_by_shape[shape] = CudaKernels(cfg, rt)
+        return GpuEngine(mode, config=cfg, kernels=kernels_by_shape[shape])
+
+    def measure(mode: str, cfg: GpuConfig, n: int, repeats: int) -> float:
+        eng, p = engine(mode, cfg), american_put(n)
+        eng.price_one(p, 0)                       # warm-up: module load, buffers, numba
+        return time_gpu(eng, p, repeats, cap_s=10.0)[0]
+
+    timings: dict = {}
+
+    # tiled VT/K
+    n = plan["tiled_n"]
+    log(f"\n## tiled VT/K: `gpu` mode, N = {n}, tiled down to {n // 5} (warp below, defaults)")
+    rows = []
+    for vt, k in plan["tiled"]:
+        cfg = replace(base, tiled_vt=vt, tiled_k=k, t1=n // 5).check()
+        sec = measure("gpu", cfg, n, reps)
+        rows.append(dict(vt=vt, k=k, seconds=sec))
+        log(f"tiled VT={vt:>2} K={k:>4}: {sec * 1e3:9.3f} ms")
+    tiled_vt, tiled_k, why = _pick_shape(rows, base.tiled_vt, base.tiled_k)
+    log(f"-> tiled VT={tiled_vt} K={tiled_k} ({why})")
+    timings["tiled"] = dict(n=n, mode="gpu", t1=n // 5, rows=rows)
+
+    # warp VT/K
+    n = plan["warp_n"]
+    log(f"\n## warp VT/K: `warp` mode (warp per block all the way), N = {n}")
+    rows = []
+    for vt, k in plan["warp"]:
+        cfg = replace(base, warp_vt=vt, warp_k=k).check()
+        sec = measure("warp", cfg, n, reps)
+        rows.append(dict(vt=vt, k=k, seconds=sec))
+        log(f"warp VT={vt:>2} K={k:>4}: {sec * 1e3:9.3f} ms")
+    warp_vt, warp_k, why = _pick_shape(rows, base.warp_vt, base.warp_k)
+    log(f"-> warp VT={warp_vt} K={warp_k} ({why})")
+    timings["warp"] = dict(n=n, mode="warp", rows=rows)
+    shape = replace(base, tiled_vt=tiled_vt, tiled_k=tiled_k, warp_vt=warp_vt, warp_k=warp_k).check()
+
+    # T1
+    edges = plan["t1_edges"]
+    log("\n## T1: band [lo, hi] of level widths, one option of N = hi in `gpu` mode, tiled over the "
+        "band (T1 = lo) or warp over it (T1 = hi); warp below lo in both")
+    rows, diffs = [], []
+    for lo, hi in zip(edges, edges[1:]):
+        tiled = measure("gpu", replace(shape, t1=lo), hi, reps)
+        warp = measure("gpu", replace(shape, t1=hi), hi, reps)
+        rows.append(dict(lo=lo, hi=hi, tiled_s=tiled, warp_s=warp))
+        diffs.append(tiled - warp)
+        log(f"band [{lo:>7}, {hi:>7}]: tiled {tiled * 1e3:9.3f} ms  warp {warp * 1e3:9.3f} ms  "
+            f"tiled - warp {(tiled - warp) * 1e3:+8.3f} ms")
+    j, sums = _best_edge(edges, diffs, above=True)
+    t1 = edges[j]
+    log(f"-> T1 = {t1} (summed tiled - warp above each edge, ms: "
+        + ", ".join(f"{e}: {s * 1e3:+.3f}" for e, s in zip(edges, sums)) + ")")
+    timings["t1"] = dict(mode="gpu", rows=rows, sums_s=dict(zip(map(str, edges), sums)))
+
+    # T2
+    edges = plan["t2_edges"]
+    assert t1 >= edges[-1]
+    log("\n## T2: band [lo, hi], one option of N = hi in `hybrid` mode, warp over the band and the "
+        "CPU tail below (T2 = lo) or the CPU tail (serial.backward_inplace) over it (T2 = hi)")
+    rows, diffs = [], []
+    for lo, hi in zip(edges, edges[1:]):
+        warp = measure("hybrid", replace(shape, t1=t1, t2=lo), hi, band_reps)
+        cpu = measure("hybrid", replace(shape, t1=t1, t2=hi), hi, band_reps)
+        rows.append(dict(lo=lo, hi=hi, warp_s=warp, cpu_s=cpu))
+        diffs.append(cpu - warp)
+        log(f"band [{lo:>5}, {hi:>5}]: warp {warp * 1e6:9.1f} us  CPU tail {cpu * 1e6:9.1f} us  "
+            f"CPU - warp {(cpu - warp) * 1e6:+8.1f} us")
+    j, sums = _best_edge(edges, diffs, above=False)
+    t2 = edges[j]
+    log(f"-> T2 = {t2} (summed CPU - warp below each edge, us: "
+        + ", ".join(f"{e}: {s * 1e6:+.1f}" for e, s in zip(edges, sums)) + ")")
+    timings["t2"] = dict(mode="hybrid", rows=rows, sums_s=dict(zip(map(str, edges), sums)))
+
+    # cpu_max_steps
+    sizes, count = plan["cpu_sizes"], plan["count"]
+    log(f"\n## cpu_max_steps: {count} American options of one N, hybrid (every option on the GPU, "
+        f"batch kernel) against the cpu engine, wall time, median of {reps}")
+    rows = crossover(sizes, count, log=log, repeats=reps, config=replace(shape, t1=t1, t2=t2))
+    cost = [sum(r["cpu_s"] for r in rows[:j]) + sum(r["gpu_s"] for r in rows[j:])
+            for j in range(len(rows) + 1)]
+    j = min(range(len(rows) + 1), key=lambda i: cost[i])
+    cpu_max = rows[j - 1]["n"] if j else 0
+    log(f"-> cpu_max_steps = {cpu_max} (summed time with the CPU up to each N, ms: 0: "
+        f"{cost[0] * 1e3:.2f}, " + ", ".join(f"{r['n']}: {c * 1e3:.2f}" for r, c in zip(rows, cost[1:]))
+        + ")")
+    timings["cpu_max_steps"] = dict(count=count, rows=rows)
+
+    values = dict(t1=t1, t2=t2, tiled_vt=tiled_vt, tiled_k=tiled_k, warp_vt=warp_vt, warp_k=warp_k,
+                  cpu_max_steps=cpu_max)
+    seconds = time.perf_counter() - t_start
+    record = dict(schema=SCHEMA, device=rt.name, arch=rt.arch, version=__version__,
+                  created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), quick=quick,
+                  seconds=seconds, values=check_values(values),
+                  defaults={k: v for k, v in asdict(base).items() if k in CALIBRATED},
+                  timings=timings)
+    log("\nchosen: " + ", ".join(f"{k}={v}" for k, v in values.items())
+        + "  (defaults: " + ", ".join(f"{k}={record['defaults'][k]}" for k in CALIBRATED) + ")")
+    if store:
+        log(f"wrote {store_calibration(record)}")
+    if out:
+        store_calibration(record, Path(out))
+        log(f"wrote {out}")
+    log(f"calibration took {seconds:.1f} s")
+    return record
+
+
+def _pick_shape(rows, default_vt, default_k):
+    default = next((r for r in rows if (r["vt"], r["k"]) == (default_vt, default_k)), None)
+    best = min(rows, key=lambda r: r["seconds"])
+    if default is None:
+        return best["vt"], best["k"], "the default was not measured: fastest"
+    if best is default:
+        return default_vt, default_k, "the default is the fastest"
+    gain = 1 - best["seconds"] / default["seconds"]
+    if best["seconds"] <= PAYS * default["seconds"]:
+        return best["vt"], best["k"], f"{gain:.1%} faster than the default VT={default_vt} K={default_k}"
+    return default_vt, default_k, (f"default kept: the fastest, VT={best['vt']} K={best['k']}, is only "
+                                   f"{gain:.1%} faster (needs {1 - PAYS:.0%})")
+
+
+def main(quick: bool = False, out: str | None = None) -> int:
+    """`pricer calibrate`: exit 2 with a message where no GPU can be used."""
+    from pricer.engines import gpu_available
+    from pricer.engines.gpu import GpuUnavailable
+
+    if not gpu_available():
+        raise InputError("no usable GPU here: pricer calibrate times the GPU regimes and needs pycuda, "
+                         "a visible CUDA device and nvcc (PRICER_NO_GPU unset)")
+    try:
+        calibrate(quick=quick, out=out)
+    except GpuUnavailable as exc:
+        raise InputError(f"no usable GPU here: {exc}") from None
+    sys.stdout.flush()
+    return 0
+
