@@ -1,4 +1,4 @@
-"""The `pricer` command: price, run, generate, info, bench (also `python -m pricer`).
+"""The `pricer` command: price, run, generate, info, bench, calibrate (also `python -m pricer`).
 
 Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else. Under
 MPI an unexpected exception on any rank aborts the whole job rather than leaving the others waiting.
@@ -46,6 +46,11 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="how rank 0 sends the portfolio: Scatterv of slices (default) or Bcast of all")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per rank (default: the node's cores / ranks on the node)")
+    p.add_argument("--t1", type=int, default=None, metavar="N",
+                   help="gpu/hybrid: tiled kernel while a level is wider than N nodes "
+                        "(default: `pricer calibrate`'s value for this GPU, else 80000)")
+    p.add_argument("--t2", type=int, default=None, metavar="N",
+                   help="hybrid: CPU tail below N nodes (default: calibrated, else 500)")
     p.add_argument("--overwrite", action="store_true", default=None if not defaults else False,
                    help="replace an existing output file")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -91,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("gpu", help="the seed's Table 5 layout: GPU regimes and hybrid by N")
     from pricer.bench_gpu import add_arguments
     add_arguments(b)
+
+    p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
+    p.add_argument("--out", default=None, metavar="FILE.json",
+                   help="also write the calibration (values and timings) here")
     return parser
 
 
@@ -100,7 +110,7 @@ def _price(args, prepare=None) -> int:
 
     cfg = RunConfig(input=args.input, output=args.output, backend=args.backend, tree=args.tree,
                     partition=args.partition, distribute=args.distribute,
-                    overwrite=bool(args.overwrite), threads=args.threads)
+                    overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2)
     summary = run(cfg, prepare=prepare)
     if summary is not None and not args.quiet:
         print(f"wrote {cfg.output}")
@@ -121,7 +131,7 @@ def _run_job(args) -> int:
         return 2
     pricing, output = job.get("pricing", {}), job["output"]
     defaults = {"backend": "auto", "tree": "crr", "partition": "cost", "distribute": "scatter",
-                "threads": None}
+                "threads": None, "t1": None, "t2": None}
     for key, default in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, pricing.get(key, default))
@@ -167,7 +177,13 @@ def _bench(args) -> int:
     return 0
 
 
-COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench}
+def _calibrate(args) -> int:
+    from pricer.calibrate import main
+    return main(quick=args.quick, out=args.out)
+
+
+COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
+            "calibrate": _calibrate}
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,11 @@ class RunConfig:
     distribute: str = "scatter"
     overwrite: bool = False
     threads: int | None = None
+    t1: int | None = None   # GPU backends: tiled while a level is wider (None: calibrated/default)
+    t2: int | None = None   # hybrid: CPU tail below this width (None: calibrated/default)
+
+    def engine_overrides(self) -> dict:
+        return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
 
 
 @dataclass
@@ -147,6 +152,9 @@ def _read_and_check(cfg: RunConfig):
     """Rank 0 only: everything that can be wrong with the input, found before any work."""
     tree_named(cfg.tree)
     resolve_backend(cfg.backend)
+    for key, value in cfg.engine_overrides().items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
     check_output_path(cfg.output, cfg.overwrite)
     portfolio = read_portfolio(cfg.input)
     matrix = portfolio.to_matrix()
@@ -192,7 +200,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
 
     t = time.perf_counter()
     columns = columns_from_matrix(local)
-    engine = get_engine(cfg.backend)
+    engine = get_engine(cfg.backend, **cfg.engine_overrides())
     prices = engine.price(lattice_parameters(columns, cfg.tree))
     compute = time.perf_counter() - t
     stages["compute"] = compute
