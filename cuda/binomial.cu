@@ -42,12 +42,19 @@
 #define TILED_W (TILED_B * TILED_VT)
 #define WARP_W (32 * WARP_VT)
 
+// Values below 2^-963 become 0, as in the CPU engines (serial.UNDERFLOW: subnormals are slow there).
+// hold >= 0 always, so comparing the high word as an integer is the same test without an FP64 op.
+__device__ __forceinline__ double flush_tiny(double hold)
+{
+    return __double2hiint(hold) < 0x03C00000 ? 0.0 : hold;
+}
+
 __device__ __forceinline__ double hold_value(double pu, double pd, double v_up, double v_down)
 {
 #if PRICER_FMA
-    return fma(pu, v_up, pd * v_down);
+    return flush_tiny(fma(pu, v_up, pd * v_down));
 #else
-    return __dadd_rn(__dmul_rn(pu, v_up), __dmul_rn(pd, v_down));
+    return flush_tiny(__dadd_rn(__dmul_rn(pu, v_up), __dmul_rn(pd, v_down)));
 #endif
 }
 

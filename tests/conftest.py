@@ -3,29 +3,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
-
-def _numba_cache_dir() -> str:
-    """A numba cache keyed by the pricer sources. Numba invalidates a cached kernel only when its own
-    file changes, so after an edit of engines/serial.py the cached cpu/gpu kernels that inline the
-    serial building blocks would still run the old code (and stop being bitwise equal to serial).
-    One directory per source hash (under NUMBA_CACHE_DIR if set, else the temp dir) rules that out
-    for the tests and their subprocesses, and still reuses compiled kernels between runs."""
-    digest = hashlib.sha256()
-    for path in sorted((HERE.parent / "pricer").rglob("*.py")):
-        digest.update(path.relative_to(HERE.parent).as_posix().encode() + b"\0" + path.read_bytes())
-    tag = f"pricer-numba-{digest.hexdigest()[:16]}"
-    base = os.environ.get("NUMBA_CACHE_DIR") or tempfile.gettempdir()
-    return base if Path(base).name == tag else os.path.join(base, tag)
-
-
-os.environ["NUMBA_CACHE_DIR"] = _numba_cache_dir()
 
 # The cpu engine's parallel paths need at least two numba threads; numba reads this at import, so
 # set it before anything imports numba (threads beyond the cores are allowed, just not faster).

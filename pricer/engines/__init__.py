@@ -7,11 +7,32 @@ option, in the order given). Engines never see ids, files or MPI.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import shutil
+from pathlib import Path
 
 from pricer.errors import InputError
+
+
+def _key_numba_cache_by_source() -> None:
+    """numba re-checks a cached kernel only against its own file, not against the kernels it calls
+    in other modules (cpu.py and gpu.py build on serial.py's): after an edit of serial.py alone the
+    cached cpu kernels would still run the old code. So the cache lives in one folder per hash of
+    the engine sources, under NUMBA_CACHE_DIR if set (point it at node-local storage on clusters)."""
+    import numba
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "pricer", "numba")
+    numba.config.CACHE_DIR = os.path.join(base, f"engines-{digest.hexdigest()[:16]}")
+
+
+_key_numba_cache_by_source()
 
 BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from numba import njit
 
-from pricer.engines.serial import backward_inplace, power_tables
+from pricer.engines.serial import UNDERFLOW, backward_inplace, power_tables
 from pricer.lattice import LatticeParams
 
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
@@ -422,6 +422,7 @@ class NumpyKernels:
     @staticmethod
     def _node(pu, pd, up, down, sbase, r, mstrike, american):
         hold = pu * up + pd * down
+        hold = np.where(hold >= UNDERFLOW, hold, 0.0)
         if american:
             ex = sbase * r + mstrike
             return np.where(ex > hold, ex, hold)
