@@ -21,7 +21,7 @@ from pricer import __version__
 from pricer.engines import get_engine, resolve_backend
 from pricer.errors import InputError
 from pricer.lattice import lattice_parameters, tree_named
-from pricer.partition import partition
+from pricer.partition import PARTITIONERS, partition
 from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
 from pricer.results import check_output_path, sha256_of_file, utc_now, write_results
 
@@ -150,16 +150,31 @@ def gather_prices(comm, prices: np.ndarray, bounds: np.ndarray) -> np.ndarray | 
 
 def _read_and_check(cfg: RunConfig):
     """Rank 0 only: everything that can be wrong with the input, found before any work."""
-    tree_named(cfg.tree)
-    resolve_backend(cfg.backend)
-    for key, value in cfg.engine_overrides().items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
-    check_output_path(cfg.output, cfg.overwrite)
+    _check_settings(cfg)
+    check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     portfolio = read_portfolio(cfg.input)
+    input_sha256 = sha256_of_file(cfg.input)
     matrix = portfolio.to_matrix()
     lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
-    return portfolio, matrix
+    return portfolio, matrix, input_sha256
+
+
+def _check_settings(cfg: RunConfig) -> None:
+    """Settings can come from a job file, past argparse's choices: check them all by name."""
+    tree_named(cfg.tree)
+    resolve_backend(cfg.backend)
+    for key, allowed in (("partition", PARTITIONERS), ("distribute", DISTRIBUTIONS)):
+        if getattr(cfg, key) not in allowed:
+            raise InputError(f"{key} must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}")
+    if cfg.threads is not None and (not _whole(cfg.threads) or cfg.threads < 1):
+        raise InputError(f"threads must be a whole number >= 1, got {cfg.threads!r}")
+    for key, value in cfg.engine_overrides().items():
+        if not _whole(value) or value < 0:
+            raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
@@ -171,7 +186,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     stages = {}
     expected = launcher_world_size()
     message = None
-    portfolio = matrix = bounds = None
+    portfolio = matrix = bounds = input_sha256 = None
     if rank == ROOT:
         try:
             if expected is not None and expected != size:
@@ -179,7 +194,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
                                  f"{size}: mpi4py is linked to a different MPI than the launcher's")
             if prepare is not None:
                 prepare()
-            portfolio, matrix = _read_and_check(cfg)
+            portfolio, matrix, input_sha256 = _read_and_check(cfg)
         except InputError as exc:
             message = str(exc)
             print(f"pricer: error: {message}", file=sys.stderr, flush=True)
@@ -219,7 +234,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     wall = time.perf_counter() - t_start
     attrs = {"backend": engine.name, "tree": cfg.tree, "ranks": size, "partition": cfg.partition,
              "distribute": cfg.distribute, "wall_seconds": wall, "utc_time": utc_now(),
-             "input_sha256": sha256_of_file(cfg.input), "input_path": os.path.abspath(cfg.input)}
+             "input_sha256": input_sha256, "input_path": os.path.abspath(cfg.input)}
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
     write_results(cfg.output, portfolio.id, full, attrs, run_stats)

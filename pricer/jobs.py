@@ -66,6 +66,9 @@ def _check_keys(path: str, job: dict) -> None:
 
 def ensure_generated(portfolio_path: str, spec: dict) -> bool:
     """Write the generated portfolio unless the file already holds exactly this one. True if written."""
+    missing = [key for key in ("dist", "count") if key not in spec]
+    if missing:
+        raise InputError(f"portfolio.generate: missing key(s) {', '.join(missing)}")
     stamp = json.dumps(spec, sort_keys=True)
     if os.path.exists(portfolio_path):
         try:

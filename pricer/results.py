@@ -23,10 +23,14 @@ def sha256_of_file(path: str, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def check_output_path(path: str, overwrite: bool) -> None:
-    """Refuse before any work: an existing output without --overwrite, or a folder that is not there."""
+def check_output_path(path: str, overwrite: bool, protect: str | None = None) -> None:
+    """Refuse before any work: an existing output without --overwrite, a folder that is not there,
+    or the input itself (`protect`), which is never overwritten, --overwrite or not."""
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory; give a file name for the results")
+    if protect is not None and os.path.exists(path) and os.path.exists(protect) \
+            and os.path.samefile(path, protect):
+        raise InputError(f"{path}: is the input portfolio; the input is never overwritten")
     if os.path.exists(path) and not overwrite:
         raise InputError(f"{path}: exists; pass --overwrite to replace it")
     folder = os.path.dirname(os.path.abspath(path))

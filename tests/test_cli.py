@@ -338,3 +338,32 @@ def test_demo_job_file_is_valid():
 
     job = load_job(str(ROOT / "jobs" / "demo.toml"))
     assert job["portfolio"]["generate"]["dist"] in ("uniform", "random", "skewed", "scenarios")
+
+
+@pytest.mark.parametrize("key,value,needle", [("partition", '"sizes"', "partition must be one of"),
+                                              ("distribute", '"p2p"', "distribute must be one of"),
+                                              ("threads", "0", "threads must be a whole number"),
+                                              ("threads", '"4"', "threads must be a whole number")])
+def test_run_job_bad_setting_value(tmp_path, key, value, needle):
+    """Values from a job file skip argparse's choices: they are checked by name all the same."""
+    text = JOB.replace("[pricing]\n", f"[pricing]\n{key} = {value}\n")
+    text = "\n".join(line for line in text.splitlines()
+                     if not (line.startswith(f"{key} =") and line != f"{key} = {value}"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "job.toml").write_text(text)
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), needle)
+    assert not os.path.exists(tmp_path / "out" / "results.h5")
+
+
+def test_run_job_generate_block_needs_dist_and_count(tmp_path):
+    text = "\n".join(line for line in JOB.splitlines() if not line.startswith("count ="))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "job.toml").write_text(text)
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), "portfolio.generate", "count")
+
+
+def test_input_is_never_the_output(tmp_path, book):
+    path, _ = book
+    before = path.read_bytes()
+    refused(run_pricer(["price", path, "-o", path, "--overwrite"]), "is the input portfolio")
+    assert path.read_bytes() == before

@@ -382,6 +382,22 @@ def test_textbook_lattice_matches_independent_numpy(rng):
     assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
 
 
+def test_underflow_flush_leaves_prices_unchanged(rng):
+    """Wide, volatile, zero-rate lattices push far nodes below 1e-290, where the engines write 0
+    (serial.UNDERFLOW); the independent numpy lattice keeps every subnormal and must agree."""
+    n = 6
+    cols = make_columns(spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
+                        maturity=np.full(n, 5.0), rate=np.zeros(n), dividend=np.zeros(n),
+                        volatility=rng.uniform(0.5, 0.6, n), steps=rng.integers(3000, 4000, n),
+                        call=np.arange(n) % 2 == 0, american=np.arange(n) % 3 != 0)
+    ours = price(cols)
+    theirs = np.array([numpy_lattice(*(cols[c][i] for c in ("spot", "strike", "maturity", "rate",
+                                                             "dividend", "volatility", "steps",
+                                                             "call", "american"))) for i in range(n)])
+    error = relative_error(ours, theirs, cols["strike"])
+    assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
+
+
 def test_close_to_quantlib_binomial_crr(rng):
     """QuantLib's "crr" tree has the same u and d but p = 1/2 + (r - q - sigma^2/2) sqrt(dt) / (2 sigma):
     it differs from the textbook p by O(dt^1.5), so the two lattices agree to O(1/N) (measured over
