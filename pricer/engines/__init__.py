@@ -34,6 +34,28 @@ def _key_numba_cache_by_source() -> None:
 
 _key_numba_cache_by_source()
 
+
+def _prefer_full_width_vectors() -> None:
+    """On AVX-512 machines LLVM still vectorises the node loops 256 bits wide (the CPU model's
+    "prefer-256-bit" tuning); 512-bit loops measured 1.2-1.45x faster per core here, with the same
+    elementwise arithmetic, so prices do not change by a bit. Applies only if no numba code was
+    compiled in this process before the engines were imported."""
+    import llvmlite.binding as llvm
+    import numba
+
+    if os.environ.get("NUMBA_CPU_FEATURES") or os.environ.get("NUMBA_CPU_NAME"):
+        return  # the user chose the code generation
+    llvm.initialize_native_target()
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f"):
+        numba.config.CPU_NAME = llvm.get_host_cpu_name()
+        numba.config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
+
+
+_prefer_full_width_vectors()
+
+
+
 BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
 
 # `auto` on a GPU machine: hybrid, with options up to this many steps priced on the CPU outright

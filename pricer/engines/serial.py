@@ -58,14 +58,16 @@ def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level
     """Take `levels` backward steps in place from level t_from, whose first `width` nodes are in
     values[0..width); each step leaves one node fewer. ratio may be offset (ratio[j] belongs to
     values[j]), which lets a chunk of a level advance on its own."""
+    minus_strike = -sign * strike
     for s in range(1, levels + 1):
-        base = level_base[t_from - s]
+        signed_base = sign * level_base[t_from - s]
         count = width - s
         if american:
+            # sign is +-1, so signed_base*ratio + minus_strike == sign*(S - strike) exactly
             for i in range(count):
                 hold = pu * values[i + 1] + pd * values[i]
                 hold = hold if hold >= UNDERFLOW else 0.0
-                exercise = sign * (base * ratio[i] - strike)
+                exercise = signed_base * ratio[i] + minus_strike
                 values[i] = exercise if exercise > hold else hold
         else:
             for i in range(count):
