@@ -7,6 +7,7 @@ MPI an unexpected exception on any rank aborts the whole job rather than leaving
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pricer import __version__
@@ -193,3 +194,6 @@ def main(argv=None) -> int:
     except InputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

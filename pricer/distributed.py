@@ -155,7 +155,10 @@ def _read_and_check(cfg: RunConfig):
     portfolio = read_portfolio(cfg.input)
     input_sha256 = sha256_of_file(cfg.input)
     matrix = portfolio.to_matrix()
-    lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
+    try:
+        lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
+    except InputError as exc:
+        raise InputError(f"{cfg.input}: {exc}") from None
     return portfolio, matrix, input_sha256
 
 
@@ -218,7 +221,8 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     engine = get_engine(cfg.backend, **cfg.engine_overrides())
     prices = engine.price(lattice_parameters(columns, cfg.tree))
     compute = time.perf_counter() - t
-    stages["compute"] = compute
+    comm.Barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
+    stages["compute"] = time.perf_counter() - t
 
     t = time.perf_counter()
     full = gather_prices(comm, np.ascontiguousarray(prices, dtype=np.float64), bounds)

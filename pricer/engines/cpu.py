@@ -85,8 +85,11 @@ class CpuEngine:
         out = np.empty(len(params))
         wide = self.level_parallel(params.steps, threads)
         narrow = np.flatnonzero(~wide).astype(np.int64)
-        if narrow.size:
-            bounds = partition_by_cost(params.steps[narrow], min(threads, narrow.size))
+        groups = min(threads, narrow.size)
+        if groups == 1:  # no parallel region (and no partition) for one option or one thread
+            price_range(*kernel_arguments(params), narrow, out)
+        elif groups > 1:
+            bounds = partition_by_cost(params.steps[narrow], groups)
             _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out)
         for k in np.flatnonzero(wide):
             out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
