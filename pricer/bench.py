@@ -1,7 +1,8 @@
 """`pricer bench cpu`: nodes/s of the CPU engines beside QuantLib, timed in the same run.
 
 Cases: one American put (S0 = K = 100, T = 1, r = 5 %, q = 0, sigma = 20 %) at N = 100, 1k, 10k, 100k
-(`--quick`: up to 10k) and a 10k-option `random` portfolio (N uniform in [16, 4096]). Engines: `serial`,
+(`--quick`: up to 10k), a batch of 1 000 such puts at N = 100 in one call, and a 10k-option `random`
+portfolio (N uniform in [16, 4096]). Engines: `serial`,
 `cpu` at 1 thread and at all of numba's threads, and QuantLib's BinomialVanillaEngine(process, "crr", N)
 on one core. A lattice of N steps counts (N+1)(N+2)/2 nodes.
 
@@ -44,6 +45,7 @@ QUICK_STEPS = (100, 1_000, 10_000)
 PUT = {"spot": 100.0, "strike": 100.0, "maturity": 1.0, "rate": 0.05, "dividend": 0.0,
        "volatility": 0.2, "call": False, "american": True}
 PORTFOLIO_COUNT, PORTFOLIO_SEED = 10_000, 2026
+SMALL_BATCH, SMALL_STEPS = 1_000, 100
 QL_MAX_STEPS = 10_000   # QuantLib single options above this N are timed at this N
 QL_STRIDE = 200         # QuantLib prices every QL_STRIDE-th option of the portfolio
 MIN_SAMPLE_S, CASE_BUDGET_S, MIN_REPEATS, MAX_REPEATS = 0.02, 1.0, 3, 25
@@ -108,6 +110,12 @@ def _cases(quick: bool) -> list[Case]:
         cases.append(Case(f"put N={n:,}", _single_put(n), np.array([0]),
                           QL_MAX_STEPS if over else None,
                           f"QuantLib timed at N={QL_MAX_STEPS:,}, extrapolated per node" if over else ""))
+    # One N = 100 put per call measures numba's call overhead (~10 us) as much as the lattice; a
+    # batch of them per call shows the per-node rate at small N.
+    batch = {k: np.repeat(v, SMALL_BATCH) for k, v in _single_put(SMALL_STEPS).items()}
+    index = np.arange(0, SMALL_BATCH, SMALL_BATCH // 50)
+    cases.append(Case(f"{SMALL_BATCH:,} puts N={SMALL_STEPS}", batch, index,
+                      ql_note=f"QuantLib timed on {index.size} of the {SMALL_BATCH:,} puts"))
     book = generate("random", PORTFOLIO_COUNT, seed=PORTFOLIO_SEED)
     index = np.arange(0, PORTFOLIO_COUNT, QL_STRIDE)
     cases.append(Case(f"portfolio {PORTFOLIO_COUNT:,}", columns_from_matrix(book.to_matrix()), index,
