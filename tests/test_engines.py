@@ -369,15 +369,18 @@ def numpy_lattice(s, k, t, r, q, vol, steps, call, american) -> float:
     return float(values[0])
 
 
+def numpy_prices(cols: dict) -> np.ndarray:
+    names = ("spot", "strike", "maturity", "rate", "dividend", "volatility", "steps", "call", "american")
+    return np.array([numpy_lattice(*(cols[c][i] for c in names)) for i in range(cols["spot"].size)])
+
+
 def test_textbook_lattice_matches_independent_numpy(rng):
     n = 16
     cols = random_market(rng, n, steps=(4, 2000))
     cols["call"][:4] = [False, False, True, True]
     cols["american"][:4] = [True, False, True, False]
     ours = price(cols)
-    theirs = np.array([numpy_lattice(*(cols[c][i] for c in ("spot", "strike", "maturity", "rate",
-                                                             "dividend", "volatility", "steps",
-                                                             "call", "american"))) for i in range(n)])
+    theirs = numpy_prices(cols)
     error = relative_error(ours, theirs, cols["strike"])
     assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
 
@@ -391,9 +394,7 @@ def test_underflow_flush_leaves_prices_unchanged(rng):
                         volatility=rng.uniform(0.5, 0.6, n), steps=rng.integers(3000, 4000, n),
                         call=np.arange(n) % 2 == 0, american=np.arange(n) % 3 != 0)
     ours = price(cols)
-    theirs = np.array([numpy_lattice(*(cols[c][i] for c in ("spot", "strike", "maturity", "rate",
-                                                             "dividend", "volatility", "steps",
-                                                             "call", "american"))) for i in range(n)])
+    theirs = numpy_prices(cols)
     error = relative_error(ours, theirs, cols["strike"])
     assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
 
