@@ -86,7 +86,9 @@ def configure_threads(comm, threads: int | None) -> int:
     import numba
 
     if threads is None:
-        local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_ranks = node.Get_size()
+        node.Free()
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus and cpus.isdigit():
             threads = int(cpus)
