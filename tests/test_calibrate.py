@@ -197,5 +197,8 @@ def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
                                 steps=np.array(steps), call=rng.random(n) < 0.5,
                                 american=np.ones(n, dtype=bool)))
     ref = SerialEngine().price(p)
-    np.testing.assert_array_equal(engine.price(p), ref)
-    np.testing.assert_array_equal(GpuEngine("hybrid", t1=5000).price(p), ref)
+    exact = GpuEngine("hybrid", fma=False)
+    assert exact.calibration == path
+    np.testing.assert_array_equal(exact.price(p), ref)
+    np.testing.assert_allclose(engine.price(p), ref, rtol=1e-11, atol=0)
+    np.testing.assert_array_equal(GpuEngine("hybrid", t1=5000, fma=False).price(p), ref)

@@ -23,8 +23,11 @@ from pricer.engines.serial import SerialEngine
 from pricer.lattice import lattice_parameters
 
 # A small configuration whose thresholds and tile widths are cheap to straddle.
+# SMALL runs the mid regime (tiled kernel, narrow shape) below t1; SMALL_WARP warp per block there.
 SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                  batch_max_steps=0)
+                  mid_b=32, mid_vt=2, mid_k=25, fma=False, batch_max_steps=0)
+SMALL_WARP = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
+                       mid_b=0, fma=False, batch_max_steps=0)
 # the batch kernel's size-class edges
 BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047, 2048,
                4095, 4096, 4097, 8190, 8191]
@@ -84,7 +87,7 @@ def assert_close(got, ref, p, label=""):
 def boundary_steps(c: GpuConfig):
     s = {1, 2, 3, 4, 5, 31, 32, 33, 100}
     for edge in (c.t2, c.t1, c.warp_w, c.tiled_w, c.t2 + c.warp_k, c.t1 + c.tiled_k,
-                 c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k):
+                 c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k, c.mid_w, c.t2 + c.mid_k, c.t2 + c.mid_w):
         s.update({edge - 1, edge, edge + 1})
     return sorted(x for x in s if x >= 1)
 
@@ -93,10 +96,14 @@ def boundary_steps(c: GpuConfig):
 # Everywhere: the schedule and the kernels' index logic, through the numpy emulation.
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [SMALL, GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
-                                                     tiled_k=100, warp_vt=8, warp_k=64,
-                                                     batch_max_steps=0)],
-                         ids=["small", "medium"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_WARP,
+                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
+                                              tiled_k=100, warp_vt=8, warp_k=64, mid_b=64,
+                                              mid_vt=1, mid_k=40, batch_max_steps=0),
+                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
+                                              tiled_k=100, warp_vt=8, warp_k=64, mid_b=0,
+                                              batch_max_steps=0)],
+                         ids=["small", "small-warp", "medium", "medium-warp"])
 def test_emulated_kernels_equal_serial(mode, config, rng):
     p = options(rng, boundary_steps(config) + list(rng.integers(1, 2500, 6)))
     got = GpuEngine(mode, config=config, kernels=NumpyKernels(config)).price(p)
@@ -118,6 +125,10 @@ def test_config_is_checked():
     with pytest.raises(ValueError):
         GpuConfig(warp_k=0).check()
     with pytest.raises(ValueError):
+        GpuConfig(mid_b=64, mid_vt=2, mid_k=128).check()
+    with pytest.raises(ValueError):
+        GpuConfig(mid_b=48).check()
+    with pytest.raises(ValueError):
         GpuEngine("nope", kernels=NumpyKernels(GpuConfig()))
 
 
@@ -138,13 +149,20 @@ def test_local_rank_from_launcher(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines():
-    """Every option through the regimes (no batch kernel)."""
+    """Every option through the regimes (no batch kernel), default arithmetic."""
     return {mode: GpuEngine(mode, batch_max_steps=0) for mode in MODES}
 
 
 @pytest.fixture(scope="module")
+def exact_engines():
+    """As `engines`, exact arithmetic (fma=False): bitwise equal to serial."""
+    return {mode: GpuEngine(mode, batch_max_steps=0, fma=False) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
 def small_engines():
-    return {mode: GpuEngine(mode, config=SMALL) for mode in MODES}
+    return {(mode, name): GpuEngine(mode, config=cfg) for mode in MODES
+            for name, cfg in (("mid", SMALL), ("warp", SMALL_WARP))}
 
 
 @pytest.mark.gpu
@@ -162,11 +180,14 @@ def test_runtime_one_context():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_small_config_boundaries(mode, small_engines, rng):
-    p = every_kind(rng, boundary_steps(SMALL))
-    got = small_engines[mode].price(p)
+@pytest.mark.parametrize("below_t1", ["mid", "warp"])
+def test_gpu_small_config_boundaries(mode, below_t1, small_engines, rng):
+    p = every_kind(rng, boundary_steps(SMALL if below_t1 == "mid" else SMALL_WARP))
+    got = small_engines[mode, below_t1].price(p)
     ref = SerialEngine().price(p)
     assert_close(got, ref, p, mode)
+    if not SMALL.fma:
+        np.testing.assert_array_equal(got, ref)
 
 
 @pytest.mark.gpu
@@ -175,7 +196,8 @@ def test_gpu_small_config_boundaries(mode, small_engines, rng):
 def test_gpu_default_config_small_n(mode, engines, rng):
     c = GpuConfig()
     steps = [1, 2, 3, 7, 64, c.t2 - 1, c.t2, c.t2 + 1, c.warp_w - 1, c.warp_w, c.warp_w + 1,
-             c.t2 + c.warp_k, c.t2 + c.warp_k + 1, c.tiled_w - 1, c.tiled_w, c.tiled_w + 1, 5000]
+             c.t2 + c.warp_k, c.t2 + c.warp_k + 1, c.tiled_w - 1, c.tiled_w, c.tiled_w + 1,
+             c.mid_w - 1, c.mid_w, c.mid_w + 1, c.t2 + c.mid_k, c.t2 + c.mid_k + 1, 5000]
     if mode == "wavefront":
         steps = steps[:-1]
     p = every_kind(rng, steps)
@@ -200,7 +222,7 @@ def test_gpu_batch_kernel(mode, rng):
     order = rng.permutation(len(p))
     p = p.take(order)
     assert_close(GpuEngine(mode).price(p), SerialEngine().price(p), p, mode)
-    np.testing.assert_array_equal(GpuEngine(mode).price(p), SerialEngine().price(p))
+    np.testing.assert_array_equal(GpuEngine(mode, fma=False).price(p), SerialEngine().price(p))
 
 
 @pytest.mark.gpu
@@ -218,17 +240,22 @@ def test_gpu_t1_boundary_default(engines, rng):
 @needs_gpu
 def test_gpu_fma_within_tolerance(rng):
     p = every_kind(rng, [1, 2, 499, 501, 3000, 10_000])
-    got = GpuEngine("gpu", fma=True, t1=2000).price(p)
-    assert_close(got, SerialEngine().price(p), p, "fma")
+    ref = SerialEngine().price(p)
+    for mode, extra in (("gpu", {}), ("hybrid", dict(t2=100)), ("gpu", dict(mid_b=0))):
+        got = GpuEngine(mode, fma=True, t1=2000, batch_max_steps=0, **extra).price(p)
+        assert_close(got, ref, p, f"fma {mode} {extra}")
+    assert_close(GpuEngine("hybrid", fma=True).price(p), ref, p, "fma batch")
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_exact_mode_is_bitwise(engines, rng):
-    p = every_kind(rng, [1, 2, 600, 3000])
+def test_gpu_exact_mode_is_bitwise(exact_engines, rng):
+    p = every_kind(rng, [1, 2, 600, 3000, 20_000])
     ref = SerialEngine().price(p)
     for mode in ("gpu", "hybrid", "tiled", "warp", "wavefront"):
-        np.testing.assert_array_equal(engines[mode].price(p), ref, err_msg=mode)
+        if mode == "wavefront":
+            p, ref = p.take(np.arange(16)), ref[:16]
+        np.testing.assert_array_equal(exact_engines[mode].price(p), ref, err_msg=mode)
 
 
 @pytest.mark.gpu

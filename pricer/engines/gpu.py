@@ -12,9 +12,16 @@ nodes in registers, one launch per size class (BATCH_CLASSES); wider options run
 through the regimes.
 The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
 
-Exactness: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
-`power_tables` and uploaded; with fma=False (default) the kernels round every product and sum
-separately, in the serial engine's order, so prices are bitwise equal to the serial engine's.
+Arithmetic: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
+`power_tables` and uploaded. With fma=True (default since run 5, ~20 % faster at N = 1M) hold and
+exercise use fused multiply-adds: prices differ from the serial engine's by rounding only (~1e-15
+relative on the device, within issue 3's 1e-11 / 1e-9). With fma=False (exact mode) the kernels
+round every product and sum separately, in the serial engine's order, so prices are bitwise equal
+to the serial engine's.
+
+Regimes below T1 in `gpu`/`hybrid`: the tiled kernel in a narrow shape (mid_b x mid_vt nodes,
+mid_k steps per launch, the rest in one launch once the level fits one tile); mid_b = 0 gives the
+warp-per-block regime of runs 1-4 there instead.
 
 Process model: one CUDA context per process, created on first use on device
 (local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
@@ -112,8 +119,11 @@ class GpuConfig:
     tiled_k: int = 256        # steps fused per tiled launch (< tiled_b * tiled_vt)
     warp_vt: int = 8          # nodes per lane (warp per block)
     warp_k: int = 64          # steps per warp launch while the level is wider than one tile
+    mid_b: int = 256          # gpu/hybrid below t1: the tiled kernel in a narrow shape (mid_b threads
+    mid_vt: int = 2           # x mid_vt nodes, mid_k steps per launch, the whole rest in one launch
+    mid_k: int = 256          # once the level fits one tile); mid_b = 0: warp per block instead
     wavefront_block: int = 256
-    fma: bool = False         # fused multiply-adds (faster, not bitwise equal to serial)
+    fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
     batch_max_steps: int = 8191       # gpu/hybrid: options up to this many steps go through the
                                       # batch kernel (one block per option, one launch per size class)
@@ -126,11 +136,19 @@ class GpuConfig:
     def warp_w(self) -> int:
         return 32 * self.warp_vt
 
+    @property
+    def mid_w(self) -> int:
+        return self.mid_b * self.mid_vt
+
     def check(self) -> "GpuConfig":
         if not (1 <= self.tiled_k < self.tiled_w):
             raise ValueError(f"tiled_k must be in [1, {self.tiled_w - 1}], got {self.tiled_k}")
         if not (1 <= self.warp_k < self.warp_w):
             raise ValueError(f"warp_k must be in [1, {self.warp_w - 1}], got {self.warp_k}")
+        if self.mid_b and not (1 <= self.mid_k < self.mid_w):
+            raise ValueError(f"mid_k must be in [1, {self.mid_w - 1}], got {self.mid_k}")
+        if self.mid_b % 32 or not (0 <= self.mid_b <= 1024) or self.mid_vt < 1:
+            raise ValueError("mid_b must be 0 or a multiple of 32 in [32, 1024], mid_vt >= 1")
         if self.batch_max_steps >= BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]:
             raise ValueError(f"batch_max_steps must be < {BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]}")
         if self.t1 < 0 or self.t2 < 0:
@@ -142,6 +160,11 @@ class GpuConfig:
     def defines(self) -> list[str]:
         return [f"-DPRICER_FMA={int(self.fma)}", f"-DTILED_B={self.tiled_b}",
                 f"-DTILED_VT={self.tiled_vt}", f"-DWARP_VT={self.warp_vt}"]
+
+    def mid_defines(self) -> list[str]:
+        """The module whose tiled_steps runs the mid regime (TILED_B/VT = mid_b/mid_vt)."""
+        return [f"-DPRICER_FMA={int(self.fma)}", f"-DTILED_B={self.mid_b}",
+                f"-DTILED_VT={self.mid_vt}", f"-DWARP_VT={self.warp_vt}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +309,10 @@ class CudaKernels:
         self._tiled.prepare("PPPPiiddddi")
         self._warp = mod.get_function("warp_steps")
         self._warp.prepare("PPPPiiddddi")
+        self._mid = None
+        if config.mid_b:
+            self._mid = self.rt.module(config.mid_defines()).get_function("tiled_steps")
+            self._mid.prepare("PPPPiiddddi")
         self._capacity = 0
         self._bufs = None
         self._batch_fns: dict = {}
@@ -342,6 +369,14 @@ class CudaKernels:
                                        np.int32(t), np.int32(k), pu, pd, strike, sign,
                                        np.int32(american))
 
+    def mid(self, vin, vout, lb, r, t, k, pu, pd, strike, sign, american):
+        """Level t -> level t-k through the tiled kernel in the mid shape."""
+        out_w = self.config.mid_w - k
+        grid = ((t - k + 1 + out_w - 1) // out_w, 1)
+        self._mid.prepared_async_call(grid, (self.config.mid_b, 1, 1), self.rt.stream, vin, vout,
+                                      lb, r, np.int32(t), np.int32(k), pu, pd, strike, sign,
+                                      np.int32(american))
+
     def synchronize(self):
         self.rt.stream.synchronize()
 
@@ -391,7 +426,7 @@ class CudaKernels:
 
 class NumpyKernels:
     """A numpy emulation of cuda/binomial.cu with the same tiles, halos and guards (exact
-    arithmetic, fma=False), so the schedule and the index logic can be checked without a GPU."""
+    arithmetic, as fma=False), so the schedule and the index logic can be checked without a GPU."""
 
     def __init__(self, config: GpuConfig):
         self.config = config
@@ -484,6 +519,10 @@ class NumpyKernels:
     def warp(self, vin, vout, lb, r, t, k, *args):
         c = self.config
         self._tiles(vin, vout, lb, r, t, k, *args, c.warp_w, c.warp_vt, warp=True)
+
+    def mid(self, vin, vout, lb, r, t, k, *args):
+        c = self.config
+        self._tiles(vin, vout, lb, r, t, k, *args, c.mid_w, c.mid_vt, warp=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,6 +624,15 @@ class GpuEngine:
                     src, dst = dst, src
                     t -= step
             stop = c.t2 if self.mode == "hybrid" else 0
+            if self.mode in ("gpu", "hybrid") and c.mid_b:
+                while t > stop:
+                    if t + 1 <= c.mid_w:
+                        step = t - stop      # the whole rest in one launch, one block
+                    else:
+                        step = min(c.mid_k, t - stop)
+                    K.mid(src, dst, lb_d, r_d, t, step, *scalars)
+                    src, dst = dst, src
+                    t -= step
             while t > stop:
                 if t + 1 <= c.warp_w:
                     step = t - stop          # the whole rest in one launch, one block
