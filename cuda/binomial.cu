@@ -195,19 +195,42 @@ __device__ __forceinline__ void tiled_body(const double* __restrict__ vin, doubl
         halo[1][TILED_B] = 0.0;
     }
     const double mstrike = -sign * strike;
-    LevelBaseCache lbc(level_base, t, tid & 31);
+    // The level base, off the per-step chain (run 6): lane l of each warp holds the pre-signed
+    // sign * level_base[t - (c + 1 + l)] for the chunk of steps c+1 .. c+32 (cur) and the next chunk
+    // (nxt); refilled once per chunk, outside the step loop (no per-step branch or address math),
+    // and each step's base is shuffled out one step ahead, so the shuffle is not between the
+    // barrier and the node.  sign is +-1, so the pre-signed value is the one the step used before.
+    const int lane = tid & 31;
+    double cur = 0.0, nxt = 0.0, sb = 0.0;
+    if (AMERICAN) {
+        const int i0 = t - 1 - lane, i1 = t - 33 - lane;
+        cur = i0 >= 0 ? sign * level_base[i0] : 0.0;
+        nxt = i1 >= 0 ? sign * level_base[i1] : 0.0;
+        sb = __shfl_sync(0xffffffffu, cur, 0);
+    }
 
-    for (int s = 1; s <= k; ++s) {
-        const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
-        // Double-buffered halo: the write of step s+2 into the same buffer cannot overtake a read
-        // of step s, because the barrier of step s+1 lies between them.
-        halo[s & 1][tid] = v[0];
-        __syncthreads();
-        const double nb = halo[s & 1][tid + 1];
+    for (int c = 0; c < k; c += 32) {
+        const int n = min(32, k - c);
+        for (int j = 0; j < n; ++j) {
+            const int s = c + j + 1;
+            const double sbase = sb;
+            if (AMERICAN)   // step s+1's base; after lane 31 of cur comes lane 0 of nxt
+                sb = __shfl_sync(0xffffffffu, j < 31 ? cur : nxt, (j + 1) & 31);
+            // Double-buffered halo: the write of step s+2 into the same buffer cannot overtake a
+            // read of step s, because the barrier of step s+1 lies between them.
+            halo[s & 1][tid] = v[0];
+            __syncthreads();
+            const double nb = halo[s & 1][tid + 1];
 #pragma unroll
-        for (int q = 0; q < TILED_VT - 1; ++q)
-            v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
-        v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
+            for (int q = 0; q < TILED_VT - 1; ++q)
+                v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
+            v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
+        }
+        if (AMERICAN) {
+            cur = nxt;
+            const int i1 = t - c - 65 - lane;
+            nxt = i1 >= 0 ? sign * level_base[i1] : 0.0;
+        }
     }
 
     const long long last_out = (long long)t - k;
