@@ -625,20 +625,13 @@ class GpuEngine:
                     t -= step
             stop = c.t2 if self.mode == "hybrid" else 0
             if self.mode in ("gpu", "hybrid") and c.mid_b:
-                while t > stop:
-                    if t + 1 <= c.mid_w:
-                        step = t - stop      # the whole rest in one launch, one block
-                    else:
-                        step = min(c.mid_k, t - stop)
-                    K.mid(src, dst, lb_d, r_d, t, step, *scalars)
-                    src, dst = dst, src
-                    t -= step
+                narrow, width, k = K.mid, c.mid_w, c.mid_k
+            else:
+                narrow, width, k = K.warp, c.warp_w, c.warp_k
             while t > stop:
-                if t + 1 <= c.warp_w:
-                    step = t - stop          # the whole rest in one launch, one block
-                else:
-                    step = min(c.warp_k, t - stop)
-                K.warp(src, dst, lb_d, r_d, t, step, *scalars)
+                # k steps per launch; once the level fits one tile, the whole rest in one launch
+                step = t - stop if t + 1 <= width else min(k, t - stop)
+                narrow(src, dst, lb_d, r_d, t, step, *scalars)
                 src, dst = dst, src
                 t -= step
 
