@@ -107,6 +107,16 @@ def test_precedence(cache, monkeypatch):
         GpuEngine("gpu", kernels=kernels, device_name=FAKE, warp_k=VALUES["warp_vt"] * 32)
 
 
+def random_american(rng, steps):
+    """Fresh random American options, one per entry of `steps`."""
+    n = len(steps)
+    return lattice_parameters(dict(spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
+                                   maturity=rng.uniform(0.25, 2, n),
+                                   volatility=rng.uniform(0.15, 0.5, n), rate=np.full(n, 0.03),
+                                   dividend=np.zeros(n), steps=np.array(steps),
+                                   call=rng.random(n) < 0.5, american=np.ones(n, dtype=bool)))
+
+
 def test_calibrated_config_prices_like_serial(cache, rng):
     """The cached (non-default) tile shapes and thresholds through the emulated kernels."""
     store_calibration(record())
@@ -114,12 +124,7 @@ def test_calibrated_config_prices_like_serial(cache, rng):
                        t1=600, batch_max_steps=0)
     engine.kernels = NumpyKernels(engine.config)       # emulate the kernels of the resolved shapes
     steps = [1, 2, 127, 128, 129, 700, 701, 1500]
-    n = len(steps)
-    p = lattice_parameters(dict(spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
-                                maturity=rng.uniform(0.25, 2, n), volatility=rng.uniform(0.15, 0.5, n),
-                                rate=np.full(n, 0.03), dividend=np.zeros(n),
-                                steps=np.array(steps), call=rng.random(n) < 0.5,
-                                american=np.ones(n, dtype=bool)))
+    p = random_american(rng, steps)
     np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
 
 
@@ -190,12 +195,7 @@ def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
     v = saved["values"]
     steps = sorted(x for x in {1, 2, v["cpu_max_steps"], v["cpu_max_steps"] + 1, v["t2"], v["t2"] + 1,
                                3000, 9000, 12_000} if x >= 1)
-    n = len(steps)
-    p = lattice_parameters(dict(spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
-                                maturity=rng.uniform(0.25, 2, n), volatility=rng.uniform(0.15, 0.5, n),
-                                rate=np.full(n, 0.03), dividend=np.zeros(n),
-                                steps=np.array(steps), call=rng.random(n) < 0.5,
-                                american=np.ones(n, dtype=bool)))
+    p = random_american(rng, steps)
     ref = SerialEngine().price(p)
     exact = GpuEngine("hybrid", fma=False)
     assert exact.calibration == path
