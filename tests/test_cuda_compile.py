@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
 # the default build and the tunings the GPU engine may ask for
 VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16"],
-            ["-DTILED_B=1024", "-DTILED_VT=8"]]
+            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16"]]
 
 
 def _nvcc() -> str:

@@ -1,0 +1,237 @@
+// pricer batch kernels: whole portfolios per launch, every option's lattice in registers, FP64.
+//
+// One option per warp (BATCH_W = 1; 4 warps, i.e. 4 options, per block) or per block of BATCH_W warps.
+// All N steps run in one launch; nothing but the option's 8 input numbers and its price moves
+// between the GPU's memory and the SMs.
+//
+// Node layout ("cyclic groups"): lane `l` of warp `w` holds, for each group g < G, the VT = 4
+// consecutive nodes i = ((g * W + w) * 32 + l) * VT + q, q < VT.  A group of a warp (32 * VT nodes)
+// whose first node lies above the level being computed is skipped as a whole (a warp-uniform
+// branch), so the work follows the triangle of the lattice: a level of t nodes costs
+// ceil(t / (32 * VT)) group-steps, not the capacity 32 * VT * G * W.  Neighbour node i + 1 is in
+// the next lane (one 64-bit shuffle per group per step); lane 31 gets it from lane 0's next group
+// (W = 1: the same shuffle, with lane 0 offering its next group's node) or, for W > 1, from the
+// next warp through a double-buffered shared-memory slot (one __syncthreads per step).
+//
+// Asset prices are never updated incrementally: node (t, i) has
+//     S = spot * exp(t * log_down) * exp(i * (log_up - log_down)),
+// the level factor sign * spot * exp(t * log_down) computed 32 levels at a time (one exp per lane,
+// shuffled out one per step) and the node factor exp(i * lr) = exp(i0 * lr) * exp(q * lr) held in
+// registers (G + VT numbers per lane).  Every factor is within an ulp or two of exact, at every
+// step, so the exercise value is as accurate at N = 16 000 as at N = 10.
+//
+// Arithmetic: fused multiply-adds (hold = fma(pu, V[i+1], pd * V[i]), exercise = fma(level, r, -sign K));
+// no flush of tiny values (subnormal FP64 is full speed on the GPU).  Prices equal the CPU engine's
+// to rounding, not bitwise.
+//
+// Input: `rows`, one row of 8 doubles per option: spot, strike, log_up, log_down, pu, pd, steps,
+// flags (bit 0 call, bit 1 American).  Output: out[o], the price of row o.  Steps + 1 must not exceed
+// the kernel's capacity 32 * VT * G * W (the scheduler picks the class).
+//
+// Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16).
+
+#ifndef BATCH_W
+#define BATCH_W 1
+#endif
+
+#define VT 4
+#define FULL_MASK 0xffffffffu
+#define OPTIONS_PER_BLOCK (BATCH_W == 1 ? 4 : 1)
+#define BLOCK_THREADS (32 * BATCH_W * OPTIONS_PER_BLOCK)
+// blocks per SM the register allocation must allow: about 12 warps per SM (3 per scheduler) to
+// hide the FP64 and shuffle latencies; ptxas fits the largest class (G = 8) without spilling
+#define MIN_BLOCKS (BATCH_W == 1 ? 3 : BATCH_W == 2 ? 6 : BATCH_W == 4 ? 3 : 1)
+
+struct Option {
+    double spot, strike, log_up, log_down, pu, pd;
+    int steps;
+    bool call, american;
+};
+
+__device__ __forceinline__ Option load_option(const double* __restrict__ rows, int o)
+{
+    const double* p = rows + 8 * (size_t)o;
+    Option x;
+    x.spot = p[0];
+    x.strike = p[1];
+    x.log_up = p[2];
+    x.log_down = p[3];
+    x.pu = p[4];
+    x.pd = p[5];
+    x.steps = (int)p[6];
+    const int flags = (int)p[7];
+    x.call = (flags & 1) != 0;
+    x.american = (flags & 2) != 0;
+    return x;
+}
+
+// sign * spot * exp(level * log_down), the pre-signed price of node (level, 0)
+__device__ __forceinline__ double signed_level_base(const Option& op, double sign, int level)
+{
+    return sign * (op.spot * exp((double)level * op.log_down));
+}
+
+// What one warp carries from step to step besides its nodes.
+struct StepState {
+    double pu, pd, minus_strike, sign, log_down, spot;
+    double chunk_now, chunk_next;   // level factors of this and the next chunk of 32 steps
+    int j;                          // step within the chunk
+    int lane, warp;
+};
+
+__device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
+
+// Steps from level t_hi down to level t_lo (t_hi > t_lo >= 0) with exactly GA active groups (those
+// whose first node is a node of every output level of these steps).  GA is a compile-time number,
+// so the groups' shuffles and FP64 chains are independent straight-line code that the compiler
+// interleaves; the levels at which GA drops are the phase boundaries (price_lattice).
+template <int W, int G, int GA, bool AMERICAN>
+__device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], const double (&group_ratio)[G],
+                                                  const double (&node_ratio)[VT], StepState& st,
+                                                  double (*xch)[G * W + 1], int t_hi, int t_lo)
+{
+    for (int t = t_hi; t > t_lo; --t, ++st.j) {
+        double level = 0.0;
+        if (AMERICAN) {
+            if (st.j == 32) {
+                st.j = 0;
+                st.chunk_now = st.chunk_next;
+                st.chunk_next = st.sign * (st.spot * exp((double)(t - 33 - st.lane) * st.log_down));
+            }
+            level = __shfl_sync(FULL_MASK, st.chunk_now, st.j);
+        }
+        if (W > 1) {
+            // publish the first node of every group that is still an input (first node <= t)
+            if (st.lane == 0) {
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    if (first_node(g, W, st.warp) <= t) xch[t & 1][g * W + st.warp] = v[g][0];
+            }
+            __syncthreads();
+        }
+        double up[GA > 0 ? GA : 1];
+#pragma unroll
+        for (int g = 0; g < GA; ++g) {
+            double offer = v[g][0];
+            if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
+            up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
+            if (W > 1 && st.lane == 31) up[g] = xch[t & 1][g * W + st.warp + 1];
+        }
+#pragma unroll
+        for (int g = 0; g < GA; ++g) {
+            const double level_g = AMERICAN ? level * group_ratio[g] : 0.0;
+#pragma unroll
+            for (int q = 0; q < VT; ++q) {
+                const double v_up = q + 1 < VT ? v[g][q + 1 < VT ? q + 1 : 0] : up[g];
+                const double hold = fma(st.pu, v_up, st.pd * v[g][q]);
+                if (AMERICAN) {
+                    // hold >= 0, so comparing the bit patterns as integers orders them as doubles
+                    // (a negative exercise value is a negative integer): the compare runs on the
+                    // integer units and leaves the FP64 pipe to the three FP64 operations
+                    const double exercise = fma(level_g, node_ratio[q], st.minus_strike);
+                    v[g][q] = __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
+                } else {
+                    v[g][q] = hold;
+                }
+            }
+        }
+    }
+}
+
+template <int W, int G, bool AMERICAN>
+__device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
+                                                int warp, int lane)
+{
+    const int n = op.steps;
+    const double sign = op.call ? 1.0 : -1.0;
+    const double log_ratio = op.log_up - op.log_down;
+
+    double v[G][VT], group_ratio[G], node_ratio[VT];
+#pragma unroll
+    for (int q = 0; q < VT; ++q)
+        node_ratio[q] = exp((double)q * log_ratio);
+    const double base_n = op.spot * exp((double)n * op.log_down);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int i0 = ((g * W + warp) * 32 + lane) * VT;
+        group_ratio[g] = exp((double)i0 * log_ratio);
+#pragma unroll
+        for (int q = 0; q < VT; ++q) {
+            const double payoff = sign * fma(base_n, group_ratio[g] * node_ratio[q], -op.strike);
+            v[g][q] = (i0 + q <= n && payoff > 0.0) ? payoff : 0.0;
+        }
+    }
+
+    StepState st;
+    st.pu = op.pu;
+    st.pd = op.pd;
+    st.minus_strike = -sign * op.strike;
+    st.sign = sign;
+    st.log_down = op.log_down;
+    st.spot = op.spot;
+    st.j = 0;
+    st.lane = lane;
+    st.warp = warp;
+    // lane j holds the level factor of the j-th step of the chunk (the step from level t to t - 1
+    // needs level t - 1); the next chunk is computed one chunk ahead
+    st.chunk_now = st.chunk_next = 0.0;
+    if (AMERICAN) {
+        st.chunk_now = sign * (op.spot * exp((double)(n - 1 - lane) * op.log_down));
+        st.chunk_next = sign * (op.spot * exp((double)(n - 33 - lane) * op.log_down));
+    }
+    int t = n;
+    while (t > 0) {
+        // active groups for the step from level t: first node <= t - 1
+        int active = 0;
+#pragma unroll
+        for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= t - 1;
+        // the phase lasts while its last active group stays active: down to level first_node
+        const int t_lo = active > 0 ? first_node(active - 1, W, warp) : 0;
+        switch (active) {
+        case 0: steps_with_groups<W, G, 0, AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
+        case 1: steps_with_groups<W, G, 1, AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
+#define PHASE(K) case K: if (K <= G) steps_with_groups<W, G, (K <= G ? K : G), AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
+        PHASE(2) PHASE(3) PHASE(4) PHASE(5) PHASE(6) PHASE(7) PHASE(8)
+#undef PHASE
+        }
+        t = t_lo;
+    }
+    return v[0][0];
+}
+
+template <int W, int G>
+__device__ __forceinline__ void batch_price(const double* __restrict__ rows, double* __restrict__ out,
+                                            int count)
+{
+    __shared__ double xch[2][G * W + 1];
+    const int lane = threadIdx.x & 31;
+    const int warp_in_block = threadIdx.x >> 5;
+    const int o = W == 1 ? blockIdx.x * OPTIONS_PER_BLOCK + warp_in_block : blockIdx.x;
+    const int warp = W == 1 ? 0 : warp_in_block;
+    if (W > 1) {
+        for (int k = threadIdx.x; k < 2 * (G * W + 1); k += blockDim.x)
+            (&xch[0][0])[k] = 0.0;
+        __syncthreads();
+    }
+    if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
+    const Option op = load_option(rows, o);
+    const double price = op.american ? price_lattice<W, G, true>(op, xch, warp, lane)
+                                     : price_lattice<W, G, false>(op, xch, warp, lane);
+    if (warp == 0 && lane == 0) out[o] = price;
+}
+
+#define BATCH_KERNEL(G)                                                                           \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)                                   \
+        batch_kernel_g##G(const double* __restrict__ rows, double* __restrict__ out, int count)  \
+    {                                                                                             \
+        batch_price<BATCH_W, G>(rows, out, count);                                                \
+    }
+
+BATCH_KERNEL(1)
+BATCH_KERNEL(2)
+BATCH_KERNEL(3)
+BATCH_KERNEL(4)
+BATCH_KERNEL(5)
+BATCH_KERNEL(6)
+BATCH_KERNEL(7)
+BATCH_KERNEL(8)
