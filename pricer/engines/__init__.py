@@ -56,12 +56,15 @@ _prefer_full_width_vectors()
 
 
 
-BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid")
+BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid", "batch")
 
-# `auto` on a GPU machine: hybrid, with options up to this many steps priced on the CPU outright
-# (all cores beat the GPU batch kernel on such small trees: docs/gpu-notes.md, H200, 16 cores),
-# unless `pricer calibrate` measured another crossover for this GPU.
+# `hybrid` picked by hand prices options up to this many steps on the CPU outright (all cores beat
+# its one-option-at-a-time GPU path there: docs/gpu-notes.md, H200, 16 cores), unless `pricer
+# calibrate` measured another crossover for this GPU.
 AUTO_CPU_MAX_STEPS = 500
+# `auto` on a GPU machine is `batch`; a rank's share of at most this many lattice nodes is priced on
+# the CPU instead (a launch, its copies and the first-use set-up cost more than that much CPU work).
+AUTO_CPU_MAX_NODES = 2_000_000
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,8 +90,8 @@ def resolve_backend(name: str) -> str:
     if name not in BACKENDS:
         raise InputError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
     if name == "auto":
-        return "hybrid" if gpu_available() else "cpu"
-    if name in ("gpu", "hybrid") and not gpu_available():
+        return "batch" if gpu_available() else "cpu"
+    if name in ("gpu", "hybrid", "batch") and not gpu_available():
         # raised on rank 0 while the input is checked, before any collective work
         raise InputError(f"backend {name!r} needs a CUDA GPU, pycuda and nvcc; none usable here "
                          f"(use --backend cpu)")
@@ -99,6 +102,14 @@ def get_engine(name: str, **overrides):
     """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the GPU
     backends over their calibrated or default values; the CPU backends have none and ignore them."""
     backend = resolve_backend(name)
+    if backend == "batch":
+        from pricer.engines.batch import BatchEngine
+        from pricer.engines.gpu import GpuUnavailable
+        try:
+            return BatchEngine(cpu_max_nodes=AUTO_CPU_MAX_NODES if name == "auto" else 0,
+                               **overrides)
+        except GpuUnavailable as exc:
+            raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
     if backend in ("gpu", "hybrid"):
         from pricer.engines.gpu import GpuEngine, GpuUnavailable
         # a default only: a cached calibration's cpu_max_steps replaces it

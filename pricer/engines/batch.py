@@ -1,0 +1,181 @@
+"""The `batch` backend: whole portfolios per launch on the GPU (cuda/batch.cu), scheduled by
+pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go through `hybrid`.
+`auto` on a GPU machine is this engine with cpu_max_nodes set: a share that small runs on the CPU.
+
+Data movement per chunk (at most `chunk_options` options): the chunk's rows (8 doubles per option)
+are written into a page-locked host buffer, copied to the device asynchronously, priced by one
+launch per class (the launches side by side on their own streams), and the prices (8 bytes per
+option) copied back asynchronously. Two buffers and
+two streams alternate, so chunk k's copies overlap chunk k-1's kernels; a portfolio of any size
+streams through 2 * chunk_options rows of device memory.
+
+`last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
+summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pricer.engines.batch_plan import (CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS, ROW_FIELDS,
+                                       fill_rows, options_per_block, plan)
+from pricer.lattice import LatticeParams
+from pricer.portfolio import lattice_nodes
+
+
+LAUNCH_STREAMS = 8     # streams the launches of one chunk spread over
+
+
+class CudaBatchRunner:
+    """Prices options (all with steps <= MAX_STEPS) with the batch kernels on this rank's GPU."""
+
+    def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS):
+        from pricer.engines.gpu import GpuRuntime
+        self.rt = runtime or GpuRuntime.get()
+        self.chunk_options = int(chunk_options)
+        self._functions: dict = {}
+        self._buffers = None
+        self._streams = None
+        self._launch_streams: list = []
+        self.last_stats: dict = {}
+
+    def function(self, cls: int):
+        """The kernel of class `cls` (its module, one per warp count W, is compiled on first use)."""
+        if cls not in self._functions:
+            warps, groups = CLASSES[cls]
+            module = self.rt.module([f"-DBATCH_W={warps}"], "batch.cu")
+            fn = module.get_function(f"batch_kernel_g{groups}")
+            fn.prepare("PPi")
+            self._functions[cls] = fn
+        return self._functions[cls]
+
+    def _ensure_buffers(self, size: int):
+        cuda = self.rt.cuda
+        if self._buffers is None or self._buffers[0]["capacity"] < size:
+            self._release()
+            self._buffers = [dict(capacity=size,
+                                  rows=cuda.pagelocked_empty((size, len(ROW_FIELDS)), np.float64),
+                                  prices=cuda.pagelocked_empty(size, np.float64),
+                                  rows_d=self.rt.alloc(8 * len(ROW_FIELDS) * size),
+                                  prices_d=self.rt.alloc(8 * size)) for _ in range(2)]
+            self._streams = [cuda.Stream(), cuda.Stream()]
+        return self._buffers, self._streams
+
+    def _release(self):
+        if self._buffers:
+            for b in self._buffers:
+                self.rt.free(b["rows_d"])
+                self.rt.free(b["prices_d"])
+        self._buffers = None
+
+    def price(self, params: LatticeParams, index: np.ndarray) -> np.ndarray:
+        start = time.perf_counter()
+        schedule = plan(params.steps[index], self.chunk_options)
+        largest = max((c.size for c in schedule.chunks), default=0)
+        sorted_prices = np.empty(index.size)
+        if largest == 0:
+            return sorted_prices
+        buffers, streams = self._ensure_buffers(largest)
+        cuda = self.rt.cuda
+        events, pending = [], {}
+        for k, chunk in enumerate(schedule.chunks):
+            slot = k % 2
+            buf, stream = buffers[slot], streams[slot]
+            if slot in pending:          # the buffer's previous chunk must be home first
+                self._collect(pending.pop(slot), sorted_prices, stream)
+            n = chunk.size
+            fill_rows(params, index[schedule.order[chunk.lo:chunk.hi]], buf["rows"][:n])
+            marks = [cuda.Event() for _ in range(4)]
+            marks[0].record(stream)
+            cuda.memcpy_htod_async(buf["rows_d"], buf["rows"][:n], stream)
+            marks[1].record(stream)
+            self._launch_all(chunk, buf, stream, marks[1])
+            marks[2].record(stream)
+            cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
+            marks[3].record(stream)
+            events.append(marks)
+            pending[slot] = (chunk, buf)
+        for slot, job in pending.items():
+            self._collect(job, sorted_prices, streams[slot])
+        self.last_stats = self._stats(events, time.perf_counter() - start, schedule)
+        return schedule.restore(sorted_prices)
+
+    def _launch_all(self, chunk, buf, stream, rows_ready):
+        """One launch per class, each on its own stream so that they run side by side (a class's
+        launch lasts as long as its largest option, and few options can leave most SMs idle);
+        the largest classes come first in the plan and start first. The chunk's stream waits for
+        all of them."""
+        cuda = self.rt.cuda
+        while len(self._launch_streams) < min(len(chunk.launches), LAUNCH_STREAMS):
+            self._launch_streams.append(cuda.Stream())
+        done = []
+        for k, launch in enumerate(chunk.launches):        # largest class first (plan's order)
+            side = self._launch_streams[k % LAUNCH_STREAMS]
+            side.wait_for_event(rows_ready)
+            self._launch(launch, buf, side)
+            finished = cuda.Event()
+            finished.record(side)
+            done.append(finished)
+        for finished in done:
+            stream.wait_for_event(finished)
+
+    def _launch(self, launch, buf, stream):
+        per_block = options_per_block(launch.warps)
+        count = launch.hi - launch.lo
+        blocks = (count + per_block - 1) // per_block
+        rows_d = int(buf["rows_d"]) + 8 * len(ROW_FIELDS) * launch.lo
+        prices_d = int(buf["prices_d"]) + 8 * launch.lo
+        self.function(launch.cls).prepared_async_call(
+            (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, rows_d, prices_d,
+            np.int32(count))
+
+    @staticmethod
+    def _collect(job, sorted_prices, stream):
+        chunk, buf = job
+        stream.synchronize()
+        sorted_prices[chunk.lo:chunk.hi] = buf["prices"][:chunk.size]
+
+    @staticmethod
+    def _stats(events, wall, schedule) -> dict:
+        seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
+        return dict(wall=wall,
+                    copy_in=sum(seconds(m[0], m[1]) for m in events),
+                    kernels=sum(seconds(m[1], m[2]) for m in events),
+                    copy_out=sum(seconds(m[2], m[3]) for m in events),
+                    chunks=len(schedule.chunks),
+                    launches=sum(len(c.launches) for c in schedule.chunks))
+
+
+class BatchEngine:
+    """Portfolios through the batch kernels; options above MAX_STEPS steps through `hybrid`."""
+
+    name = "batch"
+
+    def __init__(self, chunk_options: int = DEFAULT_CHUNK_OPTIONS, cpu_max_nodes: int = 0,
+                 runner=None, **hybrid_overrides):
+        self.runner = runner or CudaBatchRunner(chunk_options=chunk_options)
+        self.cpu_max_nodes = cpu_max_nodes
+        self._hybrid_overrides = hybrid_overrides
+        self._hybrid = None
+
+    def hybrid(self):
+        if self._hybrid is None:
+            from pricer.engines.gpu import GpuEngine
+            self._hybrid = GpuEngine("hybrid", **self._hybrid_overrides)
+        return self._hybrid
+
+    def price(self, params: LatticeParams) -> np.ndarray:
+        out = np.empty(len(params))
+        if lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
+            from pricer.engines.cpu import CpuEngine
+            return CpuEngine().price(params)
+        wide = params.steps > MAX_STEPS
+        in_batch = np.flatnonzero(~wide)
+        if in_batch.size:
+            out[in_batch] = self.runner.price(params, in_batch)
+        if wide.any():
+            rows = np.flatnonzero(wide)
+            out[rows] = self.hybrid().price(params.take(rows))
+        return out
