@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("gpu", help="the seed's Table 5 layout: GPU regimes and hybrid by N")
     from pricer.bench_gpu import add_arguments
     add_arguments(b)
+    b = which.add_parser("batch", help="the batch backend on U/R/S portfolios and NVIDIA's sample workload")
+    b.add_argument("--quick", action="store_true", help="U2, R and S with 10x fewer options")
+    b.add_argument("--repeats", type=int, default=5, help="timed runs per portfolio (median counts)")
+    b.add_argument("--out", default=None, help="also write the measurements as JSON here")
 
     p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
@@ -173,6 +177,10 @@ def _bench(args) -> int:
     if args.what == "gpu":
         from pricer.bench_gpu import bench_gpu
         return bench_gpu(args)
+    if args.what == "batch":
+        from pricer.bench_batch import bench_batch
+        bench_batch(quick=args.quick, repeats=args.repeats, out=args.out)
+        return 0
     from pricer.bench import bench_cpu
     bench_cpu(quick=args.quick, out=args.out)
     return 0
