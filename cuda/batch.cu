@@ -81,12 +81,47 @@ struct StepState {
 
 __device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
 
+template <bool AMERICAN>
+__device__ __forceinline__ double node_value(const StepState& st, double v_up, double v_down,
+                                             double level_g, double r)
+{
+    const double hold = fma(st.pu, v_up, st.pd * v_down);
+    if (!AMERICAN) return hold;
+    // hold >= 0, so comparing the bit patterns as integers orders them as doubles (a negative
+    // exercise value is a negative integer): the compare runs on the integer units and leaves the
+    // FP64 pipe to the three FP64 operations of the node
+    const double exercise = fma(level_g, r, st.minus_strike);
+    return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
+}
+
+// The neighbour above each group's last node for the next step, sent as soon as node 0 of every
+// group is new: lane l < 31 takes lane l+1's node 0; lane 31 takes lane 0's next group (W = 1, the
+// same shuffle) or the next warp's node 0 from shared memory after the next step's barrier (W > 1,
+// published here by lane 0).  Groups >= GA are idle and keep older values, which only feed nodes
+// above the level (never read back into it).
+template <int W, int G, int GA>
+__device__ __forceinline__ void send_neighbours(const double (&v)[G][VT], double (&up)[G],
+                                                const StepState& st, double (*xch)[G * W + 1],
+                                                int level)
+{
+#pragma unroll
+    for (int g = 0; g < GA; ++g) {
+        double offer = v[g][0];
+        if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
+        up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
+        if (W > 1 && st.lane == 0) xch[level & 1][g * W + st.warp] = v[g][0];
+    }
+}
+
 // Steps from level t_hi down to level t_lo (t_hi > t_lo >= 0) with exactly GA active groups (those
 // whose first node is a node of every output level of these steps).  GA is a compile-time number,
 // so the groups' shuffles and FP64 chains are independent straight-line code that the compiler
-// interleaves; the levels at which GA drops are the phase boundaries (price_lattice).
+// interleaves; the levels at which GA drops are the phase boundaries (price_lattice).  On entry
+// up[g] (g < GA) holds the neighbour above group g's last node at level t_hi (lane 31 of a W > 1
+// warp: in xch, read after the barrier); on exit the same for level t_lo.
 template <int W, int G, int GA, bool AMERICAN>
-__device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], const double (&group_ratio)[G],
+__device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&up)[G],
+                                                  const double (&group_ratio)[G],
                                                   const double (&node_ratio)[VT], StepState& st,
                                                   double (*xch)[G * W + 1], int t_hi, int t_lo)
 {
@@ -101,38 +136,26 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], const doub
             level = __shfl_sync(FULL_MASK, st.chunk_now, st.j);
         }
         if (W > 1) {
-            // publish the first node of every group that is still an input (first node <= t)
-            if (st.lane == 0) {
+            __syncthreads();   // the next warp's node 0 of level t is in xch[t & 1]
+            if (st.lane == 31) {
 #pragma unroll
-                for (int g = 0; g < G; ++g)
-                    if (first_node(g, W, st.warp) <= t) xch[t & 1][g * W + st.warp] = v[g][0];
+                for (int g = 0; g < GA; ++g) up[g] = xch[t & 1][g * W + st.warp + 1];
             }
-            __syncthreads();
         }
-        double up[GA > 0 ? GA : 1];
+        double level_g[GA > 0 ? GA : 1], up_now[GA > 0 ? GA : 1];
 #pragma unroll
         for (int g = 0; g < GA; ++g) {
-            double offer = v[g][0];
-            if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
-            up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
-            if (W > 1 && st.lane == 31) up[g] = xch[t & 1][g * W + st.warp + 1];
+            level_g[g] = AMERICAN ? level * group_ratio[g] : 0.0;
+            up_now[g] = up[g];
+            v[g][0] = node_value<AMERICAN>(st, v[g][1], v[g][0], level_g[g], node_ratio[0]);
         }
+        send_neighbours<W, G, GA>(v, up, st, xch, t - 1);   // for the step from level t - 1
 #pragma unroll
         for (int g = 0; g < GA; ++g) {
-            const double level_g = AMERICAN ? level * group_ratio[g] : 0.0;
 #pragma unroll
-            for (int q = 0; q < VT; ++q) {
-                const double v_up = q + 1 < VT ? v[g][q + 1 < VT ? q + 1 : 0] : up[g];
-                const double hold = fma(st.pu, v_up, st.pd * v[g][q]);
-                if (AMERICAN) {
-                    // hold >= 0, so comparing the bit patterns as integers orders them as doubles
-                    // (a negative exercise value is a negative integer): the compare runs on the
-                    // integer units and leaves the FP64 pipe to the three FP64 operations
-                    const double exercise = fma(level_g, node_ratio[q], st.minus_strike);
-                    v[g][q] = __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
-                } else {
-                    v[g][q] = hold;
-                }
+            for (int q = 1; q < VT; ++q) {
+                const double v_up = q + 1 < VT ? v[g][q + 1 < VT ? q + 1 : 0] : up_now[g];
+                v[g][q] = node_value<AMERICAN>(st, v_up, v[g][q], level_g[g], node_ratio[q]);
             }
         }
     }
@@ -179,6 +202,8 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         st.chunk_now = sign * (op.spot * exp((double)(n - 1 - lane) * op.log_down));
         st.chunk_next = sign * (op.spot * exp((double)(n - 33 - lane) * op.log_down));
     }
+    double up[G];
+    send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
     int t = n;
     while (t > 0) {
         // active groups for the step from level t: first node <= t - 1
@@ -188,9 +213,9 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         // the phase lasts while its last active group stays active: down to level first_node
         const int t_lo = active > 0 ? first_node(active - 1, W, warp) : 0;
         switch (active) {
-        case 0: steps_with_groups<W, G, 0, AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
-        case 1: steps_with_groups<W, G, 1, AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
-#define PHASE(K) case K: if (K <= G) steps_with_groups<W, G, (K <= G ? K : G), AMERICAN>(v, group_ratio, node_ratio, st, xch, t, t_lo); break;
+        case 0: steps_with_groups<W, G, 0, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
+        case 1: steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
+#define PHASE(K) case K: if (K <= G) steps_with_groups<W, G, (K <= G ? K : G), AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
         PHASE(2) PHASE(3) PHASE(4) PHASE(5) PHASE(6) PHASE(7) PHASE(8)
 #undef PHASE
         }
