@@ -25,7 +25,8 @@
 // to rounding, not bitwise.
 //
 // Input: `rows`, one row of 8 doubles per option: spot, strike, log_up, log_down, pu, pd, steps,
-// flags (bit 0 call, bit 1 American).  Output: out[o], the price of row o.  Steps + 1 must not exceed
+// flags (bit 0 call, bit 1 American).  Output: out[o], the price of row o, and, if `levels` is not
+// null, levels[5 o .. 5 o + 4] = V(1,0), V(1,1), V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps + 1 must not exceed
 // the kernel's capacity 32 * VT * G * W (the scheduler picks the class).
 //
 // Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16).
@@ -77,6 +78,7 @@ struct StepState {
     double chunk_now, chunk_next;   // level factors of this and the next chunk of 32 steps
     int j;                          // step within the chunk
     int lane, warp;
+    double* kept;                   // null, or where V(1,0), V(1,1), V(2,0), V(2,1), V(2,2) go
 };
 
 __device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
@@ -158,12 +160,23 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
                 v[g][q] = node_value<AMERICAN>(st, v_up, v[g][q], level_g[g], node_ratio[q]);
             }
         }
+        // levels 2 and 1 for Greeks: nodes 0..2 are lane 0's group 0 of warp 0
+        if (GA > 0 && t <= 3 && st.kept != nullptr && st.warp == 0 && st.lane == 0) {
+            if (t == 3) {
+                st.kept[2] = v[0][0];
+                st.kept[3] = v[0][1];
+                st.kept[4] = v[0][VT > 2 ? 2 : 0];
+            } else if (t == 2) {
+                st.kept[0] = v[0][0];
+                st.kept[1] = v[0][1];
+            }
+        }
     }
 }
 
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
-                                                int warp, int lane)
+                                                int warp, int lane, double* __restrict__ kept)
 {
     const int n = op.steps;
     const double sign = op.call ? 1.0 : -1.0;
@@ -195,6 +208,17 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     st.j = 0;
     st.lane = lane;
     st.warp = warp;
+    st.kept = kept;
+    if (kept != nullptr && n <= 2 && warp == 0 && lane == 0) {
+        if (n < 2) {
+#pragma unroll
+            for (int k = 0; k < 5; ++k) kept[k] = __longlong_as_double(0x7ff8000000000000LL);   // NaN
+        } else {   // level 2 is the payoff
+            kept[2] = v[0][0];
+            kept[3] = v[0][1];
+            kept[4] = v[0][VT > 2 ? 2 : 0];
+        }
+    }
     // lane j holds the level factor of the j-th step of the chunk (the step from level t to t - 1
     // needs level t - 1); the next chunk is computed one chunk ahead
     st.chunk_now = st.chunk_next = 0.0;
@@ -226,7 +250,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
 
 template <int W, int G>
 __device__ __forceinline__ void batch_price(const double* __restrict__ rows, double* __restrict__ out,
-                                            int count)
+                                            double* __restrict__ levels, int count)
 {
     __shared__ double xch[2][G * W + 1];
     const int lane = threadIdx.x & 31;
@@ -240,16 +264,18 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, dou
     }
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
     const Option op = load_option(rows, o);
-    const double price = op.american ? price_lattice<W, G, true>(op, xch, warp, lane)
-                                     : price_lattice<W, G, false>(op, xch, warp, lane);
+    double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
+    const double price = op.american ? price_lattice<W, G, true>(op, xch, warp, lane, kept)
+                                     : price_lattice<W, G, false>(op, xch, warp, lane, kept);
     if (warp == 0 && lane == 0) out[o] = price;
 }
 
 #define BATCH_KERNEL(G)                                                                           \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)                                   \
-        batch_kernel_g##G(const double* __restrict__ rows, double* __restrict__ out, int count)  \
+        batch_kernel_g##G(const double* __restrict__ rows, double* __restrict__ out,             \
+                          double* __restrict__ levels, int count)                                 \
     {                                                                                             \
-        batch_price<BATCH_W, G>(rows, out, count);                                                \
+        batch_price<BATCH_W, G>(rows, out, levels, count);                                        \
     }
 
 BATCH_KERNEL(1)

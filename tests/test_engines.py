@@ -328,7 +328,7 @@ def test_level_parallel_chunks_bitwise_equal(rng):
         cols = random_market(rng, 1, steps=(steps, steps), call=call, american=american)
         p = lattice_parameters(cols)
         wide = _price_wide(p.spot[0], p.strike[0], p.steps[0], p.call[0], p.american[0], p.log_up[0],
-                           p.log_down[0], p.pu[0], p.pd[0], chunks)
+                           p.log_down[0], p.pu[0], p.pd[0], chunks, np.empty((0, 5)), 0)
         assert bitwise_equal(np.array([wide]), SERIAL.price(p)), (chunks, steps)
 
 

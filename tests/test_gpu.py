@@ -287,3 +287,17 @@ def test_mpirun_two_ranks_one_gpu_cli(tmp_path):
     assert h["attrs"]["backend"] == "hybrid" and int(h["attrs"]["ranks"]) == 2
     np.testing.assert_array_equal(h["id"], s["id"])
     np.testing.assert_allclose(h["price"], s["price"], rtol=1e-11, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_regimes_keep_the_first_levels_bitwise(rng, mode):
+    """With `levels` (Greeks) the GPU stops at level 2 and the host keeps levels 2 and 1: in exact
+    mode the kept values and the prices are bitwise the serial engine's (numpy emulation)."""
+    from pricer.engines.serial import LEVEL_VALUES
+    p = options(rng, np.r_[1, 2, 3, rng.integers(4, 700, 12)])
+    ref_levels = np.empty((len(p), LEVEL_VALUES))
+    ref = SerialEngine().price(p, ref_levels)
+    levels = np.full((len(p), LEVEL_VALUES), -1.0)
+    got = GpuEngine(mode, config=SMALL, kernels=NumpyKernels(SMALL)).price(p, levels)
+    assert np.array_equal(got, ref)
+    assert np.array_equal(levels, ref_levels, equal_nan=True)

@@ -64,6 +64,26 @@ def test_many_chunks_keep_the_input_order(rng):
     np.testing.assert_array_equal(got, again)
 
 
+def test_kept_levels_for_greeks_on_every_gpu_backend(rng):
+    """The first levels' values (pricer.greeks) from the batch kernels, and from gpu/hybrid (GPU down
+    to level 2, the host keeps the last two), against the cpu engine's."""
+    from pricer.engines.gpu import GpuEngine
+    from pricer.engines.serial import LEVEL_VALUES
+    steps = np.r_[1, 2, 3, 4, 5, rng.integers(6, 3000, 40), rng.integers(9000, 12000, 2)]
+    p = options(rng, steps)
+    ref_levels = np.empty((len(p), LEVEL_VALUES))
+    ref = CpuEngine().price(p, ref_levels)
+    engines = {"batch": batch_engine(), "hybrid": GpuEngine("hybrid", t2=64),
+               "gpu": GpuEngine("gpu")}
+    for name, engine in engines.items():
+        levels = np.full((len(p), LEVEL_VALUES), -1.0)
+        assert_close(engine.price(p, levels), ref, p, f"{name} price")
+        assert np.isnan(levels[0]).all() and np.isnan(ref_levels[0]).all()
+        for col in range(LEVEL_VALUES):
+            assert_close(levels[1:, col], ref_levels[1:, col], p.take(np.arange(1, len(p))),
+                         f"{name} level value {col}")
+
+
 def test_auto_is_batch_on_a_gpu_machine():
     assert gpu_available() and resolve_backend("auto") == "batch"
 

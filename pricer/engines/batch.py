@@ -21,6 +21,7 @@ import numpy as np
 
 from pricer.engines.batch_plan import (CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS, ROW_FIELDS,
                                        fill_rows, options_per_block, plan)
+from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams
 from pricer.portfolio import lattice_nodes
 
@@ -39,6 +40,7 @@ class CudaBatchRunner:
         self._buffers = None
         self._streams = None
         self._launch_streams: list = []
+        self._keep_levels = False
         self.last_stats: dict = {}
 
     def function(self, cls: int):
@@ -47,44 +49,54 @@ class CudaBatchRunner:
             warps, groups = CLASSES[cls]
             module = self.rt.module([f"-DBATCH_W={warps}"], "batch.cu")
             fn = module.get_function(f"batch_kernel_g{groups}")
-            fn.prepare("PPi")
+            fn.prepare("PPPi")
             self._functions[cls] = fn
         return self._functions[cls]
 
-    def _ensure_buffers(self, size: int):
+    def _ensure_buffers(self, size: int, with_levels: bool):
         cuda = self.rt.cuda
-        if self._buffers is None or self._buffers[0]["capacity"] < size:
+        if (self._buffers is None or self._buffers[0]["capacity"] < size
+                or (with_levels and self._buffers[0]["levels_d"] is None)):
             self._release()
             self._buffers = [dict(capacity=size,
                                   rows=cuda.pagelocked_empty((size, len(ROW_FIELDS)), np.float64),
                                   prices=cuda.pagelocked_empty(size, np.float64),
                                   rows_d=self.rt.alloc(8 * len(ROW_FIELDS) * size),
-                                  prices_d=self.rt.alloc(8 * size)) for _ in range(2)]
+                                  prices_d=self.rt.alloc(8 * size),
+                                  levels=(cuda.pagelocked_empty((size, LEVEL_VALUES), np.float64)
+                                          if with_levels else None),
+                                  levels_d=self.rt.alloc(8 * LEVEL_VALUES * size) if with_levels else None)
+                             for _ in range(2)]
             self._streams = [cuda.Stream(), cuda.Stream()]
         return self._buffers, self._streams
 
     def _release(self):
         if self._buffers:
             for b in self._buffers:
-                self.rt.free(b["rows_d"])
-                self.rt.free(b["prices_d"])
+                for key in ("rows_d", "prices_d", "levels_d"):
+                    if b[key] is not None:
+                        self.rt.free(b[key])
         self._buffers = None
 
-    def price(self, params: LatticeParams, index: np.ndarray) -> np.ndarray:
+    def price(self, params: LatticeParams, index: np.ndarray, levels: np.ndarray | None = None):
+        """Prices of options `index`; with `levels` ((len(index), LEVEL_VALUES)) also their first
+        levels' values (for Greeks), in the same order."""
         start = time.perf_counter()
         schedule = plan(params.steps[index], self.chunk_options)
         largest = max((c.size for c in schedule.chunks), default=0)
         sorted_prices = np.empty(index.size)
+        sorted_levels = None if levels is None else np.empty((index.size, LEVEL_VALUES))
         if largest == 0:
             return sorted_prices
-        buffers, streams = self._ensure_buffers(largest)
+        buffers, streams = self._ensure_buffers(largest, levels is not None)
+        self._keep_levels = levels is not None
         cuda = self.rt.cuda
         events, pending = [], {}
         for k, chunk in enumerate(schedule.chunks):
             slot = k % 2
             buf, stream = buffers[slot], streams[slot]
             if slot in pending:          # the buffer's previous chunk must be home first
-                self._collect(pending.pop(slot), sorted_prices, stream)
+                self._collect(pending.pop(slot), sorted_prices, sorted_levels, stream)
             n = chunk.size
             fill_rows(params, index[schedule.order[chunk.lo:chunk.hi]], buf["rows"][:n])
             marks = [cuda.Event() for _ in range(4)]
@@ -94,12 +106,16 @@ class CudaBatchRunner:
             self._launch_all(chunk, buf, stream, marks[1])
             marks[2].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
+            if levels is not None:
+                cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
             marks[3].record(stream)
             events.append(marks)
             pending[slot] = (chunk, buf)
         for slot, job in pending.items():
-            self._collect(job, sorted_prices, streams[slot])
+            self._collect(job, sorted_prices, sorted_levels, streams[slot])
         self.last_stats = self._stats(events, time.perf_counter() - start, schedule)
+        if levels is not None:
+            levels[schedule.order] = sorted_levels
         return schedule.restore(sorted_prices)
 
     def _launch_all(self, chunk, buf, stream, rows_ready):
@@ -127,15 +143,18 @@ class CudaBatchRunner:
         blocks = (count + per_block - 1) // per_block
         rows_d = int(buf["rows_d"]) + 8 * len(ROW_FIELDS) * launch.lo
         prices_d = int(buf["prices_d"]) + 8 * launch.lo
+        levels_d = int(buf["levels_d"]) + 8 * LEVEL_VALUES * launch.lo if self._keep_levels else 0
         self.function(launch.cls).prepared_async_call(
             (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, rows_d, prices_d,
-            np.int32(count))
+            levels_d, np.int32(count))
 
     @staticmethod
-    def _collect(job, sorted_prices, stream):
+    def _collect(job, sorted_prices, sorted_levels, stream):
         chunk, buf = job
         stream.synchronize()
         sorted_prices[chunk.lo:chunk.hi] = buf["prices"][:chunk.size]
+        if sorted_levels is not None:
+            sorted_levels[chunk.lo:chunk.hi] = buf["levels"][:chunk.size]
 
     @staticmethod
     def _stats(events, wall, schedule) -> dict:
@@ -166,16 +185,21 @@ class BatchEngine:
             self._hybrid = GpuEngine("hybrid", **self._hybrid_overrides)
         return self._hybrid
 
-    def price(self, params: LatticeParams) -> np.ndarray:
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         out = np.empty(len(params))
         if lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
             from pricer.engines.cpu import CpuEngine
-            return CpuEngine().price(params)
+            return CpuEngine().price(params, levels)
         wide = params.steps > MAX_STEPS
-        in_batch = np.flatnonzero(~wide)
-        if in_batch.size:
-            out[in_batch] = self.runner.price(params, in_batch)
-        if wide.any():
-            rows = np.flatnonzero(wide)
-            out[rows] = self.hybrid().price(params.take(rows))
+        for rows, engine in ((np.flatnonzero(~wide), None), (np.flatnonzero(wide), self.hybrid)):
+            if rows.size == 0:
+                continue
+            part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
+            if engine is None:
+                out[rows] = self.runner.price(params, rows, part)
+            else:
+                out[rows] = engine().price(params.take(rows), part)
+            if levels is not None:
+                levels[rows] = part
         return out

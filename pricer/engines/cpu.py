@@ -17,8 +17,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from pricer.engines.serial import (advance, backward_inplace, kernel_arguments, power_tables, price_range,
-                                   terminal_values)
+from pricer.engines.serial import (advance, backward_keeping_levels, kernel_arguments, level_array,
+                                   power_tables, price_range, terminal_values)
 from pricer.lattice import LatticeParams
 from pricer.partition import option_cost, partition_by_cost
 
@@ -32,10 +32,10 @@ MIN_CHUNK_NODES = 2_048
 
 @njit(cache=True, parallel=True)
 def _price_groups(spot, strike, steps, call, american, log_up, log_down, pu, pd, order,
-                  group_bounds, out):
+                  group_bounds, out, levels):
     for g in prange(group_bounds.size - 1):
         price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
-                    order[group_bounds[g]:group_bounds[g + 1]], out)
+                    order[group_bounds[g]:group_bounds[g + 1]], out, levels)
 
 
 @njit(cache=True, nogil=True)
@@ -48,7 +48,7 @@ def _advance_chunk(src, dst, a, b, t_top, block, strike, sign, american, pu, pd,
 
 
 @njit(cache=True, parallel=True)
-def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, chunks):
+def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, chunks, levels, row):
     sign = 1.0 if call else -1.0
     level_base = np.empty(steps + 1)
     ratio = np.empty(steps + 1)
@@ -71,7 +71,7 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
                                pu, pd, level_base, ratio)
         src, dst = dst, src
         t -= BLOCK_STEPS
-    backward_inplace(src, t, 0, strike, sign, american, pu, pd, level_base, ratio)
+    backward_keeping_levels(src, t, strike, sign, american, pu, pd, level_base, ratio, levels, row)
     return src[0]
 
 
@@ -80,21 +80,23 @@ class CpuEngine:
 
     name = "cpu"
 
-    def price(self, params: LatticeParams) -> np.ndarray:
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         threads = numba.get_num_threads()
         out = np.empty(len(params))
+        lv = level_array(levels)
         wide = self.level_parallel(params.steps, threads)
         narrow = np.flatnonzero(~wide).astype(np.int64)
         groups = min(threads, narrow.size)
         if groups == 1:  # no parallel region (and no partition) for one option or one thread
-            price_range(*kernel_arguments(params), narrow, out)
+            price_range(*kernel_arguments(params), narrow, out, lv)
         elif groups > 1:
             bounds = partition_by_cost(params.steps[narrow], groups)
-            _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out)
+            _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv)
         for k in np.flatnonzero(wide):
             out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
                                  params.american[k], params.log_up[k], params.log_down[k],
-                                 params.pu[k], params.pd[k], threads)
+                                 params.pu[k], params.pd[k], threads, lv, k)
         return out
 
     @staticmethod

@@ -50,7 +50,8 @@ import numpy as np
 
 from numba import njit
 
-from pricer.engines.serial import UNDERFLOW, backward_inplace, power_tables
+from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, backward_keeping_levels, level_array,
+                                   power_tables)
 from pricer.lattice import LatticeParams
 
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
@@ -561,7 +562,10 @@ class GpuEngine:
             self._host = [np.empty(nodes), np.empty(2 * nodes)]
         return self._host
 
-    def price(self, params: LatticeParams) -> np.ndarray:
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values. The
+        batch kernel of this engine does not keep them, so with `levels` every GPU option runs
+        through the regimes one by one (the `batch` backend keeps them in its kernels)."""
         out = np.empty(len(params))
         if len(params) == 0:
             return out
@@ -571,9 +575,14 @@ class GpuEngine:
             small = params.steps <= limit
             if small.any():
                 from pricer.engines.cpu import CpuEngine
-                out[small] = CpuEngine().price(params.take(np.flatnonzero(small)))
+                rows = np.flatnonzero(small)
+                part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
+                out[rows] = CpuEngine().price(params.take(rows), part)
+                if levels is not None:
+                    levels[rows] = part
             gpu_rows = np.flatnonzero(~small)
-        if self.mode in ("gpu", "hybrid") and self.config.batch_max_steps > 0 and gpu_rows.size:
+        if (self.mode in ("gpu", "hybrid") and self.config.batch_max_steps > 0 and gpu_rows.size
+                and levels is None):
             in_batch = params.steps[gpu_rows] <= self.config.batch_max_steps
             if in_batch.any():
                 rows = gpu_rows[in_batch]
@@ -584,10 +593,12 @@ class GpuEngine:
             bufs = self.kernels.reserve(top)
             host = self._host_buffers(top)
             for k in gpu_rows:
-                out[k] = self.price_one(params, int(k), bufs, host)
+                out[k] = self.price_one(params, int(k), bufs, host, levels)
         return out
 
-    def price_one(self, p: LatticeParams, k: int, bufs=None, host=None) -> float:
+    def price_one(self, p: LatticeParams, k: int, bufs=None, host=None, levels=None) -> float:
+        """One option through the regimes; levels[k] receives its first levels' values if given
+        (the GPU then stops at level 2 at the latest and the host takes the last two steps)."""
         n = int(p.steps[k])
         if n < 1:
             raise ValueError("steps must be >= 1")
@@ -609,36 +620,38 @@ class GpuEngine:
         src, dst = a, b
         t = n
         scalars = (pu, pd, strike, sign, american)
+        floor = 2 if levels is not None else 0    # levels 2 and 1 are kept on the host
 
         if self.mode == "wavefront":
-            while t > 0:
+            while t > floor:
                 K.wavefront(src, dst, lb_d, r_d, t - 1, *scalars)
                 src, dst = dst, src
                 t -= 1
         else:
             if self.mode in ("gpu", "hybrid", "tiled"):
-                stop = 0 if self.mode == "tiled" else c.t1
+                stop = max(floor, 0 if self.mode == "tiled" else c.t1)
                 while t > stop:
                     step = min(c.tiled_k, t - stop)
                     K.tiled(src, dst, lb_d, r_d, t, step, *scalars)
                     src, dst = dst, src
                     t -= step
-            stop = c.t2 if self.mode == "hybrid" else 0
+            stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
             if self.mode in ("gpu", "hybrid") and c.mid_b:
-                narrow, width, k = K.mid, c.mid_w, c.mid_k
+                narrow, width, per_launch = K.mid, c.mid_w, c.mid_k
             else:
-                narrow, width, k = K.warp, c.warp_w, c.warp_k
+                narrow, width, per_launch = K.warp, c.warp_w, c.warp_k
             while t > stop:
-                # k steps per launch; once the level fits one tile, the whole rest in one launch
-                step = t - stop if t + 1 <= width else min(k, t - stop)
+                # per_launch steps per launch; once the level fits one tile, the whole rest in one
+                step = t - stop if t + 1 <= width else min(per_launch, t - stop)
                 narrow(src, dst, lb_d, r_d, t, step, *scalars)
                 src, dst = dst, src
                 t -= step
 
         level = values[:t + 1]
         K.download(level, src)
-        if t > 0:
-            backward_inplace(values, t, 0, strike, sign, american, pu, pd, lb, ratio)
+        if t > 0 or levels is not None:
+            backward_keeping_levels(values, t, strike, sign, american, pu, pd, lb, ratio,
+                                    level_array(levels), k)
         return float(values[0])
 
 

@@ -82,20 +82,48 @@ def backward_inplace(values, t_from, t_to, strike, sign, american, pu, pd, level
             level_base, ratio)
 
 
+# Greeks need the option values of the lattice's first levels: LEVEL_VALUES numbers per option,
+# V(1, 0), V(1, 1), V(2, 0), V(2, 1), V(2, 2) (NaN for an option with fewer than 2 steps).
+LEVEL_VALUES = 5
+
+
+@njit(cache=True, nogil=True)
+def backward_keeping_levels(values, t_from, strike, sign, american, pu, pd, level_base, ratio,
+                            levels, row):
+    """backward_inplace down to level 0, keeping levels 2 and 1 in levels[row] (if it has rows).
+    The same steps in the same order, so the price is bitwise the one backward_inplace gives."""
+    if levels.shape[0] == 0 or t_from < 2:
+        if levels.shape[0] > 0:
+            levels[row, :] = np.nan
+        backward_inplace(values, t_from, 0, strike, sign, american, pu, pd, level_base, ratio)
+        return
+    backward_inplace(values, t_from, 2, strike, sign, american, pu, pd, level_base, ratio)
+    levels[row, 2] = values[0]
+    levels[row, 3] = values[1]
+    levels[row, 4] = values[2]
+    backward_inplace(values, 2, 1, strike, sign, american, pu, pd, level_base, ratio)
+    levels[row, 0] = values[0]
+    levels[row, 1] = values[1]
+    backward_inplace(values, 1, 0, strike, sign, american, pu, pd, level_base, ratio)
+
+
 @njit(cache=True, nogil=True)
 def price_one(spot, strike, steps, call, american, log_up, log_down, pu, pd,
-              values, level_base, ratio):
-    """Price one option with caller-provided work arrays of length >= steps + 1."""
+              values, level_base, ratio, levels, row):
+    """Price one option with caller-provided work arrays of length >= steps + 1; levels[row]
+    receives its first levels' values if `levels` has rows."""
     sign = 1.0 if call else -1.0
     power_tables(spot, log_up, log_down, steps, level_base, ratio)
     terminal_values(values, steps, strike, sign, level_base, ratio)
-    backward_inplace(values, steps, 0, strike, sign, american, pu, pd, level_base, ratio)
+    backward_keeping_levels(values, steps, strike, sign, american, pu, pd, level_base, ratio,
+                            levels, row)
     return values[0]
 
 
 @njit(cache=True, nogil=True)
-def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out):
-    """Price the options order[0..], one after another, reusing one set of work arrays."""
+def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels):
+    """Price the options order[0..], one after another, reusing one set of work arrays;
+    `levels` is (len(out), LEVEL_VALUES) to keep the first levels' values, or (0, LEVEL_VALUES)."""
     if order.size == 0:
         return
     width = 1
@@ -106,7 +134,7 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
     ratio = np.empty(width)
     for k in order:
         out[k] = price_one(spot[k], strike[k], steps[k], call[k], american[k], log_up[k],
-                           log_down[k], pu[k], pd[k], values, level_base, ratio)
+                           log_down[k], pu[k], pd[k], values, level_base, ratio, levels, k)
 
 
 def kernel_arguments(params: LatticeParams):
@@ -114,12 +142,19 @@ def kernel_arguments(params: LatticeParams):
             params.log_up, params.log_down, params.pu, params.pd)
 
 
+def level_array(levels: np.ndarray | None) -> np.ndarray:
+    """The `levels` argument of the kernels: the caller's (n, LEVEL_VALUES) array, or no rows."""
+    return np.empty((0, LEVEL_VALUES)) if levels is None else levels
+
+
 class SerialEngine:
     """One core, options one after another."""
 
     name = "serial"
 
-    def price(self, params: LatticeParams) -> np.ndarray:
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         out = np.empty(len(params))
-        price_range(*kernel_arguments(params), np.arange(len(params), dtype=np.int64), out)
+        price_range(*kernel_arguments(params), np.arange(len(params), dtype=np.int64), out,
+                    level_array(levels))
         return out

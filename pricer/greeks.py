@@ -1,0 +1,121 @@
+"""Stage 4b: sensitivities and Richardson extrapolation around any engine.
+
+- Delta, gamma, theta come from the lattice's first levels, as QuantLib's BinomialVanillaEngine
+  computes them (Hull, 6th ed., pp. 397-398): the engines keep V(1, .) and V(2, .) while they price
+  (`levels`), so no second pricing pass is needed:
+      delta = (V(1,1) - V(1,0)) / (S(1,1) - S(1,0))
+      gamma = [(V(2,2) - V(2,1)) / (S(2,2) - S(2,1)) - (V(2,1) - V(2,0)) / (S(2,1) - S(2,0))]
+              / ((S(2,2) - S(2,0)) / 2)
+      theta = r V - (r - q) S0 delta - sigma^2 S0^2 gamma / 2        (QuantLib's blackScholesTheta)
+  with S(t, i) = S0 exp(t log_down + i (log_up - log_down)), the lattice's own node prices. Theta is
+  per year. Options with fewer than 2 steps have no second level: Greeks need N >= 2.
+- Vega and rho by central bump-and-reprice (volatility and rate +-BUMP, absolute): the four bumped
+  copies of the portfolio go into the same engine call as the base one, so on the GPU they run in
+  the same launches. Per unit of volatility / rate (divide by 100 for "per point").
+- Richardson (two points, N and N/2): the lattice error of a vanilla price falls like 1/N, so
+  2 V(N) - V(N/2) cancels its first-order term; the Greeks stay those of the N-step lattice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pricer.engines.serial import LEVEL_VALUES
+from pricer.errors import InputError, first_ids
+from pricer.lattice import LatticeParams, lattice_parameters
+
+BUMP = 1e-4
+GREEKS = ("delta", "gamma", "theta", "vega", "rho")
+
+
+@dataclass(frozen=True)
+class Analytics:
+    """What to compute besides the price."""
+    greeks: bool = False
+    richardson: bool = False
+
+    @property
+    def outputs(self) -> tuple:
+        return ("price",) + (GREEKS if self.greeks else ())
+
+
+def node_prices(params: LatticeParams, level: int) -> np.ndarray:
+    """S(level, i) for i = 0..level, shape (n, level + 1)."""
+    i = np.arange(level + 1)
+    return params.spot[:, None] * np.exp(level * params.log_down[:, None]
+                                         + i * (params.log_up - params.log_down)[:, None])
+
+
+def lattice_greeks(params: LatticeParams, price: np.ndarray, levels: np.ndarray, cols: dict):
+    """Delta, gamma and theta from the kept first levels (QuantLib's formulas)."""
+    s1, s2 = node_prices(params, 1), node_prices(params, 2)
+    v1, v2 = levels[:, 0:2], levels[:, 2:5]
+    delta = (v1[:, 1] - v1[:, 0]) / (s1[:, 1] - s1[:, 0])
+    delta_up = (v2[:, 2] - v2[:, 1]) / (s2[:, 2] - s2[:, 1])
+    delta_down = (v2[:, 1] - v2[:, 0]) / (s2[:, 1] - s2[:, 0])
+    gamma = (delta_up - delta_down) / ((s2[:, 2] - s2[:, 0]) / 2.0)
+    r, q, sigma, spot = cols["rate"], cols["dividend"], cols["volatility"], cols["spot"]
+    theta = r * price - (r - q) * spot * delta - 0.5 * sigma * sigma * spot * spot * gamma
+    return delta, gamma, theta
+
+
+def bumped(cols: dict) -> list[dict]:
+    """The portfolio with volatility +-BUMP and rate +-BUMP, in that order."""
+    out = []
+    for key in ("volatility", "rate"):
+        for sign in (1.0, -1.0):
+            c = dict(cols)
+            c[key] = cols[key] + sign * BUMP
+            out.append(c)
+    return out
+
+
+def concatenate(parts: list[dict]) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
+    """Inputs the requested analytics cannot handle, refused by id before any pricing."""
+    if analytics.greeks or analytics.richardson:
+        short = np.asarray(cols["steps"]) < 2
+        if short.any():
+            what = "--greeks" if analytics.greeks else "--richardson"
+            raise InputError(f"{what} needs steps >= 2 (a second lattice level); option id(s) "
+                             f"{first_ids(ids, short)} have steps {int(cols['steps'][short][0])}")
+    if analytics.greeks:
+        low = np.asarray(cols["volatility"]) <= BUMP
+        if low.any():
+            raise InputError(f"--greeks bumps the volatility by {BUMP}: option id(s) "
+                             f"{first_ids(ids, low)} have volatility <= {BUMP}")
+
+
+def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
+                         analytics: Analytics = Analytics()) -> dict:
+    """Prices (and Greeks) of the options in `cols` with `engine`, as a dict of float64 arrays
+    named by Analytics.outputs."""
+    n = len(cols["spot"])
+    check(cols, analytics, ids)
+    parts = [cols]
+    if analytics.greeks:
+        parts += bumped(cols)
+    if analytics.richardson:
+        half = dict(cols)
+        half["steps"] = np.asarray(cols["steps"]) // 2
+        parts.append(half)
+    every = concatenate(parts) if len(parts) > 1 else cols
+    params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
+    levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
+    prices = engine.price(params, levels) if levels is not None else engine.price(params)
+    base = prices[:n]
+    out = {"price": base.copy()}
+    if analytics.richardson:
+        out["price"] = 2.0 * base - prices[-n:]
+    if analytics.greeks:
+        first = params.take(np.arange(n))
+        out["delta"], out["gamma"], out["theta"] = lattice_greeks(first, base, levels[:n], cols)
+        up_v, down_v, up_r, down_r = (prices[k * n:(k + 1) * n] for k in range(1, 5))
+        out["vega"] = (up_v - down_v) / (2.0 * BUMP)
+        out["rho"] = (up_r - down_r) / (2.0 * BUMP)
+    return out

@@ -1,0 +1,150 @@
+"""Greeks from the lattice's first levels, vega/rho by bumping, Richardson (pricer/greeks.py), and
+the engines' kept levels they rest on — on fresh random inputs, against independent references
+(a numpy lattice, Black–Scholes closed forms)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pricer.engines.cpu import CpuEngine
+from pricer.engines.serial import LEVEL_VALUES, SerialEngine
+from pricer.errors import InputError
+from pricer.greeks import Analytics, price_with_analytics
+from pricer.lattice import lattice_parameters
+from test_engines import bitwise_equal, make_columns, random_market
+
+SERIAL, CPU = SerialEngine(), CpuEngine()
+
+
+def numpy_levels(s, k, t, r, q, vol, steps, call, american):
+    """V(1, .) and V(2, .) of the textbook lattice, by whole numpy levels (independent code)."""
+    dt = t / steps
+    log_u = vol * math.sqrt(dt)
+    p = (math.exp((r - q) * dt) - math.exp(-log_u)) / (math.exp(log_u) - math.exp(-log_u))
+    disc = math.exp(-r * dt)
+    sign = 1.0 if call else -1.0
+
+    def exercise(level):
+        return sign * (s * np.exp((2.0 * np.arange(level + 1) - level) * log_u) - k)
+
+    values = np.maximum(exercise(steps), 0.0)
+    kept = {}
+    for level in range(steps - 1, -1, -1):
+        values = disc * (p * values[1:] + (1.0 - p) * values[:-1])
+        if american:
+            values = np.maximum(values, exercise(level))
+        kept[level] = values.copy()
+    return np.r_[kept[1], kept[2]]
+
+
+def test_kept_levels_leave_prices_bitwise_unchanged_and_agree_across_cpu_engines(rng):
+    cols = random_market(rng, 40, steps=(2, 3000))
+    params = lattice_parameters(cols)
+    plain = SERIAL.price(params)
+    levels, levels_cpu = np.empty((40, LEVEL_VALUES)), np.empty((40, LEVEL_VALUES))
+    assert bitwise_equal(SERIAL.price(params, levels), plain)
+    assert bitwise_equal(CPU.price(params, levels_cpu), plain)
+    assert bitwise_equal(levels_cpu, levels)
+
+
+def test_kept_levels_of_a_wide_option_on_all_threads(rng):
+    cols = random_market(rng, 1, steps=(9000, 12000))
+    params = lattice_parameters(cols)
+    levels, ref = np.empty((1, LEVEL_VALUES)), np.empty((1, LEVEL_VALUES))
+    assert bitwise_equal(CPU.price(params, levels), SERIAL.price(params, ref))
+    assert bitwise_equal(levels, ref)
+
+
+def test_kept_levels_match_an_independent_numpy_lattice(rng):
+    cols = random_market(rng, 12, steps=(2, 300))
+    levels = np.empty((12, LEVEL_VALUES))
+    SERIAL.price(lattice_parameters(cols), levels)
+    names = ("spot", "strike", "maturity", "rate", "dividend", "volatility", "steps", "call", "american")
+    for i in range(12):
+        ref = numpy_levels(*(cols[c][i] for c in names))
+        np.testing.assert_allclose(levels[i], ref, rtol=1e-10, atol=1e-12 * cols["strike"][i])
+
+
+def test_one_step_options_have_no_second_level():
+    cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=0.02, volatility=0.3, steps=1)
+    levels = np.zeros((1, LEVEL_VALUES))
+    SERIAL.price(lattice_parameters(cols), levels)
+    assert np.isnan(levels).all()
+
+
+def _phi(x):
+    return math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _cdf(x):
+    return 0.5 * math.erfc(-x / math.sqrt(2))
+
+
+def black_scholes(s, k, t, r, q, v, call):
+    """Price, delta, gamma, theta (per year), vega, rho of a European option."""
+    st = v * math.sqrt(t)
+    d1 = (math.log(s / k) + (r - q + 0.5 * v * v) * t) / st
+    d2 = d1 - st
+    dq, dr = math.exp(-q * t), math.exp(-r * t)
+    gamma = dq * _phi(d1) / (s * st)
+    vega = s * dq * _phi(d1) * math.sqrt(t)
+    if call:
+        return (s * dq * _cdf(d1) - k * dr * _cdf(d2), dq * _cdf(d1), gamma,
+                -s * dq * _phi(d1) * v / (2 * math.sqrt(t)) - r * k * dr * _cdf(d2) + q * s * dq * _cdf(d1),
+                vega, k * t * dr * _cdf(d2))
+    return (k * dr * _cdf(-d2) - s * dq * _cdf(-d1), -dq * _cdf(-d1), gamma,
+            -s * dq * _phi(d1) * v / (2 * math.sqrt(t)) + r * k * dr * _cdf(-d2) - q * s * dq * _cdf(-d1),
+            vega, -k * t * dr * _cdf(-d2))
+
+
+def test_greeks_of_european_options_converge_to_black_scholes(rng):
+    n = 8
+    cols = random_market(rng, n, steps=(4000, 4000), american=False)
+    cols["spot"] = cols["strike"] * rng.uniform(0.85, 1.15, n)
+    cols["maturity"] = rng.uniform(0.5, 2.0, n)
+    out = price_with_analytics(CPU, cols, "crr", np.arange(1, n + 1), Analytics(greeks=True))
+    names = ("spot", "strike", "maturity", "rate", "dividend", "volatility", "call")
+    for i in range(n):
+        price, delta, gamma, theta, vega, rho = black_scholes(*(cols[c][i] for c in names))
+        assert abs(out["price"][i] - price) < 5e-3, (i, out["price"][i], price)
+        assert abs(out["delta"][i] - delta) < 2e-3, (i, out["delta"][i], delta)
+        assert abs(out["gamma"][i] - gamma) < 2e-2 * gamma + 1e-5, (i, out["gamma"][i], gamma)
+        assert abs(out["theta"][i] - theta) < 2e-2 * abs(theta) + 2e-2, (i, out["theta"][i], theta)
+        assert abs(out["vega"][i] - vega) < 2e-2 * vega + 2e-2, (i, out["vega"][i], vega)
+        assert abs(out["rho"][i] - rho) < 2e-2 * abs(rho) + 2e-2, (i, out["rho"][i], rho)
+
+
+def test_greeks_are_the_same_on_both_cpu_backends_and_leave_the_price_alone(rng):
+    cols = random_market(rng, 30, steps=(2, 2500))
+    ids = np.arange(30)
+    a = price_with_analytics(SERIAL, cols, "crr", ids, Analytics(greeks=True))
+    b = price_with_analytics(CPU, cols, "crr", ids, Analytics(greeks=True))
+    plain = price_with_analytics(CPU, cols, "crr", ids)
+    assert set(a) == {"price", "delta", "gamma", "theta", "vega", "rho"} and set(plain) == {"price"}
+    for key in a:
+        assert bitwise_equal(a[key], b[key]), key
+    assert bitwise_equal(a["price"], plain["price"])
+
+
+def test_richardson_is_second_order_at_the_money_for_the_textbook_tree():
+    """CRR's European error is c/N (no odd-even oscillation) with the strike at the spot: the
+    plain error halves per doubling of N, the extrapolated one falls ~4x."""
+    cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=0.05, dividend=0.02,
+                        volatility=0.25, steps=[100, 200, 400, 800], american=False)
+    ref = black_scholes(100.0, 100.0, 1.0, 0.05, 0.02, 0.25, False)[0]
+    plain = np.abs(price_with_analytics(SERIAL, cols, "crr", np.arange(4))["price"] - ref)
+    rich = np.abs(price_with_analytics(SERIAL, cols, "crr", np.arange(4), Analytics(richardson=True))["price"] - ref)
+    assert np.all(rich < plain / 50)
+    np.testing.assert_allclose(plain[:-1] / plain[1:], 2.0, rtol=0.05)
+    np.testing.assert_allclose(rich[:-1] / rich[1:], 4.0, rtol=0.1)
+
+
+@pytest.mark.parametrize("what", [Analytics(greeks=True), Analytics(richardson=True)])
+def test_analytics_refuse_one_step_options_by_id(what):
+    cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=0.02, volatility=0.3,
+                        steps=[50, 1, 70, 1])
+    with pytest.raises(InputError, match=r"steps >= 2.*id\(s\) 12, 14"):
+        price_with_analytics(SERIAL, cols, "crr", np.array([11, 12, 13, 14]), what)
