@@ -44,9 +44,11 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict) -> None:
-    """Write /results (id, price in input order, provenance attributes) and /run (per-rank stats)
-    to a temporary file beside `path`, then rename it over `path`."""
+def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict,
+                  extra: dict | None = None) -> None:
+    """Write /results (id, price in input order, provenance attributes, and the `extra` float64
+    datasets such as the Greeks, in the same order) and /run (per-rank stats) to a temporary file
+    beside `path`, then rename it over `path`."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
@@ -54,6 +56,8 @@ def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, r
             g = f.create_group("results")
             g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
             g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
+            for name, values in (extra or {}).items():
+                g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
             g.attrs["schema"] = SCHEMA
             g.attrs["pricer_version"] = __version__
             for key, value in attrs.items():
