@@ -40,7 +40,9 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     d = (lambda value: value) if defaults else (lambda value: None)
     p.add_argument("--backend", choices=BACKENDS, default=d("auto"),
                    help="pricing engine (default: auto, the fastest this machine has)")
-    p.add_argument("--tree", choices=tuple(TREES), default=d("crr"), help="lattice type (default: crr)")
+    p.add_argument("--tree", choices=tuple(TREES), default=d("crr"),
+                   help="binomial tree (default: crr, the textbook CRR; the others are QuantLib's, "
+                        "docs/numerics.md); a portfolio's tree column, where present, wins")
     p.add_argument("--partition", choices=PARTITIONERS, default=d("cost"),
                    help="static split across ranks: equal Σ N² (cost, default) or equal counts")
     p.add_argument("--distribute", choices=DISTRIBUTIONS, default=d("scatter"),

@@ -1,6 +1,8 @@
 """Stage 5: the MPI master–worker (SPMD): rank 0 reads, validates and partitions; the portfolio moves
 as one float64 matrix (Bcast or Scatterv); every rank prices its slice; Gatherv brings the prices
 back to rank 0, which writes the results. Single-process runs take the same path with size 1.
+Each option's tree travels in the matrix as a code, resolved on rank 0 from the portfolio's `tree`
+column where it has one, else from the run's tree.
 
 Failure rules: rank 0 checks everything it can before any collective work and broadcasts a verdict,
 so bad input makes every rank exit 2 together; anything unexpected later aborts the whole job
@@ -17,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from pricer import __version__
 from pricer.engines import get_engine, resolve_backend
 from pricer.errors import InputError
 from pricer.lattice import lattice_parameters, tree_named
@@ -156,7 +157,7 @@ def _read_and_check(cfg: RunConfig):
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     portfolio = read_portfolio(cfg.input)
     input_sha256 = sha256_of_file(cfg.input)
-    matrix = portfolio.to_matrix()
+    matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
     try:
         lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
     except InputError as exc:
@@ -219,7 +220,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     stages["distribute"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    columns = columns_from_matrix(local)
+    columns = columns_from_matrix(local)  # its tree codes were resolved on rank 0
     engine = get_engine(cfg.backend, **cfg.engine_overrides())
     prices = engine.price(lattice_parameters(columns, cfg.tree))
     compute = time.perf_counter() - t
@@ -238,9 +239,10 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
 
     t = time.perf_counter()
     wall = time.perf_counter() - t_start
-    attrs = {"backend": engine.name, "tree": cfg.tree, "ranks": size, "partition": cfg.partition,
-             "distribute": cfg.distribute, "wall_seconds": wall, "utc_time": utc_now(),
-             "input_sha256": input_sha256, "input_path": os.path.abspath(cfg.input)}
+    attrs = {"backend": engine.name, "tree": ",".join(portfolio.trees_used(cfg.tree)), "ranks": size,
+             "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
+             "utc_time": utc_now(), "input_sha256": input_sha256,
+             "input_path": os.path.abspath(cfg.input)}
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
     write_results(cfg.output, portfolio.id, full, attrs, run_stats)

@@ -1,7 +1,9 @@
 """Stage 1: the portfolio — its HDF5 schema, reading, writing and validation with named reasons.
 
 Only rank 0 calls `read_portfolio`; the other ranks receive the validated columns as one float64
-matrix (`to_matrix`/`from_matrix`), so they never open the input file.
+matrix (`to_matrix`/`columns_from_matrix`), so they never open the input file. The optional `tree`
+column (tree names, strings in the file) travels in that matrix as each name's code, its index in
+`pricer.lattice.TREE_NAMES`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import h5py
 import numpy as np
 
 from pricer.errors import InputError, first_ids
+from pricer.lattice import TREE_NAMES, tree_codes
 
 SCHEMA = "pricer.portfolio/1"
 GROUP = "portfolio"
@@ -21,9 +24,14 @@ GROUP = "portfolio"
 FLOAT_COLUMNS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
 INT_COLUMNS = ("steps",)
 FLAG_COLUMNS = ("call", "american")
-MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS
+TREE_COLUMN = "tree"
+MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
 OPTIONAL_DEFAULTS = {"dividend": 0.0}
+# Optional columns: dividend (default 0) and tree (absent: every option takes the run's --tree).
+OPTIONAL_COLUMNS = ("dividend", TREE_COLUMN)
 ALL_COLUMNS = ("id",) + MATRIX_COLUMNS
+# The tree code in the matrix of an option that takes the run's tree (no tree column, no default).
+RUN_TREE = -1
 
 # Working set of one option on the CPU engine: two value levels and two power tables of N+1 doubles.
 BYTES_PER_STEP = 4 * 8
@@ -41,18 +49,33 @@ class Portfolio:
     steps: np.ndarray
     call: np.ndarray
     american: np.ndarray
+    tree: np.ndarray | None = None   # tree names (str), or None: the column is absent
 
     def __len__(self) -> int:
         return int(self.id.shape[0])
 
-    def to_matrix(self) -> np.ndarray:
-        """The columns the engines need, as one C-contiguous float64 (n, 9) matrix for MPI."""
-        return np.ascontiguousarray(
-            np.column_stack([getattr(self, c).astype(np.float64) for c in MATRIX_COLUMNS])
-        )
+    def tree_codes(self, default: str | None = None) -> np.ndarray:
+        """Each option's tree as its code in TREE_NAMES: from the tree column where there is one,
+        else `default`'s code (RUN_TREE, -1, if no default is given: the engines' caller decides)."""
+        if self.tree is not None:
+            return tree_codes(self.tree)
+        code = RUN_TREE if default is None else TREE_NAMES.index(default)
+        return np.full(len(self), code, dtype=np.int64)
+
+    def trees_used(self, default: str) -> list[str]:
+        """The names of the trees that price this portfolio when the run's tree is `default`."""
+        return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
+
+    def to_matrix(self, default_tree: str | None = None) -> np.ndarray:
+        """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
+        tree column holds tree codes (see tree_codes)."""
+        columns = [getattr(self, c).astype(np.float64) for c in MATRIX_COLUMNS[:-1]]
+        columns.append(self.tree_codes(default_tree).astype(np.float64))
+        return np.ascontiguousarray(np.column_stack(columns))
 
     def take(self, index) -> "Portfolio":
-        return Portfolio(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return Portfolio(**{f.name: None if getattr(self, f.name) is None
+                            else getattr(self, f.name)[index] for f in fields(self)})
 
     def nodes(self) -> int:
         return int(lattice_nodes(self.steps).sum())
@@ -70,6 +93,7 @@ def columns_from_matrix(matrix: np.ndarray) -> dict:
     cols["steps"] = cols["steps"].astype(np.int64)
     cols["call"] = cols["call"] != 0.0
     cols["american"] = cols["american"] != 0.0
+    cols[TREE_COLUMN] = cols[TREE_COLUMN].astype(np.int64)
     return cols
 
 
@@ -96,6 +120,9 @@ def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) 
             g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
             for c in FLAG_COLUMNS:
                 g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
+            if portfolio.tree is not None:
+                g.create_dataset(TREE_COLUMN, data=np.asarray(portfolio.tree, dtype=object),
+                                 dtype=h5py.string_dtype("utf-8"))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -135,7 +162,7 @@ def _read_columns(path: str, f: h5py.File) -> dict:
     if unknown:
         raise InputError(f"{path}: /{GROUP} has unknown column(s) {', '.join(unknown)}; "
                          f"known columns are {', '.join(ALL_COLUMNS)}")
-    missing = [c for c in ALL_COLUMNS if c not in g and c not in OPTIONAL_DEFAULTS]
+    missing = [c for c in ALL_COLUMNS if c not in g and c not in OPTIONAL_COLUMNS]
     if missing:
         raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
     length = None
@@ -163,6 +190,12 @@ def _read_columns(path: str, f: h5py.File) -> dict:
 
 def _typed_column(path: str, name: str, ds: h5py.Dataset) -> np.ndarray:
     kind = ds.dtype.kind
+    if name == TREE_COLUMN:
+        if h5py.check_string_dtype(ds.dtype) is None:
+            raise InputError(f"{path}: column tree has dtype {ds.dtype}, expected strings "
+                             f"(tree names: {', '.join(TREE_NAMES)})")
+        # undecodable bytes become escapes, so validate() names them as unknown tree names
+        return np.array(ds.asstr(errors="backslashreplace")[()].tolist(), dtype=str)
     if name in ("id", "steps"):
         if kind not in "iu":
             raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers")
@@ -212,3 +245,12 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
         raise InputError(f"{source}: column steps is too large for this machine's memory for option "
                          f"id(s) {first_ids(ids, bad)} (first value {int(p.steps[bad][0])}, "
                          f"limit {limit})")
+    if p.tree is not None:
+        bad = ~np.isin(p.tree, TREE_NAMES)
+        if bad.any():
+            unknown = list(dict.fromkeys(str(name) for name in p.tree[bad]))
+            names = ", ".join(repr(name) for name in unknown[:5])
+            if len(unknown) > 5:
+                names += f" and {len(unknown) - 5} more"
+            raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
+                             f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}")

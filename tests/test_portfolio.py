@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from pricer.errors import InputError
-from pricer.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, SCHEMA, Portfolio,
-                              columns_from_matrix, max_steps_for_memory, read_portfolio,
-                              write_portfolio)
+from pricer.lattice import TREE_NAMES
+from pricer.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
+                              SCHEMA, Portfolio, columns_from_matrix, max_steps_for_memory,
+                              read_portfolio, write_portfolio)
 
 # ids that cannot be mistaken for anything else in a message (row numbers, counts, values)
 IDS = np.array([7000101, 7000205, 7000307, 7000411, 7000513, 7000617, 7000719, 7000823], np.int64)
@@ -55,13 +56,14 @@ def message_without_path(path, message: str) -> str:
     return message.replace(str(path), "<file>")
 
 
-def random_portfolio(rng, n: int) -> Portfolio:
+def random_portfolio(rng, n: int, trees: bool = True) -> Portfolio:
     return Portfolio(
         id=rng.permutation(np.arange(10 * n, dtype=np.int64))[:n],
         spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n), maturity=rng.uniform(0.1, 5, n),
         rate=rng.uniform(-0.01, 0.1, n), dividend=rng.uniform(0, 0.05, n),
         volatility=rng.uniform(0.05, 1.0, n), steps=rng.integers(1, 100_000, n),
-        call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+        call=rng.random(n) < 0.5, american=rng.random(n) < 0.5,
+        tree=rng.choice(TREE_NAMES, n) if trees else None)
 
 
 # ----------------------------------------------------------------------------------------- round trip
@@ -86,16 +88,42 @@ def test_write_read_round_trip(tmp_path, rng):
         float(((original.steps + 1.0) * (original.steps + 2.0) / 2).sum()), rel=1e-15)
 
 
+def test_write_read_round_trip_without_tree_column(tmp_path, rng):
+    original = random_portfolio(rng, 31, trees=False)
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), original)
+    with h5py.File(path, "r") as f:
+        assert set(f["portfolio"]) == set(ALL_COLUMNS) - {"tree"}
+    back = read_portfolio(str(path))
+    assert back.tree is None
+    assert np.array_equal(back.spot, original.spot) and back.take(np.arange(3)).tree is None
+
+
 def test_matrix_round_trip(rng):
-    """What the workers receive: one float64 (n, 9) matrix, back into typed columns."""
+    """What the workers receive: one float64 (n, 10) matrix, back into typed columns; the tree
+    column travels as codes (positions in TREE_NAMES)."""
     p = random_portfolio(rng, 50)
     matrix = p.to_matrix()
     assert matrix.dtype == np.float64 and matrix.flags.c_contiguous
-    assert matrix.shape == (50, len(MATRIX_COLUMNS))
+    assert matrix.shape == (50, len(MATRIX_COLUMNS)) == (50, 10)
     cols = columns_from_matrix(matrix)
     for name in MATRIX_COLUMNS:
-        assert np.array_equal(cols[name], getattr(p, name)), name
+        if name != "tree":
+            assert np.array_equal(cols[name], getattr(p, name)), name
     assert cols["steps"].dtype == np.int64 and cols["call"].dtype == bool
+    assert cols["tree"].dtype == np.int64
+    assert [TREE_NAMES[code] for code in cols["tree"]] == p.tree.tolist()
+    # the column wins over the run's tree
+    assert np.array_equal(columns_from_matrix(p.to_matrix("lr"))["tree"], cols["tree"])
+
+
+def test_matrix_tree_codes_without_tree_column(rng):
+    p = random_portfolio(rng, 20, trees=False)
+    assert (columns_from_matrix(p.to_matrix())["tree"] == RUN_TREE).all()
+    assert (columns_from_matrix(p.to_matrix("tian"))["tree"] == TREE_NAMES.index("tian")).all()
+    assert p.trees_used("jr") == ["jr"]
+    p.tree = np.array(["lr", "crr"] * 10)
+    assert p.trees_used("jr") == ["crr", "lr"]
 
 
 def test_other_dtypes_accepted_and_converted(tmp_path):
@@ -180,7 +208,7 @@ def test_unknown_column(tmp_path):
     assert "unknown column" in message and "delta" in message
 
 
-@pytest.mark.parametrize("column", [c for c in ALL_COLUMNS if c != "dividend"])
+@pytest.mark.parametrize("column", [c for c in ALL_COLUMNS if c not in OPTIONAL_COLUMNS])
 def test_missing_column(tmp_path, column):
     cols = valid_columns()
     del cols[column]
@@ -334,3 +362,75 @@ def test_many_bad_ids_are_summarised(tmp_path):
     assert all(str(i) in message for i in IDS[:5])
     assert f"and {N - 5} more" in message
     assert str(IDS[5]) not in message
+
+
+# ----------------------------------------------------------------------------------- the tree column
+
+def with_trees(trees) -> dict:
+    cols = valid_columns()
+    cols["tree"] = trees
+    return cols
+
+
+@pytest.mark.parametrize("dtype", ["vlen-str", "fixed-bytes", "vlen-bytes"])
+def test_tree_column_accepted_as_strings(tmp_path, dtype):
+    names = [TREE_NAMES[k % len(TREE_NAMES)] for k in range(N)]
+    data = {"vlen-str": np.array(names, dtype=h5py.string_dtype("utf-8")),
+            "fixed-bytes": np.array([n.encode() for n in names], dtype="S12"),
+            "vlen-bytes": np.array([n.encode() for n in names], dtype=h5py.string_dtype("ascii")),
+            }[dtype]
+    p = read_portfolio(write_raw(tmp_path / "b.h5", with_trees(data)))
+    assert p.tree.tolist() == names
+    assert [TREE_NAMES[c] for c in columns_from_matrix(p.to_matrix())["tree"]] == names
+
+
+def test_tree_column_write_read_round_trip(tmp_path):
+    cols = valid_columns()
+    p = Portfolio(**cols, tree=np.array(["joshi4", "crr", "ql-crr", "lr"] * 2))
+    write_portfolio(str(tmp_path / "b.h5"), p)
+    with h5py.File(tmp_path / "b.h5", "r") as f:
+        assert h5py.check_string_dtype(f["portfolio"]["tree"].dtype).encoding == "utf-8"
+    assert read_portfolio(str(tmp_path / "b.h5")).tree.tolist() == p.tree.tolist()
+
+
+@pytest.mark.parametrize("data", [np.arange(N), np.zeros(N), np.ones(N, bool)],
+                         ids=["int", "float", "bool"])
+def test_tree_column_of_numbers_refused(tmp_path, data):
+    message = error_of(write_raw(tmp_path / "b.h5", with_trees(data)))
+    assert "column tree" in message and "dtype" in message and "strings" in message
+    assert "ql-crr" in message  # the known names are listed
+
+
+def test_tree_column_unequal_length(tmp_path):
+    message = error_of(write_raw(tmp_path / "b.h5", with_trees(np.array(["crr"] * (N - 1), dtype="S3"))))
+    assert "column tree" in message and f"{N - 1} rows" in message
+
+
+@pytest.mark.parametrize("bad", ["CRR", "", "crr ", "quantlib", "binomial-lr"])
+def test_unknown_tree_names_refused(tmp_path, bad):
+    trees = np.array(["jr"] * N, dtype=object)
+    trees[[1, 6]] = bad
+    path = write_raw(tmp_path / "b.h5", with_trees(np.array(trees, dtype=h5py.string_dtype())))
+    message = error_of(path)
+    check_names_ids(path, message, "tree", [1, 6])
+    assert "unknown tree name" in message and repr(bad) in message
+    assert all(name in message for name in TREE_NAMES)
+
+
+def test_unknown_tree_names_are_listed_once_and_summarised(tmp_path):
+    trees = np.array([f"t{k % 7}" for k in range(N)], dtype=object)
+    trees[0] = "lr"
+    path = write_raw(tmp_path / "b.h5", with_trees(np.array(trees, dtype=h5py.string_dtype())))
+    message = message_without_path(path, error_of(path))
+    assert "'t1', 't2', 't3', 't4', 't5' and 2 more" in message, message
+    assert str(IDS[0]) not in message and all(str(i) in message for i in IDS[1:6])
+    assert f"and {N - 1 - 5} more" in message
+
+
+def test_undecodable_tree_name_is_named(tmp_path):
+    trees = np.array([b"crr"] * N, dtype="S6")
+    trees[3] = b"l\xffr"
+    path = write_raw(tmp_path / "b.h5", with_trees(trees))
+    message = error_of(path)
+    check_names_ids(path, message, "tree", [3])
+    assert "\\\\xff" in message or "\\xff" in message

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from pricer.distributed import BadInput, RunConfig, run
 from pricer.engines.serial import SerialEngine
-from pricer.lattice import lattice_parameters
+from pricer.lattice import TREE_NAMES, lattice_parameters
 from pricer.partition import partition
 from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
 from pricer.results import read_results
@@ -257,3 +257,55 @@ def test_missing_input_every_rank_exits_2(shared_dir, request):
                       output=output_path(shared_dir, request), threads=1))
     codes = comm.gather(info.value.code, root=ROOT)
     verdict(None if RANK != ROOT else ([] if codes == [2] * SIZE else [f"codes {codes}"]))
+
+
+def tree_book() -> Portfolio:
+    """A book with a tree column holding every tree (N >= 50 keeps every tree valid here)."""
+    portfolio = make_book(4321, 37)
+    portfolio.tree = np.array([TREE_NAMES[k % len(TREE_NAMES)] for k in range(37)])
+    portfolio.steps = np.maximum(portfolio.steps, 50)
+    return portfolio
+
+
+@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+def test_tree_column_bitwise_equal_to_one_process(shared_dir, request, distribute):
+    """Each option's tree travels to its rank as a code in the matrix; the prices are those of the
+    one-process reference, and the column wins over the run's tree."""
+    portfolio = tree_book() if RANK == ROOT else None
+    path = write_book(shared_dir, f"trees_{distribute}.h5", portfolio)
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu", tree="lr",
+                    distribute=distribute, threads=1)
+    summary = run(cfg)
+    errors = None
+    if RANK == ROOT:
+        errors = check_results(cfg.output, portfolio, serial_reference(portfolio), cfg, summary)
+        tree = read_results(cfg.output)["attrs"]["tree"]
+        if tree != ",".join(TREE_NAMES):
+            errors.append(f"attribute tree = {tree!r}")
+    verdict(errors)
+
+
+def test_bad_tree_name_every_rank_exits_2(shared_dir, request, capsys):
+    portfolio = bad_id = None
+    if RANK == ROOT:
+        portfolio = tree_book()
+        portfolio.tree[5] = "cox-ross"
+        bad_id = int(portfolio.id[5])
+    path = write_book(shared_dir, "bad_tree.h5", portfolio)
+    out = output_path(shared_dir, request)
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=path, output=out, threads=1))
+    reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = []
+        if [c for c, _ in reports] != [2] * SIZE:
+            errors.append(f"exit codes {[c for c, _ in reports]}")
+        message = reports[0][1]
+        if not all(needle in message for needle in ("column tree", "'cox-ross'", str(bad_id))):
+            errors.append(f"rank 0 message: {message!r}")
+        if any(e for _, e in reports[1:]):
+            errors.append(f"other ranks printed: {[e for _, e in reports[1:]]}")
+        if os.path.exists(out):
+            errors.append("an output file was written")
+    verdict(errors)
