@@ -54,6 +54,18 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                         "(default: `pricer calibrate`'s value for this GPU, else 80000)")
     p.add_argument("--t2", type=int, default=None, metavar="N",
                    help="hybrid: CPU tail below N nodes (default: calibrated, else 500)")
+    # `run`: --greeks/--no-greeks override the job file either way; `price`: off unless given
+    switch = "store_true" if defaults else argparse.BooleanOptionalAction
+    p.add_argument("--greeks", action=switch, default=d(False),
+                   help="also write delta, gamma, theta (per year; from the lattice's first levels), "
+                        "vega and rho (per unit of volatility / rate; central bumps of 1e-4) to "
+                        "/results; needs steps >= 2, costs 5 lattices per option (docs/formats.md)"
+                        + ("" if defaults else "; default: pricing.greeks, else off"))
+    p.add_argument("--richardson", action=switch, default=d(False),
+                   help="Richardson-extrapolated price (N V(N) - M V(M)) / (N - M) from a coarse "
+                        "lattice M ~ N/2 of N's parity (2 V(N) - V(N/2) where 4 divides N); the "
+                        "Greeks stay those of the N-step lattice; needs steps >= 3"
+                        + ("" if defaults else "; default: pricing.richardson, else off"))
     p.add_argument("--overwrite", action="store_true", default=None if not defaults else False,
                    help="replace an existing output file")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -103,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="U2, R and S with 10x fewer options")
     b.add_argument("--repeats", type=int, default=5, help="timed runs per portfolio (median counts)")
     b.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
+    from pricer.bench_accuracy import add_arguments as accuracy_arguments
+    accuracy_arguments(b)
 
     p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
@@ -117,7 +132,8 @@ def _price(args, prepare=None) -> int:
 
     cfg = RunConfig(input=args.input, output=args.output, backend=args.backend, tree=args.tree,
                     partition=args.partition, distribute=args.distribute,
-                    overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2)
+                    overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2,
+                    greeks=args.greeks, richardson=args.richardson)
     summary = run(cfg, prepare=prepare)
     if summary is not None and not args.quiet:
         print(f"wrote {cfg.output}")
@@ -138,7 +154,7 @@ def _run_job(args) -> int:
         return 2
     pricing, output = job.get("pricing", {}), job["output"]
     defaults = {"backend": "auto", "tree": "crr", "partition": "cost", "distribute": "scatter",
-                "threads": None, "t1": None, "t2": None}
+                "threads": None, "t1": None, "t2": None, "greeks": False, "richardson": False}
     for key, default in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, pricing.get(key, default))
@@ -182,6 +198,10 @@ def _bench(args) -> int:
     if args.what == "batch":
         from pricer.bench_batch import bench_batch
         bench_batch(quick=args.quick, repeats=args.repeats, out=args.out)
+        return 0
+    if args.what == "accuracy":
+        from pricer.bench_accuracy import run as bench_accuracy
+        bench_accuracy(args)
         return 0
     from pricer.bench import bench_cpu
     bench_cpu(quick=args.quick, out=args.out)

@@ -1,6 +1,7 @@
 """Stage 5: the MPI master–worker (SPMD): rank 0 reads, validates and partitions; the portfolio moves
-as one float64 matrix (Bcast or Scatterv); every rank prices its slice; Gatherv brings the prices
-back to rank 0, which writes the results. Single-process runs take the same path with size 1.
+as one float64 matrix (Bcast or Scatterv); every rank prices its slice (with --greeks/--richardson
+through pricer/greeks.py); one Gatherv of an (options, outputs) float64 matrix brings the prices and
+Greeks back to rank 0, which writes the results. Single-process runs take the same path with size 1.
 Each option's tree travels in the matrix as a code, resolved on rank 0 from the portfolio's `tree`
 column where it has one, else from the run's tree.
 
@@ -21,6 +22,7 @@ from mpi4py import MPI
 
 from pricer.engines import get_engine, resolve_backend
 from pricer.errors import InputError
+from pricer.greeks import BUMP, Analytics, bumped, check, price_with_analytics, richardson_steps
 from pricer.lattice import lattice_parameters, tree_named
 from pricer.partition import PARTITIONERS, partition
 from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
@@ -43,9 +45,14 @@ class RunConfig:
     threads: int | None = None
     t1: int | None = None   # GPU backends: tiled while a level is wider (None: calibrated/default)
     t2: int | None = None   # hybrid: CPU tail below this width (None: calibrated/default)
+    greeks: bool = False      # also delta, gamma, theta, vega, rho (pricer/greeks.py)
+    richardson: bool = False  # price extrapolated from the N- and a ~N/2-step lattice (greeks.py)
 
     def engine_overrides(self) -> dict:
         return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
+
+    def analytics(self) -> Analytics:
+        return Analytics(greeks=self.greeks, richardson=self.richardson)
 
 
 @dataclass
@@ -56,12 +63,16 @@ class RunSummary:
     backend: str
     wall: float
     stages: dict = field(default_factory=dict)
+    analytics: Analytics = Analytics()
 
     def lines(self) -> list[str]:
         rate = self.nodes / self.wall if self.wall > 0 else float("nan")
         stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.stages.items())
-        return [f"priced {self.options} options ({self.nodes:.4g} nodes) on {self.ranks} rank(s) "
-                f"with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
+        extras = [what for what, on in (("Greeks", self.analytics.greeks),
+                                        ("Richardson extrapolation", self.analytics.richardson)) if on]
+        extras = f" with {' and '.join(extras)}" if extras else ""
+        return [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
+                f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
                 f"stages: {stages}"]
 
 
@@ -143,11 +154,19 @@ def distribute(comm, matrix, bounds: np.ndarray, how: str) -> np.ndarray:
         row.Free()
 
 
-def gather_prices(comm, prices: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
-    _check_buffer(prices)
-    full = np.empty(int(bounds[-1])) if comm.Get_rank() == ROOT else None
-    recv = [full, np.diff(bounds), bounds[:-1], MPI.DOUBLE] if full is not None else None
-    comm.Gatherv([prices, prices.size, MPI.DOUBLE], recv, root=ROOT)
+def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """Rank 0 gets the (bounds[-1], k) float64 matrix of every rank's (n_local, k) rows, in rank
+    order: one Gatherv of contiguous k-double rows (as the portfolio matrix is scattered)."""
+    _check_buffer(values)
+    assert values.ndim == 2 and values.shape[0] == bounds[comm.Get_rank() + 1] - bounds[comm.Get_rank()]
+    ncols = values.shape[1]
+    row = _row_type(ncols)
+    try:
+        full = np.empty((int(bounds[-1]), ncols)) if comm.Get_rank() == ROOT else None
+        recv = [full, np.diff(bounds), bounds[:-1], row] if full is not None else None
+        comm.Gatherv([values, values.shape[0], row], recv, root=ROOT)
+    finally:
+        row.Free()
     return full
 
 
@@ -158,11 +177,35 @@ def _read_and_check(cfg: RunConfig):
     portfolio = read_portfolio(cfg.input)
     input_sha256 = sha256_of_file(cfg.input)
     matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
+    cols = columns_from_matrix(matrix)
     try:
-        lattice_parameters(columns_from_matrix(matrix), cfg.tree, ids=portfolio.id)
+        lattice_parameters(cols, cfg.tree, ids=portfolio.id)
+        _check_analytics(cols, cfg, portfolio.id)
     except InputError as exc:
         raise InputError(f"{cfg.input}: {exc}") from None
     return portfolio, matrix, input_sha256
+
+
+def _check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
+    """What --greeks/--richardson cannot price, refused by id on rank 0 (so that no rank fails
+    later, alone): greeks.check's rules, then the extra lattices they price must exist too — the
+    volatility- and rate-bumped copies (--greeks) and the coarse M ~ N/2-step one (--richardson) —
+    since an option near the edge of p in (0, 1), or a joshi4 option at M = 1, can fail there only."""
+    analytics = cfg.analytics()
+    check(cols, analytics, ids)
+    extra = []
+    if analytics.greeks:
+        extra += [(f"--greeks reprices each option with volatility and rate bumped by +-{BUMP}", c)
+                  for c in bumped(cols)]
+    if analytics.richardson:
+        half = dict(cols)
+        half["steps"] = richardson_steps(cols["steps"])
+        extra.append(("--richardson also prices each option on M ~ N/2 steps", half))
+    for what, part in extra:
+        try:
+            lattice_parameters(part, cfg.tree, ids=ids)
+        except InputError as exc:
+            raise InputError(f"{what}, and {exc}") from None
 
 
 def _check_settings(cfg: RunConfig) -> None:
@@ -177,6 +220,9 @@ def _check_settings(cfg: RunConfig) -> None:
     for key, value in cfg.engine_overrides().items():
         if not _whole(value) or value < 0:
             raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
+    for key in ("greeks", "richardson"):
+        if not isinstance(getattr(cfg, key), bool):
+            raise InputError(f"{key} must be true or false, got {getattr(cfg, key)!r}")
 
 
 def _whole(value) -> bool:
@@ -222,14 +268,22 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     t = time.perf_counter()
     columns = columns_from_matrix(local)  # its tree codes were resolved on rank 0
     engine = get_engine(cfg.backend, **cfg.engine_overrides())
-    prices = engine.price(lattice_parameters(columns, cfg.tree))
+    analytics = cfg.analytics()
+    # ids only name options in messages: rank 0 has them; the others use global row numbers (rank 0
+    # checked every option already, so no message is expected from them)
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+    ids = portfolio.id[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
+    outputs = price_with_analytics(engine, columns, cfg.tree, ids, analytics)
+    values = np.empty((hi - lo, len(analytics.outputs)))  # price, then the Greeks, one row per option
+    for j, name in enumerate(analytics.outputs):
+        values[:, j] = outputs[name]
     compute = time.perf_counter() - t
     comm.Barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
     stages["compute"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    full = gather_prices(comm, np.ascontiguousarray(prices, dtype=np.float64), bounds)
-    stats = np.array([compute, local.shape[0], lattice_nodes(columns["steps"]).sum(), threads],
+    full = gather_rows(comm, values, bounds)
+    stats = np.array([compute, local.shape[0], _nodes_priced(columns["steps"], analytics), threads],
                      dtype=np.float64)
     all_stats = np.empty((size, 4)) if rank == ROOT else None
     comm.Gather(stats, all_stats, root=ROOT)
@@ -243,9 +297,21 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": input_sha256,
              "input_path": os.path.abspath(cfg.input)}
+    attrs["greeks"], attrs["richardson"] = bool(cfg.greeks), bool(cfg.richardson)
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
-    write_results(cfg.output, portfolio.id, full, attrs, run_stats)
+    extra = {name: full[:, j] for j, name in enumerate(analytics.outputs) if name != "price"}
+    write_results(cfg.output, portfolio.id, full[:, 0], attrs, run_stats, extra=extra)
     stages["write"] = time.perf_counter() - t
     return RunSummary(options=int(n[0]), nodes=float(all_stats[:, 2].sum()), ranks=size,
-                      backend=engine.name, wall=time.perf_counter() - t_start, stages=stages)
+                      backend=engine.name, wall=time.perf_counter() - t_start, stages=stages,
+                      analytics=analytics)
+
+
+def _nodes_priced(steps: np.ndarray, analytics: Analytics) -> float:
+    """Lattice nodes a slice really costs: (N+1)(N+2)/2 per lattice — with --greeks the base and
+    its four bumped copies, with --richardson also the coarse M ~ N/2-step lattice."""
+    nodes = lattice_nodes(steps).sum() * (5 if analytics.greeks else 1)
+    if analytics.richardson:
+        nodes += lattice_nodes(richardson_steps(steps)).sum()
+    return float(nodes)

@@ -33,12 +33,18 @@ def _describe_portfolio(path: str) -> list[str]:
 
 
 def _describe_results(path: str) -> list[str]:
+    from pricer.greeks import GREEKS
     from pricer.results import read_results
 
     r = read_results(path)
     attrs = r["attrs"]
     lines = [f"{path}: results ({attrs.get('schema')}), {r['price'].size} prices, "
              f"min {r['price'].min():.6g}, max {r['price'].max():.6g}"]
+    greeks = [name for name in GREEKS if name in r]  # written by --greeks
+    if greeks:
+        lines.append(f"  Greeks: {', '.join(greeks)}")
+        for name in greeks:
+            lines.append(f"    {name}: min {r[name].min():.6g}, max {r[name].max():.6g}")
     for key in sorted(attrs):
         if key != "schema":
             lines.append(f"  {key}: {attrs[key]}")

@@ -4,7 +4,7 @@
     [portfolio.generate]   dist, count, seed, steps, exercise, min_steps, max_steps
                            (optional: rank 0 writes `path` from these first, unless it already holds
                            exactly this generated portfolio)
-    [pricing]              backend, tree, partition, distribute, threads, t1, t2
+    [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson
     [output]               path, overwrite
 
 Unknown tables and keys are refused by name; command-line flags override the file.
@@ -25,7 +25,8 @@ from pricer.portfolio import GROUP, write_portfolio
 KEYS = {
     "portfolio": {"path", "generate"},
     "portfolio.generate": {"dist", "count", "seed", "steps", "exercise", "min_steps", "max_steps"},
-    "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2"},
+    "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
+                "richardson"},
     "output": {"path", "overwrite"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))

@@ -16,6 +16,7 @@ from helpers import ROOT, env, run_pricer
 from pricer import __version__
 from pricer.engines.serial import SerialEngine
 from pricer.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
+from pricer.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.lattice import lattice_parameters
 from pricer.portfolio import Portfolio, columns_from_matrix, read_portfolio, write_portfolio
 from pricer.results import SCHEMA as RESULTS_SCHEMA
@@ -79,6 +80,13 @@ def test_help(sub):
     if sub is None:
         for command in ("price", "run", "generate", "info", "bench"):
             assert command in proc.stdout
+
+
+def test_help_names_the_analytics_flags():
+    price = ok(run_pricer(["price", "--help"])).stdout
+    assert "--greeks" in price and "--richardson" in price and "--no-greeks" not in price
+    run = ok(run_pricer(["run", "--help"])).stdout
+    assert "--greeks, --no-greeks" in run and "--richardson, --no-richardson" in run
 
 
 def test_version():
@@ -380,3 +388,162 @@ def test_run_job_never_replaces_a_portfolio_it_did_not_generate(tmp_path, book):
     assert mine.read_bytes() == path.read_bytes()
     assert not os.path.exists(tmp_path / "out" / "results.h5")
 
+
+
+@pytest.mark.parametrize("key,value,needle", [("greeks", "1", "greeks must be true or false, got 1"),
+                                              ("richardson", '"yes"', "richardson must be true or false")])
+def test_run_job_analytics_must_be_booleans(tmp_path, key, value, needle):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "job.toml").write_text(JOB.replace("[pricing]\n", f"[pricing]\n{key} = {value}\n"))
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), needle)
+    assert not os.path.exists(tmp_path / "out" / "results.h5")
+
+
+def test_run_job_with_greeks(tmp_path):
+    """`greeks = true` in [pricing] writes the Greeks; --no-greeks on the command line wins."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "job.toml").write_text(JOB.replace("[pricing]\n", "[pricing]\ngreeks = true\n"))
+    proc = ok(run_pricer(["run", "job.toml"], cwd=tmp_path))
+    assert "priced 40 options with Greeks" in proc.stdout
+    portfolio = read_portfolio(str(tmp_path / "book.h5"))
+    r = read_results(str(tmp_path / "out" / "results.h5"))
+    assert r["attrs"]["greeks"] and not r["attrs"]["richardson"]
+    want = analytics_reference(portfolio, Analytics(greeks=True))
+    for name in ("price",) + GREEKS:
+        assert bitwise_equal(r[name], want[name]), name
+    assert r["run"]["nodes"].sum() == 5 * portfolio.nodes()
+    ok(run_pricer(["run", "job.toml", "--no-greeks", "-o", "plain.h5"], cwd=tmp_path))
+    plain = read_results(str(tmp_path / "plain.h5"))
+    assert not plain["attrs"]["greeks"] and not set(GREEKS) & set(plain)
+    assert bitwise_equal(plain["price"], r["price"])
+
+
+# ------------------------------------------------------------------------ Greeks and Richardson
+
+def analytics_reference(portfolio: Portfolio, analytics: Analytics) -> dict:
+    """One process, no MPI, the serial engine: pricer/greeks.py on the whole portfolio."""
+    cols = columns_from_matrix(portfolio.to_matrix())
+    return price_with_analytics(SerialEngine(), cols, "crr", portfolio.id, analytics)
+
+
+def greeks_book(n: int = 24) -> Portfolio:
+    portfolio = small_book(seed=11, n=n)
+    portfolio.steps = np.clip(portfolio.steps, 2, 500)
+    return portfolio
+
+
+@pytest.fixture(scope="module")
+def greeks_one_process(tmp_path_factory):
+    """A book priced with --greeks by one process (cpu backend, 2 threads)."""
+    folder = tmp_path_factory.mktemp("greeks")
+    path, out = folder / "book.h5", folder / "one.h5"
+    portfolio = greeks_book()
+    write_portfolio(str(path), portfolio)
+    proc = ok(run_pricer(["price", path, "-o", out, "--greeks", "--backend", "cpu", "--threads", 2]))
+    assert f"priced {len(portfolio)} options with Greeks" in proc.stdout
+    return path, portfolio, read_results(str(out)), out
+
+
+def test_greeks_one_process(greeks_one_process):
+    path, portfolio, r, out = greeks_one_process
+    assert np.array_equal(r["id"], portfolio.id)
+    assert r["attrs"]["greeks"] is not None and bool(r["attrs"]["greeks"])
+    assert not bool(r["attrs"]["richardson"])
+    want = analytics_reference(portfolio, Analytics(greeks=True))
+    for name in ("price",) + GREEKS:
+        assert r[name].dtype == np.float64 and np.isfinite(r[name]).all(), name
+        assert bitwise_equal(r[name], want[name]), name
+    assert bitwise_equal(r["price"], reference_prices(portfolio))  # the price is left alone
+    assert r["run"]["nodes"][0] == 5 * portfolio.nodes()  # the base lattice and 4 bumped ones
+    info = ok(run_pricer(["info", out])).stdout
+    assert "Greeks: delta, gamma, theta, vega, rho" in info and "    vega: min " in info
+    assert "greeks: True" in info and "richardson: False" in info
+
+
+@pytest.mark.parametrize("method", ["cost", "count"])
+def test_greeks_under_mpiexec_3_bitwise_equal_to_one_process(tmp_path, greeks_one_process, method):
+    path, portfolio, one, _ = greeks_one_process
+    out = tmp_path / "three.h5"
+    ok(run_pricer(["price", path, "-o", out, "--greeks", "--backend", "cpu", "--threads", 1,
+                   "--partition", method], ranks=3))
+    r = read_results(str(out))
+    assert int(r["attrs"]["ranks"]) == 3 and r["attrs"]["partition"] == method
+    assert np.array_equal(r["id"], portfolio.id)
+    for name in ("price",) + GREEKS:
+        assert bitwise_equal(r[name], one[name]), name
+    assert (r["run"]["options"] > 0).all() and r["run"]["nodes"].sum() == 5 * portfolio.nodes()
+
+
+def test_richardson_is_2_p_n_minus_p_half_n(tmp_path):
+    """--richardson from two plain runs of the same options with N and N/2 steps (4 divides N, so
+    the coarse lattice is N/2 exactly); with --greeks too, the Greeks stay those of N steps."""
+    n_steps, count = 200, 16
+    paths = {}
+    for steps in (n_steps, n_steps // 2):
+        paths[steps] = tmp_path / f"book{steps}.h5"
+        ok(run_pricer(["generate", "--dist", "uniform", "--count", count, "--seed", 5, "--steps",
+                       steps, "-o", paths[steps]]))
+        ok(run_pricer(["price", paths[steps], "-o", tmp_path / f"plain{steps}.h5", "--backend", "cpu",
+                       "--quiet"]))
+    fine, coarse = (read_results(str(tmp_path / f"plain{s}.h5"))["price"] for s in (n_steps, n_steps // 2))
+    rich = tmp_path / "rich.h5"
+    proc = ok(run_pricer(["price", paths[n_steps], "-o", rich, "--richardson", "--greeks",
+                          "--backend", "cpu", "--threads", 1], ranks=2))
+    assert "with Greeks and Richardson extrapolation" in proc.stdout
+    r = read_results(str(rich))
+    assert bool(r["attrs"]["richardson"]) and bool(r["attrs"]["greeks"])
+    assert not np.allclose(r["price"], fine, rtol=1e-6, atol=0)  # the extrapolation did something
+    np.testing.assert_allclose(r["price"], 2.0 * fine - coarse, rtol=1e-12, atol=1e-12)
+    portfolio = read_portfolio(str(paths[n_steps]))
+    greeks = analytics_reference(portfolio, Analytics(greeks=True))  # N steps, no extrapolation
+    for name in GREEKS:
+        assert bitwise_equal(r[name], greeks[name]), name
+    nodes = count * ((n_steps + 1) * (n_steps + 2) / 2 * 5 + (n_steps // 2 + 1) * (n_steps // 2 + 2) / 2)
+    assert r["run"]["nodes"].sum() == nodes
+
+
+def _one_step(portfolio, row):
+    portfolio.steps[row] = 1
+
+
+def _p_edge_when_bumped(portfolio, row):
+    """p < 1 at (r, sigma) but > 1 at sigma - 1e-4: r = 0.0995 < sigma sqrt(N / T) = 0.1."""
+    portfolio.steps[row], portfolio.maturity[row], portfolio.dividend[row] = 100, 1.0, 0.0
+    portfolio.rate[row], portfolio.volatility[row] = 0.0995, 0.01
+
+
+def _p_edge_at_half_steps(portfolio, row):
+    """p < 1 at N = 100 steps but > 1 at N/2 = 50: sigma sqrt(50) < r = 0.08 < sigma sqrt(100)."""
+    portfolio.steps[row], portfolio.maturity[row], portfolio.dividend[row] = 100, 1.0, 0.0
+    portfolio.rate[row], portfolio.volatility[row] = 0.08, 0.01
+
+
+ANALYTICS_BAD = {
+    # name: (flag, how to spoil one option, what the message must name)
+    "greeks-one-step": ("--greeks", _one_step, ["--greeks needs steps >= 2"]),
+    "greeks-bumped-lattice": ("--greeks", _p_edge_when_bumped, ["--greeks", "bumped", "arbitrage-free"]),
+    "richardson-one-step": ("--richardson", _one_step, ["--richardson needs steps >="]),
+    "richardson-coarse-lattice": ("--richardson", _p_edge_at_half_steps,
+                                  ["--richardson", "N/2", "arbitrage-free", "steps 50"]),
+}
+
+
+@pytest.mark.parametrize("ranks", [None, 3])
+@pytest.mark.parametrize("case", list(ANALYTICS_BAD), ids=list(ANALYTICS_BAD))
+def test_analytics_bad_input_exit_2_nothing_written(tmp_path, case, ranks):
+    """Refused by id on rank 0 before any work: every rank exits 2 (the spoilt option is the last
+    one, priced by the last rank, which would otherwise fail alone), no output."""
+    flag, spoil, needles = ANALYTICS_BAD[case]
+    portfolio = greeks_book(n=12)
+    portfolio.steps[:] = np.maximum(portfolio.steps, 3)
+    spoil(portfolio, 11)
+    path, out = tmp_path / "book.h5", tmp_path / "prices.h5"
+    write_portfolio(str(path), portfolio)
+    lattice_parameters(columns_from_matrix(portfolio.to_matrix()), ids=portfolio.id)  # valid without it
+    try:
+        proc = run_pricer(["price", path, "-o", out, flag, "--partition", "count"], ranks=ranks,
+                          timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{flag} with bad input hung: {exc}")
+    refused(proc, str(path), str(portfolio.id[11]), *needles)
+    assert sorted(os.listdir(tmp_path)) == ["book.h5"]

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from pricer.distributed import BadInput, RunConfig, run
 from pricer.engines.serial import SerialEngine
+from pricer.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.lattice import TREE_NAMES, lattice_parameters
 from pricer.partition import partition
 from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
@@ -77,10 +78,16 @@ def write_book(shared_dir: str, name: str, portfolio: Portfolio | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def book(shared_dir):
-    seed = int(os.environ.get("PRICER_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
-    seed = comm.bcast(seed, root=ROOT)
-    print(f"PRICER_TEST_SEED={seed}")
+def seed():
+    """Fresh random books on every run, the same on every rank; printed so a failure can be replayed."""
+    value = int(os.environ.get("PRICER_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    value = comm.bcast(value, root=ROOT)
+    print(f"PRICER_TEST_SEED={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def book(shared_dir, seed):
     portfolio = make_book(seed, 41) if RANK == ROOT else None
     path = write_book(shared_dir, "book.h5", portfolio)
     reference = serial_reference(portfolio) if RANK == ROOT else None
@@ -304,6 +311,71 @@ def test_bad_tree_name_every_rank_exits_2(shared_dir, request, capsys):
         message = reports[0][1]
         if not all(needle in message for needle in ("column tree", "'cox-ross'", str(bad_id))):
             errors.append(f"rank 0 message: {message!r}")
+        if any(e for _, e in reports[1:]):
+            errors.append(f"other ranks printed: {[e for _, e in reports[1:]]}")
+        if os.path.exists(out):
+            errors.append("an output file was written")
+    verdict(errors)
+
+
+def greeks_book(seed: int, n: int = 29) -> Portfolio:
+    portfolio = make_book(seed, n)
+    portfolio.steps = np.clip(portfolio.steps, 3, 500)  # --richardson needs N >= 3
+    return portfolio
+
+
+@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+def test_greeks_and_richardson_bitwise_equal_to_one_process(seed, shared_dir, request, distribute):
+    """Price and the five Greeks travel back in one Gatherv of (n_local, 6) rows: the file holds
+    pricer/greeks.py's one-process serial values, bitwise, and /run counts the lattices priced."""
+    portfolio = greeks_book(seed + 1) if RANK == ROOT else None
+    path = write_book(shared_dir, f"greeks_{distribute}.h5", portfolio)
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu",
+                    distribute=distribute, threads=1, greeks=True, richardson=True)
+    summary = run(cfg)
+    errors = None
+    if RANK == ROOT:
+        analytics = Analytics(greeks=True, richardson=True)
+        cols = columns_from_matrix(portfolio.to_matrix())
+        want = price_with_analytics(SerialEngine(), cols, "crr", portfolio.id, analytics)
+        r = read_results(cfg.output)
+        errors = [f"{name} differs from the one-process reference at rows "
+                  f"{np.flatnonzero(r[name] != want[name])[:10].tolist()}"
+                  for name in ("price",) + GREEKS if not bitwise_equal(r[name], want[name])]
+        if not (bool(r["attrs"]["greeks"]) and bool(r["attrs"]["richardson"])):
+            errors.append(f"attributes greeks/richardson: {r['attrs']}")
+        options = r["run"]["options"]
+        if options.shape != (SIZE,) or options.sum() != len(portfolio) or (options == 0).any():
+            errors.append(f"/run options {options}")
+        # greeks.py's coarse lattice M: N // 2 of N's parity (N // 2 itself where 4 divides N)
+        coarse = portfolio.steps // 2
+        coarse = np.where(coarse % 2 == portfolio.steps % 2, coarse, coarse + 1)
+        nodes = 5 * portfolio.nodes() + ((coarse + 1) * (coarse + 2) // 2).sum()
+        if r["run"]["nodes"].sum() != nodes or summary.nodes != nodes:
+            errors.append(f"/run nodes {r['run']['nodes']} (summary {summary.nodes}) != {nodes}")
+    verdict(errors)
+
+
+@pytest.mark.parametrize("greeks,richardson,steps,needle", [
+    (True, False, 1, "--greeks needs steps >= 2"),
+    (False, True, 2, "--richardson needs steps >= 3"),
+])
+def test_analytics_bad_input_every_rank_exits_2(shared_dir, request, capsys, greeks, richardson,
+                                                steps, needle):
+    """The option that cannot be priced is the last one (the last rank's): rank 0 refuses it first."""
+    path, bad_id = spoiled(shared_dir, f"bad_analytics_{steps}.h5", "steps", 11, steps)
+    out = output_path(shared_dir, request)
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=path, output=out, threads=1, partition="count", greeks=greeks,
+                      richardson=richardson))
+    reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = []
+        if [c for c, _ in reports] != [2] * SIZE:
+            errors.append(f"exit codes {[c for c, _ in reports]}")
+        if needle not in reports[0][1] or str(bad_id) not in reports[0][1]:
+            errors.append(f"rank 0 message does not name {needle!r} and id {bad_id}: {reports[0][1]!r}")
         if any(e for _, e in reports[1:]):
             errors.append(f"other ranks printed: {[e for _, e in reports[1:]]}")
         if os.path.exists(out):
