@@ -104,3 +104,31 @@ def test_mpirun_two_ranks_one_gpu_batch_cli(tmp_path):
     assert b["attrs"]["backend"] == "batch" and int(b["attrs"]["ranks"]) == 2
     np.testing.assert_array_equal(b["id"], c["id"])
     np.testing.assert_allclose(b["price"], c["price"], rtol=1e-11, atol=1e-8 * 80)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mpirun_two_ranks_batch_greeks_and_richardson_cli(tmp_path):
+    """--greeks --richardson with a QuantLib tree through the real CLI on 2 ranks sharing one GPU,
+    against the cpu backend on one process."""
+    from helpers import run_pricer
+    from pricer.greeks import GREEKS
+    from pricer.results import read_results
+    src = tmp_path / "p.h5"
+    gen = run_pricer(["generate", "--dist", "random", "--count", "120", "--seed", "5", "--min-steps", "3",
+                      "--max-steps", "3001", "-o", src])
+    assert gen.returncode == 0, gen.stderr
+    flags = ["--greeks", "--richardson", "--tree", "ql-crr"]
+    bat = run_pricer(["price", src, "-o", tmp_path / "b.h5", "--backend", "batch", *flags], ranks=2,
+                     timeout=300)
+    assert bat.returncode == 0, bat.stdout + bat.stderr
+    cpu = run_pricer(["price", src, "-o", tmp_path / "c.h5", "--backend", "cpu", *flags])
+    assert cpu.returncode == 0, cpu.stderr
+    b, c = read_results(tmp_path / "b.h5"), read_results(tmp_path / "c.h5")
+    assert b["attrs"]["backend"] == "batch" and bool(b["attrs"]["greeks"]) and bool(b["attrs"]["richardson"])
+    np.testing.assert_allclose(b["price"], c["price"], rtol=1e-10, atol=1e-9)
+    for name in ("delta", "gamma", "theta"):
+        np.testing.assert_allclose(b[name], c[name], rtol=1e-8, atol=1e-9, err_msg=name)
+    for name in ("vega", "rho"):   # central differences over 2e-4: price rounding x 5e3
+        np.testing.assert_allclose(b[name], c[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    assert set(GREEKS) <= set(b)
