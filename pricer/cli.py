@@ -1,4 +1,4 @@
-"""The `pricer` command: price, run, generate, info, bench, calibrate (also `python -m pricer`).
+"""The `pricer` command: price, run, generate, info, bench, calibrate, scaling (also `python -m pricer`).
 
 Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else. Under
 MPI an unexpected exception on any rank aborts the whole job rather than leaving the others waiting.
@@ -68,6 +68,15 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                         + ("" if defaults else "; default: pricing.richardson, else off"))
     p.add_argument("--overwrite", action="store_true", default=None if not defaults else False,
                    help="replace an existing output file")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="save every finished chunk in DIR (seen by every rank), so that --resume "
+                        "can finish a killed run (docs/reliability.md)")
+    p.add_argument("--resume", action="store_true", default=None if not defaults else False,
+                   help="with --checkpoint DIR: price only the chunks DIR does not hold yet; refused "
+                        "if DIR was made from another input or with other settings")
+    p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
+                   help="lattice nodes per chunk, the unit of checkpoints and failure checks "
+                        "(default 2**28)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
@@ -119,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pricer.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
 
+    p = sub.add_parser("scaling", help="strong scaling of a job over rank counts, or (--simulate) "
+                                       "partition quality at scale")
+    from pricer.scaling import add_arguments as scaling_arguments
+    scaling_arguments(p)
+
     p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
     p.add_argument("--out", default=None, metavar="FILE.json",
@@ -133,7 +147,10 @@ def _price(args, prepare=None) -> int:
     cfg = RunConfig(input=args.input, output=args.output, backend=args.backend, tree=args.tree,
                     partition=args.partition, distribute=args.distribute,
                     overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2,
-                    greeks=args.greeks, richardson=args.richardson)
+                    greeks=args.greeks, richardson=args.richardson, checkpoint=args.checkpoint,
+                    resume=bool(args.resume))
+    if args.chunk_nodes is not None:
+        cfg.chunk_nodes = args.chunk_nodes
     summary = run(cfg, prepare=prepare)
     if summary is not None and not args.quiet:
         print(f"wrote {cfg.output}")
@@ -213,8 +230,13 @@ def _calibrate(args) -> int:
     return main(quick=args.quick, out=args.out)
 
 
+def _scaling(args) -> int:
+    from pricer.scaling import run
+    return run(args)
+
+
 COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
-            "calibrate": _calibrate}
+            "calibrate": _calibrate, "scaling": _scaling}
 
 
 def main(argv=None) -> int:

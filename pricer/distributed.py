@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from pricer import memory
+from pricer.checkpoint import (CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS, Checkpoint,
+                               chunk_grid, split_chunks)
 from pricer.engines import get_engine, resolve_backend
 from pricer.errors import InputError
+from pricer.faults import FailureWatch, chunk_delay, inject, planned_faults, polite_barrier
 from pricer.greeks import BUMP, Analytics, bumped, check, price_with_analytics, richardson_steps
 from pricer.lattice import lattice_parameters, tree_named
 from pricer.partition import PARTITIONERS, partition
@@ -47,6 +51,10 @@ class RunConfig:
     t2: int | None = None   # hybrid: CPU tail below this width (None: calibrated/default)
     greeks: bool = False      # also delta, gamma, theta, vega, rho (pricer/greeks.py)
     richardson: bool = False  # price extrapolated from the N- and a ~N/2-step lattice (greeks.py)
+    checkpoint: str | None = None  # folder where each rank saves its finished chunks (checkpoint.py)
+    resume: bool = False      # price only the chunks the checkpoint does not hold yet
+    chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
+                                      # None: by backend, see chunk_shape)
 
     def engine_overrides(self) -> dict:
         return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
@@ -64,6 +72,7 @@ class RunSummary:
     wall: float
     stages: dict = field(default_factory=dict)
     analytics: Analytics = Analytics()
+    reused: int = 0  # options read back from the checkpoint instead of priced
 
     def lines(self) -> list[str]:
         rate = self.nodes / self.wall if self.wall > 0 else float("nan")
@@ -71,6 +80,8 @@ class RunSummary:
         extras = [what for what, on in (("Greeks", self.analytics.greeks),
                                         ("Richardson extrapolation", self.analytics.richardson)) if on]
         extras = f" with {' and '.join(extras)}" if extras else ""
+        if self.reused:
+            extras += f" ({self.reused} of them from the checkpoint)"
         return [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
                 f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
                 f"stages: {stages}"]
@@ -79,8 +90,8 @@ class RunSummary:
 class BadInput(SystemExit):
     """Raised on every rank after rank 0 broadcast a bad-input verdict: exit code 2, no traceback."""
 
-    def __init__(self):
-        super().__init__(2)
+    def __init__(self, code: int = 2):
+        super().__init__(code)
 
 
 def launcher_world_size() -> int | None:
@@ -122,12 +133,13 @@ def _check_buffer(array: np.ndarray) -> None:
     assert array.dtype == np.float64 and array.flags.c_contiguous, (array.dtype, array.flags)
 
 
-def _verdict(comm, message: str | None) -> None:
-    """Rank 0 tells everyone whether to go on; a refusal ends every rank with exit code 2."""
-    status = np.array([0 if message is None else 2], dtype=np.int64)
-    comm.Bcast(status, root=ROOT)
-    if status[0]:
-        raise BadInput()
+def _verdict(comm, status: int) -> None:
+    """Rank 0 tells everyone whether to go on: 0 yes, 2 bad input (every rank exits 2), 1 a bug on
+    rank 0 (it re-raises it, the others exit 1), so no rank is left waiting in a collective."""
+    verdict = np.array([status], dtype=np.int64)
+    comm.Bcast(verdict, root=ROOT)
+    if verdict[0] and not (verdict[0] == 1 and comm.Get_rank() == ROOT):
+        raise BadInput(int(verdict[0]))
 
 
 def distribute(comm, matrix, bounds: np.ndarray, how: str) -> np.ndarray:
@@ -168,6 +180,89 @@ def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | No
     finally:
         row.Free()
     return full
+
+
+@dataclass
+class Plan:
+    """Rank 0's decisions before any work: the rows to price and how they are cut."""
+    portfolio: object
+    input_sha256: str
+    matrix: np.ndarray      # rows to price (all, or a resume's missing chunks), in input order
+    ids: np.ndarray         # their ids
+    todo: np.ndarray | None  # their row numbers in the portfolio (None: all rows)
+    bounds: np.ndarray      # rank r prices matrix rows bounds[r]:bounds[r+1]
+    cuts: np.ndarray        # chunk boundaries in matrix rows (every bound is one)
+    chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1 without checkpoint)
+    reuse: list             # [(rows, checkpoint chunk)] read back instead of priced
+    checkpoint: Checkpoint | None
+
+    def assemble(self, priced: np.ndarray) -> np.ndarray:
+        """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
+        if self.todo is None:
+            return priced
+        full = np.empty((len(self.portfolio), priced.shape[1]))
+        full[self.todo] = priced
+        for (a, b), chunk in self.reuse:
+            full[a:b] = self.checkpoint.load(chunk)
+        return full
+
+
+def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
+    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk."""
+    expected = launcher_world_size()
+    if expected is not None and expected != size:
+        raise InputError(f"the launcher started {expected} processes but MPI sees a world of "
+                         f"{size}: mpi4py is linked to a different MPI than the launcher's")
+    if prepare is not None:
+        prepare()
+    portfolio, matrix, input_sha256 = _read_and_check(cfg)
+    _check_memory(cfg, portfolio, size, node_ranks)
+    grid = chunk_grid(portfolio.steps, *chunk_shape(cfg))
+    if not cfg.checkpoint:
+        bounds = partition(portfolio.steps, size, cfg.partition)
+        cuts = np.union1d(grid, bounds)
+        return Plan(portfolio, input_sha256, matrix, portfolio.id, None, bounds, cuts,
+                    np.full(len(cuts) - 1, -1), [], None)
+    checkpoint = Checkpoint(cfg.checkpoint)
+    checkpoint.open(input_sha256, _checkpoint_settings(cfg, grid), cfg.resume)
+    outputs = len(cfg.analytics().outputs)
+    done = checkpoint.done(grid, outputs) if cfg.resume else np.zeros(len(grid) - 1, bool)
+    missing = np.flatnonzero(~done)
+    todo = np.flatnonzero(np.repeat(~done, np.diff(grid)))
+    lengths = np.diff(grid)[missing]
+    cuts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    costs = np.add.reduceat(lattice_nodes(portfolio.steps), grid[:-1])[missing] if len(missing) \
+        else np.zeros(0)
+    bounds = cuts[split_chunks(costs, size)]
+    reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
+    return Plan(portfolio, input_sha256, np.ascontiguousarray(matrix[todo]), portfolio.id[todo],
+                todo, bounds, cuts, missing.astype(np.int64), reuse, checkpoint)
+
+
+def chunk_shape(cfg: RunConfig) -> tuple[float, int]:
+    """(nodes, rows) per chunk. Each chunk is one engine call: a GPU call pays a launch tail as
+    long as its largest option and a few ms of set-up, so GPU backends take chunks ~4000x larger
+    (about a second of one GPU's work; 2**28 nodes measured 10x slower end to end on the H200)."""
+    gpu = resolve_backend(cfg.backend) in ("gpu", "hybrid", "batch")
+    nodes = cfg.chunk_nodes if cfg.chunk_nodes is not None else (GPU_CHUNK_NODES if gpu else CHUNK_NODES)
+    return nodes, GPU_CHUNK_ROWS if gpu else CHUNK_ROWS
+
+
+def _checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
+    """What changes the numbers in a chunk file, or which rows a chunk holds."""
+    nodes, rows = chunk_shape(cfg)
+    return {"tree": cfg.tree, "backend": resolve_backend(cfg.backend), "greeks": cfg.greeks,
+            "richardson": cfg.richardson, "chunk_nodes": float(nodes),
+            "chunk_rows": rows, "chunks": len(grid) - 1}
+
+
+def _check_memory(cfg: RunConfig, portfolio, size: int, node_ranks: int) -> None:
+    analytics = cfg.analytics()
+    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
+    est = memory.estimate(len(portfolio), len(analytics.outputs), size, node_ranks, chunk_shape(cfg)[1],
+                          int(portfolio.steps.max()), 1 + 4 * analytics.greeks + analytics.richardson,
+                          threads, portfolio.tree is not None, cfg.distribute == "bcast")
+    memory.check(est, cfg.input)
 
 
 def _read_and_check(cfg: RunConfig):
@@ -220,7 +315,12 @@ def _check_settings(cfg: RunConfig) -> None:
     for key, value in cfg.engine_overrides().items():
         if not _whole(value) or value < 0:
             raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
-    for key in ("greeks", "richardson"):
+    if cfg.resume and not cfg.checkpoint:
+        raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume)")
+    if cfg.chunk_nodes is not None and (not isinstance(cfg.chunk_nodes, (int, float))
+                                        or isinstance(cfg.chunk_nodes, bool) or not cfg.chunk_nodes >= 1):
+        raise InputError(f"chunk_nodes must be a number >= 1, got {cfg.chunk_nodes!r}")
+    for key in ("greeks", "richardson", "resume"):
         if not isinstance(getattr(cfg, key), bool):
             raise InputError(f"{key} must be true or false, got {getattr(cfg, key)!r}")
 
@@ -236,54 +336,47 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     t_start = time.perf_counter()
     stages = {}
-    expected = launcher_world_size()
-    message = None
-    portfolio = matrix = bounds = input_sha256 = None
+    node_ranks = _node_ranks(comm)
+    plan, status, failure = None, 0, None
     if rank == ROOT:
         try:
-            if expected is not None and expected != size:
-                raise InputError(f"the launcher started {expected} processes but MPI sees a world of "
-                                 f"{size}: mpi4py is linked to a different MPI than the launcher's")
-            if prepare is not None:
-                prepare()
-            portfolio, matrix, input_sha256 = _read_and_check(cfg)
+            plan = _plan(cfg, size, node_ranks, prepare)
         except InputError as exc:
-            message = str(exc)
-            print(f"pricer: error: {message}", file=sys.stderr, flush=True)
-    _verdict(comm, message)
+            status = 2
+            print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
+            status, failure = 1, exc
+    polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
+    _verdict(comm, status)
+    if failure is not None:
+        raise failure
     threads = configure_threads(comm, cfg.threads)
 
-    n = np.array([len(portfolio) if rank == ROOT else 0], dtype=np.int64)
-    comm.Bcast(n, root=ROOT)
-    bounds = np.empty(size + 1, dtype=np.int64)
-    if rank == ROOT:
-        bounds[:] = partition(portfolio.steps, size, cfg.partition)
-    comm.Bcast(bounds, root=ROOT)
+    bounds = _bcast_array(comm, plan.bounds if rank == ROOT else None)
+    cuts = _bcast_array(comm, plan.cuts if rank == ROOT else None)
+    chunk_ids = _bcast_array(comm, plan.chunk_ids if rank == ROOT else None)
     stages["read"] = time.perf_counter() - t_start
 
     t = time.perf_counter()
-    local = distribute(comm, matrix, bounds, cfg.distribute)
+    local = distribute(comm, plan.matrix if rank == ROOT else None, bounds, cfg.distribute)
     stages["distribute"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    columns = columns_from_matrix(local)  # its tree codes were resolved on rank 0
-    engine = get_engine(cfg.backend, **cfg.engine_overrides())
-    analytics = cfg.analytics()
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
     # ids only name options in messages: rank 0 has them; the others use global row numbers (rank 0
     # checked every option already, so no message is expected from them)
-    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    ids = portfolio.id[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
-    outputs = price_with_analytics(engine, columns, cfg.tree, ids, analytics)
-    values = np.empty((hi - lo, len(analytics.outputs)))  # price, then the Greeks, one row per option
-    for j, name in enumerate(analytics.outputs):
-        values[:, j] = outputs[name]
+    ids = plan.ids[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
+    mine = (cuts >= lo) & (cuts <= hi)
+    chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
+              zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
+    values, engine_name = _compute(comm, cfg, local, ids, chunks)
     compute = time.perf_counter() - t
-    comm.Barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
     stages["compute"] = time.perf_counter() - t
 
     t = time.perf_counter()
     full = gather_rows(comm, values, bounds)
-    stats = np.array([compute, local.shape[0], _nodes_priced(columns["steps"], analytics), threads],
+    stats = np.array([compute, local.shape[0],
+                      _nodes_priced(local[:, MATRIX_COLUMNS.index("steps")], cfg.analytics()), threads],
                      dtype=np.float64)
     all_stats = np.empty((size, 4)) if rank == ROOT else None
     comm.Gather(stats, all_stats, root=ROOT)
@@ -292,10 +385,12 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
         return None
 
     t = time.perf_counter()
+    full = plan.assemble(full)
     wall = time.perf_counter() - t_start
-    attrs = {"backend": engine.name, "tree": ",".join(portfolio.trees_used(cfg.tree)), "ranks": size,
+    portfolio, analytics = plan.portfolio, cfg.analytics()
+    attrs = {"backend": engine_name, "tree": ",".join(portfolio.trees_used(cfg.tree)), "ranks": size,
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
-             "utc_time": utc_now(), "input_sha256": input_sha256,
+             "utc_time": utc_now(), "input_sha256": plan.input_sha256,
              "input_path": os.path.abspath(cfg.input)}
     attrs["greeks"], attrs["richardson"] = bool(cfg.greeks), bool(cfg.richardson)
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
@@ -303,9 +398,57 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     extra = {name: full[:, j] for j, name in enumerate(analytics.outputs) if name != "price"}
     write_results(cfg.output, portfolio.id, full[:, 0], attrs, run_stats, extra=extra)
     stages["write"] = time.perf_counter() - t
-    return RunSummary(options=int(n[0]), nodes=float(all_stats[:, 2].sum()), ranks=size,
-                      backend=engine.name, wall=time.perf_counter() - t_start, stages=stages,
-                      analytics=analytics)
+    return RunSummary(options=len(portfolio), nodes=float(all_stats[:, 2].sum()), ranks=size,
+                      backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
+                      analytics=analytics, reused=len(portfolio) - int(bounds[-1]))
+
+
+def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list):
+    """This rank's slice, chunk by chunk (each saved to the checkpoint, if any). A failure here is
+    reported to rank 0, which names the rank and ends the job (pricer/faults.py)."""
+    rank = comm.Get_rank()
+    watch, faults = FailureWatch(comm), planned_faults(rank)
+    checkpoint = Checkpoint(cfg.checkpoint) if cfg.checkpoint else None
+    analytics = cfg.analytics()
+    values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
+    done, engine_name = 0, resolve_backend(cfg.backend)
+    try:
+        engine = get_engine(cfg.backend, **cfg.engine_overrides())
+        engine_name = engine.name
+        for a, b, chunk in chunks:
+            inject(faults, rank, done)
+            watch.poll()
+            outputs = price_with_analytics(engine, columns_from_matrix(local[a:b]), cfg.tree,
+                                           ids[a:b], analytics)
+            for j, name in enumerate(analytics.outputs):
+                values[a:b, j] = outputs[name]
+            if checkpoint is not None:
+                checkpoint.save(chunk, values[a:b])
+            done += 1
+            chunk_delay()
+        inject(faults, rank, done)
+    except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
+        watch.failed(done, exc)
+    watch.barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
+    return values, engine_name
+
+
+def _node_ranks(comm) -> int:
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def _bcast_array(comm, array: np.ndarray | None) -> np.ndarray:
+    """An int64 array of rank 0's, on every rank (its length first, then the buffer)."""
+    length = np.array([len(array) if comm.Get_rank() == ROOT else 0], dtype=np.int64)
+    comm.Bcast(length, root=ROOT)
+    out = np.ascontiguousarray(array, dtype=np.int64) if comm.Get_rank() == ROOT \
+        else np.empty(int(length[0]), dtype=np.int64)
+    comm.Bcast(out, root=ROOT)
+    return out
 
 
 def _nodes_priced(steps: np.ndarray, analytics: Analytics) -> float:

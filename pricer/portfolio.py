@@ -156,7 +156,10 @@ def _read_columns(path: str, f: h5py.File) -> dict:
     schema = g.attrs.get("schema")
     if isinstance(schema, bytes):
         schema = schema.decode("utf-8", "replace")
-    if schema != SCHEMA:
+    # compare only a plain string: an array attribute would compare element-wise (found by fuzzing)
+    if not isinstance(schema, str) or schema != SCHEMA:
+        if isinstance(schema, np.ndarray):
+            schema = f"an array of shape {schema.shape}"
         raise InputError(f"{path}: /{GROUP} attribute schema is {schema!r}, expected {SCHEMA!r}")
     unknown = sorted(set(g.keys()) - set(ALL_COLUMNS))
     if unknown:
