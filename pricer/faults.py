@@ -86,6 +86,9 @@ def polite_barrier(comm) -> None:
         polite_wait(comm, comm.Ibarrier())
 
 
+ABORT_FLUSH = 0.5   # seconds between the last message and MPI_Abort
+
+
 class FailureWatch:
     """Rank 0 listens for failure notices from the other ranks during the compute stage."""
 
@@ -133,6 +136,9 @@ class FailureWatch:
         print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
         if self.comm.Get_size() == 1:
             raise SystemExit(1)
+        # the launcher forwards our stderr asynchronously and drops what is still in flight when
+        # Abort kills the job: seen on a loaded 2-core machine, the message never arrived
+        time.sleep(ABORT_FLUSH)
         self.comm.Abort(1)
 
 
