@@ -4,16 +4,20 @@ A partition is an int64 array `bounds` of length parts + 1: part k owns the cont
 bounds[k]:bounds[k+1] in input order, so gathering the parts in rank order restores input order.
 That is what distributed.py uses (`partition`).
 
-`cost` places the cuts so that the largest part is as small as any contiguous split can make it
-(the exact min-max bottleneck, found by bisection), and within that bottleneck each cut as close as
-possible to k/parts of the total cost. Contiguous parts cannot always get near the bound
+`partition_by_cost` places the cuts so that the largest part is as small as any contiguous split can
+make it (the exact min-max bottleneck, found by bisection), and within that bottleneck each cut as
+close as possible to k/parts of the total cost. Contiguous parts cannot always get near the bound
 max(mean, largest option) that no split of whole options can beat: a few large options that sit
 next to each other must share a part (skewed books at hundreds to thousands of ranks: up to ~16 %
 over the bound, docs/scaling.md). `assign_by_cost` drops contiguity: each rank gets any set of whole
 options (longest-processing-time-first for the large ones, the small ones filling the gaps), returned
 as an `Assignment` — a permutation `order` of the options plus `bounds` into it — which is within
-~0.5 % of the bound on the generated books. Using it needs the caller to send rows `order` and put
-the gathered rows back with `Assignment.restore` (distributed.py does not do that today).
+~0.5 % of the bound on the generated books.
+
+`assign` is what a run uses (distributed.py): `count` and `cost` as contiguous slices, except that
+`cost` switches to `assign_by_cost` where the best contiguous split's largest part is more than
+LPT_GAIN over the largest part of that assignment. The caller sends rows `order` to the ranks and puts
+the gathered rows back with `Assignment.restore`, so results stay in input order either way.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ PARTITIONERS = ("cost", "count")
 # poured, in input order, into the parts below the water level: each part then exceeds its level by
 # less than one small option.
 SMALL = 0.002
+# `cost` leaves input order only for a clear gain: a contiguous split is kept unless whole options
+# placed by assign_by_cost make the largest part more than 1 % smaller.
+LPT_GAIN = 1.01
 
 
 def option_cost(steps: np.ndarray) -> np.ndarray:
@@ -156,6 +163,14 @@ class Assignment:
     order: np.ndarray    # a permutation of range(n), int64
     bounds: np.ndarray   # parts + 1 non-decreasing int64 bounds into `order`
 
+    @classmethod
+    def contiguous(cls, bounds: np.ndarray) -> "Assignment":
+        return cls(order=np.arange(int(bounds[-1]), dtype=np.int64), bounds=np.asarray(bounds, np.int64))
+
+    def in_input_order(self) -> bool:
+        """True when every part is a contiguous slice in input order (no permutation to undo)."""
+        return bool(np.array_equal(self.order, np.arange(self.order.size)))
+
     def owner(self) -> np.ndarray:
         """The part of each option, in input order."""
         owner = np.empty(self.order.size, dtype=np.int64)
@@ -213,6 +228,20 @@ def assign_by_cost(steps: np.ndarray, parts: int, small: float = SMALL) -> Assig
     order = np.argsort(owner, kind="stable").astype(np.int64)
     bounds = np.concatenate(([0], np.cumsum(np.bincount(owner, minlength=parts)))).astype(np.int64)
     return Assignment(order=order, bounds=bounds)
+
+
+def assign(steps: np.ndarray, parts: int, method: str = "cost") -> Assignment:
+    """The options each of `parts` ranks prices (module docstring): `count` and `cost` contiguous,
+    `cost` leaving input order where assign_by_cost does better by more than LPT_GAIN."""
+    bounds = partition(steps, parts, method)
+    contiguous = Assignment.contiguous(bounds)
+    if method != "cost" or parts == 1 or len(steps) == 0:
+        return contiguous
+    largest = part_costs(steps, bounds).max()
+    if largest <= LPT_GAIN * lower_bound(steps, parts):
+        return contiguous    # no assignment of whole options can gain LPT_GAIN here
+    lpt = assign_by_cost(steps, parts)
+    return lpt if largest > LPT_GAIN * lpt.costs(steps).max() else contiguous
 
 
 def _pour(cost: np.ndarray, load: np.ndarray) -> np.ndarray:

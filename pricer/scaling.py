@@ -31,13 +31,15 @@ import numpy as np
 
 from pricer.errors import InputError
 
-STAGES = ("read", "distribute", "compute", "gather", "write")
+STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 RUN_COLUMNS = (("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall") + STAGES
                + ("compute_min", "compute_mean", "compute_max", "imbalance", "options", "nodes",
                   "speedup", "efficiency"))
 SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
                "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
-SIM_PARTITIONERS = ("cost", "count", "lpt")
+# cost: what --partition cost runs (partition.assign); contiguous: its best contiguous split alone;
+# lpt: assign_by_cost alone; count: the seed's equal counts
+SIM_PARTITIONERS = ("cost", "contiguous", "count", "lpt")
 TARGET = 0.02
 COST_MODEL_STEPS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 12800)
 
@@ -320,8 +322,8 @@ def write_outputs(folder: str, stem: str, rows: list[dict], columns, table: list
 
 def simulate_rows(steps: np.ndarray, ranks: list[int]) -> list[dict]:
     """Per rank count and partitioner: largest and mean rank cost against the bounds."""
-    from pricer.partition import (assign_by_cost, lower_bound, option_cost, part_costs, partition,
-                                  whole_option_bound)
+    from pricer.partition import (assign, assign_by_cost, lower_bound, option_cost, part_costs,
+                                  partition, whole_option_bound)
 
     cost = option_cost(steps)
     rows = []
@@ -330,8 +332,10 @@ def simulate_rows(steps: np.ndarray, ranks: list[int]) -> list[dict]:
         for name in SIM_PARTITIONERS:
             if name == "lpt":
                 loads = assign_by_cost(steps, k).costs(steps)
+            elif name == "cost":
+                loads = assign(steps, k, "cost").costs(steps)
             else:
-                loads = part_costs(steps, partition(steps, k, name))
+                loads = part_costs(steps, partition(steps, k, "cost" if name == "contiguous" else name))
             top = float(loads.max())
             rows.append({"ranks": k, "partitioner": name, "options": int(cost.size),
                          "max_cost": top, "mean_cost": float(cost.sum() / k),

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pricer.generate import generate
-from pricer.partition import (PARTITIONERS, assign_by_cost, lower_bound, min_bottleneck,
-                              option_cost, part_costs, partition, partition_by_cost,
-                              partition_by_count, whole_option_bound)
+from pricer.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
+                              min_bottleneck, option_cost, part_costs, partition,
+                              partition_by_cost, partition_by_count, whole_option_bound)
 
 
 def check_bounds(bounds: np.ndarray, n: int, parts: int) -> None:
@@ -202,3 +202,28 @@ def test_whole_option_bound():
     assert whole_option_bound(np.full(10, 1), 4) == 3 * option_cost(np.array([1]))[0]
     steps = np.array([9, 8, 7, 1])
     assert whole_option_bound(steps, 4) == option_cost(steps).max() == lower_bound(steps, 4)
+
+
+def test_assign_keeps_input_order_unless_it_pays():
+    """A run's partition (partition.assign): count and cost stay contiguous where cost's best
+    contiguous split is near the bound, and cost leaves input order for a > LPT_GAIN gain."""
+    uniform = generate("uniform", 10_000, seed=2).steps
+    for method in PARTITIONERS:
+        a = assign(uniform, 64, method)
+        assert a.in_input_order() and np.array_equal(a.bounds, partition(uniform, 64, method))
+    skewed = np.full(200, 40)
+    skewed[-3:] = 1000                    # the 3 large options side by side, at the end
+    a = assign(skewed, 3, "cost")
+    assert not a.in_input_order()
+    best_contiguous = part_costs(skewed, partition(skewed, 3, "cost")).max()
+    assert a.costs(skewed).max() * LPT_GAIN < best_contiguous
+    assert a.costs(skewed).max() <= 1.02 * lower_bound(skewed, 3)
+    assert assign(skewed, 3, "count").in_input_order()
+
+
+@pytest.mark.parametrize("dist", ["random", "skewed"])
+def test_assign_cost_within_two_percent_of_the_bound(dist):
+    steps = generate(dist, 250_000, seed=4).steps
+    for parts in (2, 64, 512, 4096):
+        a = assign(steps, parts, "cost")
+        assert a.costs(steps).max() <= 1.02 * lower_bound(steps, parts), (dist, parts)

@@ -12,8 +12,8 @@ import pytest
 from pricer.generate import generate
 from pricer.partition import option_cost
 from pricer.portfolio import write_portfolio
-from pricer.scaling import (SIM_COLUMNS, launcher_command, main, parse_ranks, parse_summary,
-                            simulate_rows)
+from pricer.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, launcher_command, main, parse_ranks,
+                            parse_summary, simulate_rows)
 
 from helpers import mpiexec
 
@@ -33,7 +33,7 @@ def test_simulate_bounds_and_target(dist):
     cost = option_cost(steps)
     rows = simulate_rows(steps, RANKS)
     assert {(r["ranks"], r["partitioner"]) for r in rows} == {(k, p) for k in RANKS
-                                                              for p in ("cost", "count", "lpt")}
+                                                              for p in SIM_PARTITIONERS}
     for r in rows:
         k = r["ranks"]
         assert r["mean_cost"] == pytest.approx(cost.sum() / k, rel=1e-12)
@@ -42,13 +42,13 @@ def test_simulate_bounds_and_target(dist):
         assert r["bound"] <= r["whole_bound"] <= r["max_cost"] * (1 + 1e-12)
         assert r["max_over_bound"] == pytest.approx(r["max_cost"] / r["bound"])
         assert r["max_cost"] <= r["mean_cost"] + r["largest_option"] or r["partitioner"] == "count"
-        if r["partitioner"] == "lpt":
+        if r["partitioner"] in ("cost", "lpt"):      # issue 6's target
             assert r["max_over_bound"] <= 1.02, r
-        if r["partitioner"] == "cost" and dist != "skewed":
-            assert r["max_over_bound"] <= 1.02, r   # contiguous: skewed books miss it (docs/scaling.md)
+        if r["partitioner"] == "contiguous" and dist != "skewed":
+            assert r["max_over_bound"] <= 1.02, r   # skewed books miss it (docs/scaling.md)
     by = {(r["ranks"], r["partitioner"]): r["max_cost"] for r in rows}
-    for k in RANKS:   # cost is never worse than count (both contiguous; cost is the best such)
-        assert by[(k, "cost")] <= by[(k, "count")]
+    for k in RANKS:   # the best contiguous split is never worse than count; cost never worse than it
+        assert by[(k, "cost")] <= by[(k, "contiguous")] <= by[(k, "count")]
     if dist == "uniform":
         assert all(by[(k, "cost")] == by[(k, "count")] for k in RANKS)
 
@@ -60,10 +60,10 @@ def test_simulate_command(tmp_path, capsys):
     assert main([str(book), "--simulate", "--ranks", "4,1,16,16", "--out", str(out)]) == 0
     rows = read_csv(out / "simulate.csv")
     assert list(rows[0]) == list(SIM_COLUMNS)
-    assert [int(r["ranks"]) for r in rows] == [1, 1, 1, 4, 4, 4, 16, 16, 16]
+    assert [int(r["ranks"]) for r in rows] == [1] * 4 + [4] * 4 + [16] * 4
     assert all(float(r["max_over_bound"]) >= 1 - 1e-9 for r in rows)
     table = (out / "simulate.md").read_text()
-    assert "| ranks | mean / largest option | cost | count | lpt |" in table
+    assert "| ranks | mean / largest option | cost | contiguous | count | lpt |" in table
     assert table in capsys.readouterr().out + "\n"
     assert (out / "simulate.png").exists() == HAVE_MPL
 

@@ -20,7 +20,7 @@ from pricer.distributed import BadInput, RunConfig, run
 from pricer.engines.serial import SerialEngine
 from pricer.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.lattice import TREE_NAMES, lattice_parameters
-from pricer.partition import partition
+from pricer.partition import assign
 from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
 from pricer.results import read_results
 
@@ -114,7 +114,7 @@ def check_results(out: str, portfolio: Portfolio, reference, cfg: RunConfig, sum
         if attrs.get(key) != want:
             errors.append(f"attribute {key} = {attrs.get(key)!r}, expected {want!r}")
     run_group = r["run"]
-    expected = np.diff(partition(portfolio.steps, SIZE, cfg.partition))
+    expected = np.diff(assign(portfolio.steps, SIZE, cfg.partition).bounds)
     if run_group["options"].shape != (SIZE,) or run_group["seconds"].shape != (SIZE,) \
             or run_group["nodes"].shape != (SIZE,):
         errors.append(f"/run does not have one row per rank: {run_group}")
@@ -140,6 +140,26 @@ def test_bitwise_equal_to_one_process(book, shared_dir, request, method, distrib
         errors = check_results(cfg.output, portfolio, reference, cfg, summary)
         if not all(nonroot_summary[1:]):
             errors.append("a rank other than 0 returned a summary")
+    verdict(errors)
+
+
+def test_cost_partition_out_of_input_order(shared_dir, request):
+    """A book whose SIZE largest options sit side by side: no contiguous split gives each its own
+    rank with a share of the small ones, so `cost` places whole options out of input order
+    (partition.assign); the results still come back bitwise equal and in input order."""
+    portfolio = None
+    if RANK == ROOT:
+        portfolio = make_book(77, 200)
+        portfolio.steps[:] = 40
+        portfolio.steps[-SIZE:] = 1000
+    path = write_book(shared_dir, "skewed.h5", portfolio)
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu", threads=1)
+    summary = run(cfg)
+    errors = None
+    if RANK == ROOT:
+        errors = check_results(cfg.output, portfolio, serial_reference(portfolio), cfg, summary)
+        if assign(portfolio.steps, SIZE, "cost").in_input_order():
+            errors.append("this book was meant to leave input order")
     verdict(errors)
 
 
