@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,12 +29,12 @@ from pricer.errors import InputError
 from pricer.faults import FailureWatch, chunk_delay, inject, planned_faults, polite_barrier
 from pricer.greeks import BUMP, Analytics, bumped, check, price_with_analytics, richardson_steps
 from pricer.lattice import lattice_parameters, tree_named
-from pricer.partition import PARTITIONERS, partition
+from pricer.partition import PARTITIONERS, assign
 from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
 from pricer.results import check_output_path, sha256_of_file, utc_now, write_results
 
 DISTRIBUTIONS = ("scatter", "bcast")
-STAGES = ("read", "distribute", "compute", "gather", "write")
+STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 ROOT = 0
 
 
@@ -189,7 +190,7 @@ class Plan:
     input_sha256: str
     matrix: np.ndarray      # rows to price (all, or a resume's missing chunks), in input order
     ids: np.ndarray         # their ids
-    todo: np.ndarray | None  # their row numbers in the portfolio (None: all rows)
+    todo: np.ndarray | None  # their row numbers in the portfolio (None: all rows in input order)
     bounds: np.ndarray      # rank r prices matrix rows bounds[r]:bounds[r+1]
     cuts: np.ndarray        # chunk boundaries in matrix rows (every bound is one)
     chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1 without checkpoint)
@@ -217,12 +218,9 @@ def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
         prepare()
     portfolio, matrix, input_sha256 = _read_and_check(cfg)
     _check_memory(cfg, portfolio, size, node_ranks)
-    grid = chunk_grid(portfolio.steps, *chunk_shape(cfg))
     if not cfg.checkpoint:
-        bounds = partition(portfolio.steps, size, cfg.partition)
-        cuts = np.union1d(grid, bounds)
-        return Plan(portfolio, input_sha256, matrix, portfolio.id, None, bounds, cuts,
-                    np.full(len(cuts) - 1, -1), [], None)
+        return _plan_whole(cfg, portfolio, matrix, input_sha256, size)
+    grid = chunk_grid(portfolio.steps, *chunk_shape(cfg))
     checkpoint = Checkpoint(cfg.checkpoint)
     checkpoint.open(input_sha256, _checkpoint_settings(cfg, grid), cfg.resume)
     outputs = len(cfg.analytics().outputs)
@@ -237,6 +235,20 @@ def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
     return Plan(portfolio, input_sha256, np.ascontiguousarray(matrix[todo]), portfolio.id[todo],
                 todo, bounds, cuts, missing.astype(np.int64), reuse, checkpoint)
+
+
+def _plan_whole(cfg: RunConfig, portfolio, matrix: np.ndarray, input_sha256: str, size: int) -> Plan:
+    """Every row priced; each rank's rows as partition.assign places them: contiguous slices, or
+    whole options in another order (then rows travel in that order and Plan.assemble undoes it)."""
+    assignment = assign(portfolio.steps, size, cfg.partition)
+    if assignment.in_input_order():
+        todo, rows, ids, steps = None, matrix, portfolio.id, portfolio.steps
+    else:
+        todo = assignment.order
+        rows, ids, steps = np.ascontiguousarray(matrix[todo]), portfolio.id[todo], portfolio.steps[todo]
+    cuts = np.union1d(chunk_grid(steps, *chunk_shape(cfg)), assignment.bounds)
+    return Plan(portfolio, input_sha256, rows, ids, todo, assignment.bounds, cuts,
+                np.full(len(cuts) - 1, -1), [], None)
 
 
 def chunk_shape(cfg: RunConfig) -> tuple[float, int]:
@@ -269,15 +281,19 @@ def _read_and_check(cfg: RunConfig):
     """Rank 0 only: everything that can be wrong with the input, found before any work."""
     _check_settings(cfg)
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
-    portfolio = read_portfolio(cfg.input)
-    input_sha256 = sha256_of_file(cfg.input)
-    matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
-    cols = columns_from_matrix(matrix)
-    try:
-        lattice_parameters(cols, cfg.tree, ids=portfolio.id)
-        _check_analytics(cols, cfg, portfolio.id)
-    except InputError as exc:
-        raise InputError(f"{cfg.input}: {exc}") from None
+    # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
+    # file reads release the GIL, and on a large input it is a fifth of rank 0's read stage
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest = pool.submit(sha256_of_file, cfg.input)
+        portfolio = read_portfolio(cfg.input)
+        matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
+        cols = columns_from_matrix(matrix)
+        try:
+            lattice_parameters(cols, cfg.tree, ids=portfolio.id)
+            _check_analytics(cols, cfg, portfolio.id)
+        except InputError as exc:
+            raise InputError(f"{cfg.input}: {exc}") from None
+        input_sha256 = digest.result()
     return portfolio, matrix, input_sha256
 
 
@@ -369,9 +385,10 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     mine = (cuts >= lo) & (cuts <= hi)
     chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
               zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
-    values, engine_name = _compute(comm, cfg, local, ids, chunks)
-    compute = time.perf_counter() - t
-    stages["compute"] = time.perf_counter() - t
+    values, engine_name, setup = _compute(comm, cfg, local, ids, chunks)
+    compute = time.perf_counter() - t - setup
+    stages["setup"] = setup
+    stages["compute"] = compute
 
     t = time.perf_counter()
     full = gather_rows(comm, values, bounds)
@@ -411,9 +428,9 @@ def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: l
     checkpoint = Checkpoint(cfg.checkpoint) if cfg.checkpoint else None
     analytics = cfg.analytics()
     values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
-    done, engine_name = 0, resolve_backend(cfg.backend)
+    done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
     try:
-        engine = get_engine(cfg.backend, **cfg.engine_overrides())
+        engine, setup = _set_up_engine(cfg, local)
         engine_name = engine.name
         for a, b, chunk in chunks:
             inject(faults, rank, done)
@@ -430,7 +447,19 @@ def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: l
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         watch.failed(done, exc)
     watch.barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
-    return values, engine_name
+    return values, engine_name, setup
+
+
+def _set_up_engine(cfg: RunConfig, local: np.ndarray):
+    """This rank's engine, with its one-time set-up (GPU context, kernels, buffers) done and timed
+    apart from the pricing, so that a scaling study shows what does not shrink with more ranks."""
+    start = time.perf_counter()
+    engine = get_engine(cfg.backend, **cfg.engine_overrides())
+    prepare = getattr(engine, "prepare", None)
+    if prepare is not None and local.shape[0]:
+        steps = local[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+        prepare(steps, levels=cfg.greeks)
+    return engine, time.perf_counter() - start
 
 
 def _node_ranks(comm) -> int:

@@ -185,6 +185,21 @@ class BatchEngine:
             self._hybrid = GpuEngine("hybrid", **self._hybrid_overrides)
         return self._hybrid
 
+    def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
+        """The one-time set-up for options with these steps, done before pricing so that it can be
+        timed on its own (distributed.py's `setup` stage): the CUDA context, the kernels of the
+        classes they need, and the page-locked and device buffers of the largest chunk."""
+        if lattice_nodes(steps).sum() <= self.cpu_max_nodes:
+            return
+        narrow = steps[steps <= MAX_STEPS]
+        if narrow.size:
+            schedule = plan(narrow, self.runner.chunk_options)
+            for cls in sorted({launch.cls for chunk in schedule.chunks for launch in chunk.launches}):
+                self.runner.function(cls)
+            self.runner._ensure_buffers(max(c.size for c in schedule.chunks), levels)
+        if narrow.size < steps.size:
+            self.hybrid()
+
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         out = np.empty(len(params))
