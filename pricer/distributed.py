@@ -74,6 +74,7 @@ class RunSummary:
     stages: dict = field(default_factory=dict)
     analytics: Analytics = Analytics()
     reused: int = 0  # options read back from the checkpoint instead of priced
+    engine_start: float = 0.0  # rank 0's engine start (GPU context), beside its read
 
     def lines(self) -> list[str]:
         rate = self.nodes / self.wall if self.wall > 0 else float("nan")
@@ -83,9 +84,12 @@ class RunSummary:
         extras = f" with {' and '.join(extras)}" if extras else ""
         if self.reused:
             extras += f" ({self.reused} of them from the checkpoint)"
-        return [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
-                f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
-                f"stages: {stages}"]
+        lines = [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
+                 f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
+                 f"stages: {stages}"]
+        if self.engine_start >= 0.01:
+            lines.append(f"engine started beside the read in {self.engine_start:.3f}s")
+        return lines
 
 
 class BadInput(SystemExit):
@@ -354,14 +358,19 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     stages = {}
     node_ranks = _node_ranks(comm)
     plan, status, failure = None, 0, None
-    if rank == ROOT:
-        try:
-            plan = _plan(cfg, size, node_ranks, prepare)
-        except InputError as exc:
-            status = 2
-            print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
-        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
-            status, failure = 1, exc
+    # rank 0 reads in a second thread while every rank starts its engine (a GPU context: ~0.2 s
+    # that does not shrink with more ranks, so it goes beside the read rather than after it)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        planned = pool.submit(_plan, cfg, size, node_ranks, prepare) if rank == ROOT else None
+        started = _start_engine(cfg)
+        if rank == ROOT:
+            try:
+                plan = planned.result()
+            except InputError as exc:
+                status = 2
+                print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
+            except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
+                status, failure = 1, exc
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
     _verdict(comm, status)
     if failure is not None:
@@ -385,7 +394,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     mine = (cuts >= lo) & (cuts <= hi)
     chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
               zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
-    values, engine_name, setup = _compute(comm, cfg, local, ids, chunks)
+    values, engine_name, setup = _compute(comm, cfg, local, ids, chunks, started)
     compute = time.perf_counter() - t - setup
     stages["setup"] = setup
     stages["compute"] = compute
@@ -417,10 +426,30 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     stages["write"] = time.perf_counter() - t
     return RunSummary(options=len(portfolio), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
-                      analytics=analytics, reused=len(portfolio) - int(bounds[-1]))
+                      analytics=analytics, reused=len(portfolio) - int(bounds[-1]),
+                      engine_start=started.seconds)
 
 
-def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list):
+@dataclass
+class StartedEngine:
+    """An engine made before the input was read, or why it could not be made (raised only once
+    pricing starts, so that a failure goes through FailureWatch like any other)."""
+    engine: object = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
+def _start_engine(cfg: RunConfig) -> StartedEngine:
+    start = time.perf_counter()
+    try:
+        engine = get_engine(cfg.backend, **cfg.engine_overrides())
+    except Exception as exc:  # noqa: BLE001 - bad settings are named by rank 0's checks instead
+        return StartedEngine(error=exc, seconds=time.perf_counter() - start)
+    return StartedEngine(engine=engine, seconds=time.perf_counter() - start)
+
+
+def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list,
+             started: StartedEngine):
     """This rank's slice, chunk by chunk (each saved to the checkpoint, if any). A failure here is
     reported to rank 0, which names the rank and ends the job (pricer/faults.py)."""
     rank = comm.Get_rank()
@@ -430,8 +459,10 @@ def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: l
     values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
     done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
     try:
-        engine, setup = _set_up_engine(cfg, local)
-        engine_name = engine.name
+        if started.error is not None:
+            raise started.error
+        engine, engine_name = started.engine, started.engine.name
+        setup = _prepare_engine(engine, cfg, local)
         for a, b, chunk in chunks:
             inject(faults, rank, done)
             watch.poll()
@@ -450,16 +481,15 @@ def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: l
     return values, engine_name, setup
 
 
-def _set_up_engine(cfg: RunConfig, local: np.ndarray):
-    """This rank's engine, with its one-time set-up (GPU context, kernels, buffers) done and timed
-    apart from the pricing, so that a scaling study shows what does not shrink with more ranks."""
+def _prepare_engine(engine, cfg: RunConfig, local: np.ndarray) -> float:
+    """The rest of the engine's one-time set-up for this slice (the kernels and buffers it needs),
+    timed apart from the pricing so that a scaling study shows what does not shrink with more ranks."""
     start = time.perf_counter()
-    engine = get_engine(cfg.backend, **cfg.engine_overrides())
     prepare = getattr(engine, "prepare", None)
     if prepare is not None and local.shape[0]:
         steps = local[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
         prepare(steps, levels=cfg.greeks)
-    return engine, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _node_ranks(comm) -> int:
