@@ -440,9 +440,14 @@ class StartedEngine:
 
 
 def _start_engine(cfg: RunConfig) -> StartedEngine:
+    """The engine, warmed up where it can be (BatchEngine.warm_up; PRICER_WARM_START=0 skips it,
+    for measurements)."""
     start = time.perf_counter()
     try:
         engine = get_engine(cfg.backend, **cfg.engine_overrides())
+        warm_up = getattr(engine, "warm_up", None)
+        if warm_up is not None and os.environ.get("PRICER_WARM_START", "1") != "0":
+            warm_up()
     except Exception as exc:  # noqa: BLE001 - bad settings are named by rank 0's checks instead
         return StartedEngine(error=exc, seconds=time.perf_counter() - start)
     return StartedEngine(engine=engine, seconds=time.perf_counter() - start)

@@ -495,3 +495,21 @@ def test_cpu_matches_reference(reference, two_threads):
     assert CpuEngine.level_parallel(params.steps[:1], 2).all()
     check_against_reference(CPU, reference, np.arange(270))
     check_against_reference(CPU, reference, np.arange(270), one_by_one=True)
+
+
+def test_each_rank_sees_its_own_gpu_unless_the_launcher_chose():
+    """engines.show_each_rank_its_gpu: local rank mod GPUs, only where nothing was chosen."""
+    from pricer.engines import show_each_rank_its_gpu
+    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "5"}
+    show_each_rank_its_gpu(env, gpus=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = {"SLURM_LOCALID": "2"}
+    show_each_rank_its_gpu(env, gpus=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2"
+    for env, gpus in (({"MPI_LOCALRANKID": "1", "CUDA_VISIBLE_DEVICES": "3"}, 4),  # launcher's
+                      ({"MPI_LOCALRANKID": "1", "PRICER_GPU_PIN": "0"}, 4),        # switched off
+                      ({}, 4),                                                     # no local rank
+                      ({"MPI_LOCALRANKID": "1"}, 1)):                              # one GPU
+        before = dict(env)
+        show_each_rank_its_gpu(env, gpus=gpus)
+        assert env == before

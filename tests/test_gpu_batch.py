@@ -49,6 +49,16 @@ def test_mixed_portfolio_with_options_wider_than_every_class(rng):
     np.testing.assert_allclose(got[wide], ref[wide], rtol=1e-9)      # hybrid's own tolerance (issue 3)
 
 
+def test_warm_up_launches_every_class_and_leaves_prices_alone(rng):
+    """distributed.py warms the engine up while rank 0 reads: every class once, then real work."""
+    from pricer.engines.batch_plan import CLASSES
+    engine = batch_engine()
+    engine.warm_up()
+    assert sorted(engine.runner._functions) == list(range(len(CLASSES)))
+    p = options(rng, rng.integers(1, MAX_STEPS + 1, 64))
+    assert_close(engine.price(p), CpuEngine().price(p), p, "after warm_up")
+
+
 def test_one_step_options(rng):
     p = every_kind(rng, [1] * 8)
     assert_close(batch_engine().price(p), CpuEngine().price(p), p, "N = 1")

@@ -7,6 +7,7 @@ option, in the order given). Engines never see ids, files or MPI.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import importlib.util
 import os
@@ -67,12 +68,29 @@ AUTO_CPU_MAX_STEPS = 500
 AUTO_CPU_MAX_NODES = 2_000_000
 
 
+def show_each_rank_its_gpu(environ=os.environ, gpus: int | None = None) -> None:
+    """On a node with several GPUs, where the launcher set no CUDA_VISIBLE_DEVICES, show this rank
+    only GPU (local rank mod GPUs) — the one GpuRuntime would pick — before CUDA starts: otherwise
+    every rank's CUDA start sets up every GPU of the node, and the ranks queue for the driver
+    (engine start 0.44 s at 1 rank, 0.86 s at 4 on a 4 x H200 node, docs/performance.md).
+    PRICER_GPU_PIN=0 leaves the variable alone."""
+    if "CUDA_VISIBLE_DEVICES" in environ or environ.get("PRICER_GPU_PIN", "1") == "0":
+        return
+    from pricer.engines.gpu import launcher_local_rank
+    local = launcher_local_rank(environ)
+    if gpus is None:   # the driver's list: counting the GPUs must not start CUDA
+        gpus = len(glob.glob("/proc/driver/nvidia/gpus/*"))
+    if local is not None and gpus > 1:
+        environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
     """True if the GPU backends can run here: pycuda importable, a CUDA device visible, nvcc found.
     Cheap (no context is created); PRICER_NO_GPU=1 says no."""
     if os.environ.get("PRICER_NO_GPU", "") not in ("", "0"):
         return False
+    show_each_rank_its_gpu()
     if importlib.util.find_spec("pycuda") is None:
         return False
     if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from pricer.engines.batch_plan import (CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS, ROW_FIELDS,
-                                       fill_rows, options_per_block, plan)
+from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS,
+                                       ROW_FIELDS, fill_rows, options_per_block, plan)
 from pricer.engines.serial import LEVEL_VALUES
-from pricer.lattice import LatticeParams
+from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
 
 
@@ -184,6 +184,19 @@ class BatchEngine:
             from pricer.engines.gpu import GpuEngine
             self._hybrid = GpuEngine("hybrid", **self._hybrid_overrides)
         return self._hybrid
+
+    def warm_up(self) -> None:
+        """Every kernel class launched once, on one option at the bottom of its class (at most
+        ~1e8 nodes): CUDA loads a kernel at its first launch, and an idle GPU raises its clocks at
+        its first work. distributed.py does this while rank 0 reads the input, so neither cost
+        falls in the timed pricing."""
+        steps = np.concatenate(([1], CAPACITY[:-1])).astype(np.int64)
+        count = steps.size
+        cols = dict(spot=np.full(count, 100.0), strike=np.full(count, 100.0),
+                    maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
+                    volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
+                    american=np.ones(count, bool))
+        self.runner.price(lattice_parameters(cols, "crr"), np.arange(count))
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The one-time set-up for options with these steps, done before pricing so that it can be

@@ -171,8 +171,25 @@ class GpuConfig:
 # ---------------------------------------------------------------------------------------------
 # Process-wide CUDA runtime (one context per process).
 
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK",
+                        "PMI_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def launcher_local_rank(environ=os.environ) -> int | None:
+    """This process's rank on its node as the launcher (Open MPI, MPICH's hydra, Slurm) says, or None."""
+    for var in LOCAL_RANK_VARIABLES:
+        value = environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def local_rank() -> int:
-    """This process's rank among the processes of its node."""
+    """This process's rank among the processes of its node: the launcher's word first (no MPI call,
+    so it cannot wait on a rank that failed before asking), else a node communicator."""
+    from_launcher = launcher_local_rank()
+    if from_launcher is not None:
+        return from_launcher
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None:
         try:
@@ -182,13 +199,8 @@ def local_rank() -> int:
                     return node.Get_rank()
                 finally:
                     node.Free()
-        except Exception:  # pragma: no cover - fall back to the launcher's environment
+        except Exception:  # pragma: no cover
             pass
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK", "PMI_LOCAL_RANK",
-                "SLURM_LOCALID"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
     return 0
 
 
