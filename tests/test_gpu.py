@@ -19,7 +19,7 @@ import pytest
 from pricer.engines import gpu_available
 from pricer.engines.cpu import CpuEngine
 from pricer.engines.gpu import MODES, GpuConfig, GpuEngine, NumpyKernels, batch_class, local_rank
-from pricer.engines.serial import SerialEngine
+from pricer.engines.serial import SerialEngine, power_tables
 from pricer.lattice import lattice_parameters
 
 # A small configuration whose thresholds and tile widths are cheap to straddle.
@@ -110,6 +110,30 @@ def test_emulated_kernels_equal_serial(mode, config, rng):
     ref = SerialEngine().price(p)
     # same tables, same operations in the same order: bitwise
     np.testing.assert_array_equal(got, ref)
+
+
+def test_blocks_skipped_for_exercise_never_exercise(rng):
+    """may_exercise (cuda/binomial.cu, mirrored by NumpyKernels) lets a tile run the European body
+    only where no stored node of its k steps has a positive exercise value; and it does skip
+    (about half the tiles of an at-the-money option lie beyond the strike)."""
+    width, k = 128, 50
+    skipped = 0
+    for j in range(40):
+        p = options(rng, [int(rng.integers(k + 1, 3000))], american=True)
+        n, sign, strike = int(p.steps[0]), (1.0 if p.call[0] else -1.0), float(p.strike[0])
+        lb, r = np.empty(n + 1), np.empty(n + 1)
+        power_tables(p.spot[0], p.log_up[0], p.log_down[0], n, lb, r)
+        t = int(rng.integers(k, n + 1))
+        out_w = width - k
+        first = np.arange((t - k + 1 + out_w - 1) // out_w) * out_w
+        may = NumpyKernels._may_exercise(lb, r, t, k, first, width, strike, sign)
+        for b in np.flatnonzero(~may):
+            for s in range(1, k + 1):
+                nodes = np.arange(first[b], min(first[b] + width - s, t - s + 1))  # feed the stored ones
+                exercise = sign * lb[t - s] * r[nodes] - sign * strike
+                assert (exercise <= 0.0).all(), (j, b, s)
+        skipped += int((~may).sum())
+    assert skipped > 0
 
 
 def test_emulated_batch_equals_serial(rng):

@@ -490,18 +490,36 @@ class NumpyKernels:
         v = np.where(inside, vin[gi], 0.0)
         rr = np.where(inside, r[gi], 0.0) if american else np.zeros_like(v)
         mstrike = -sign * strike
+        exercised = american & self._may_exercise(lb, r, t, k, np.arange(blocks) * out_w, width,
+                                                   strike, sign)[:, None]
         for s in range(1, k + 1):
             up = np.empty_like(v)
             up[:, :-1] = v[:, 1:]
             # the last node's neighbour: lane 31's own v[0] (shuffle) or the zeroed halo slot
             up[:, -1] = v[:, width - vt] if warp else 0.0
-            v = self._node(pu, pd, up, v, sign * lb[t - s], rr, mstrike, american)
+            hold = self._node(pu, pd, up, v, 0.0, rr, mstrike, False)
+            v = (np.where(exercised, self._node(pu, pd, up, v, sign * lb[t - s], rr, mstrike, True),
+                          hold) if american else hold)
         keep = (np.arange(width)[None, :] < out_w) & (g <= t - k)
         written = g[keep]
         # on the GPU the blocks run in any order: every output node written exactly once
         if written.size != t - k + 1 or not np.array_equal(np.sort(written), np.arange(t - k + 1)):
             raise AssertionError(f"tiles write {written.size} nodes for a level of {t - k + 1}")
         vout[written] = v[keep]
+
+    @staticmethod
+    def _may_exercise(lb, r, t, k, first, width, strike, sign):
+        """cuda/binomial.cu may_exercise, per block: blocks that cannot exercise in these k steps
+        run the European body there."""
+        last = np.minimum(first + width - 1, t)
+        inside = first <= t
+        l_a, l_b = lb[max(t - 1, 0)], lb[max(t - k, 0)]
+        r_a, r_b = r[np.where(inside, first, 0)], r[np.where(inside, last, 0)]
+        if sign < 0.0:
+            may = min(l_a, l_b) * np.minimum(r_a, r_b) < strike * (1.0 + 1e-9)
+        else:
+            may = max(l_a, l_b) * np.maximum(r_a, r_b) > strike * (1.0 - 1e-9)
+        return inside & may
 
     def batch(self, p: LatticeParams, rows: np.ndarray) -> np.ndarray:
         h = batch_inputs(p, rows)
