@@ -31,6 +31,7 @@ from pricer.greeks import BUMP, Analytics, bumped, check, price_with_analytics, 
 from pricer.lattice import lattice_parameters, tree_named
 from pricer.partition import PARTITIONERS, assign
 from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
+from pricer.progress import Progress
 from pricer.results import check_output_path, sha256_of_file, utc_now, write_results
 
 DISTRIBUTIONS = ("scatter", "bcast")
@@ -56,6 +57,7 @@ class RunConfig:
     resume: bool = False      # price only the chunks the checkpoint does not hold yet
     chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
                                       # None: by backend, see chunk_shape)
+    progress: bool = True     # rank 0 shows the ranks' progress on stderr (progress.py; --quiet: off)
 
     def engine_overrides(self) -> dict:
         return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
@@ -75,6 +77,7 @@ class RunSummary:
     analytics: Analytics = Analytics()
     reused: int = 0  # options read back from the checkpoint instead of priced
     engine_start: float = 0.0  # rank 0's engine start (GPU context), beside its read
+    notes: list = field(default_factory=list)  # e.g. chunks shrunk to fit the GPUs' memory
 
     def lines(self) -> list[str]:
         rate = self.nodes / self.wall if self.wall > 0 else float("nan")
@@ -89,7 +92,7 @@ class RunSummary:
                  f"stages: {stages}"]
         if self.engine_start >= 0.01:
             lines.append(f"engine started beside the read in {self.engine_start:.3f}s")
-        return lines
+        return lines + list(self.notes)
 
 
 class BadInput(SystemExit):
@@ -372,10 +375,24 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
             except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
                 status, failure = 1, exc
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
+    # every rank's GPU memory, measured now that every engine has started, to rank 0, which fits
+    # every rank's share to it or refuses the run before the verdict (memory.py, device memory)
+    infos = comm.gather(memory.device_info(started.engine), root=ROOT)
+    fitted = None
+    if rank == ROOT and status == 0:
+        try:
+            fitted = _fit_devices(cfg, plan, started.engine, infos)
+        except InputError as exc:
+            status = 2
+            print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
+            status, failure = 1, exc
     _verdict(comm, status)
     if failure is not None:
         raise failure
     threads = configure_threads(comm, cfg.threads)
+    device = _bcast_array(comm, (fitted.settings if fitted is not None else np.zeros(size))
+                          if rank == ROOT else None)
 
     bounds = _bcast_array(comm, plan.bounds if rank == ROOT else None)
     cuts = _bcast_array(comm, plan.cuts if rank == ROOT else None)
@@ -394,7 +411,11 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     mine = (cuts >= lo) & (cuts <= hi)
     chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
               zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
-    values, engine_name, setup = _compute(comm, cfg, local, ids, chunks, started)
+    # every rank reports its finished chunks; rank 0 shows them against all the nodes to price
+    tracker = Progress(comm, cfg.progress, cuts, bounds, _nodes_priced(
+        plan.matrix[:, MATRIX_COLUMNS.index("steps")], cfg.analytics()) if rank == ROOT else 0.0)
+    values, engine_name, setup = _compute(comm, cfg, local, ids, chunks, started, int(device[rank]),
+                                          progress=tracker)
     compute = time.perf_counter() - t - setup
     stages["setup"] = setup
     stages["compute"] = compute
@@ -427,7 +448,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     return RunSummary(options=len(portfolio), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
                       analytics=analytics, reused=len(portfolio) - int(bounds[-1]),
-                      engine_start=started.seconds)
+                      engine_start=started.seconds, notes=fitted.notes if fitted else [])
 
 
 @dataclass
@@ -454,36 +475,75 @@ def _start_engine(cfg: RunConfig) -> StartedEngine:
 
 
 def _compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list,
-             started: StartedEngine):
+             started: StartedEngine, device: int = 0, progress: Progress | None = None):
     """This rank's slice, chunk by chunk (each saved to the checkpoint, if any). A failure here is
-    reported to rank 0, which names the rank and ends the job (pricer/faults.py)."""
+    reported to rank 0, which names the rank and ends the job (pricer/faults.py). `device` is rank
+    0's fit of this rank's GPU memory (0: as it is; batch: chunk_options; gpu/hybrid: the most
+    bytes of batch-kernel arrays per engine call, so a chunk may be priced in several calls)."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
     checkpoint = Checkpoint(cfg.checkpoint) if cfg.checkpoint else None
     analytics = cfg.analytics()
     values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
     done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
+    progress = progress or Progress()
     try:
         if started.error is not None:
             raise started.error
         engine, engine_name = started.engine, started.engine.name
+        profile = memory.device_profile(engine) if device else None
+        if profile is not None and profile.backend == "batch":
+            engine.runner.chunk_options = device   # before prepare() sizes the buffers
         setup = _prepare_engine(engine, cfg, local)
+        progress.start()
         for a, b, chunk in chunks:
             inject(faults, rank, done)
             watch.poll()
-            outputs = price_with_analytics(engine, columns_from_matrix(local[a:b]), cfg.tree,
-                                           ids[a:b], analytics)
-            for j, name in enumerate(analytics.outputs):
-                values[a:b, j] = outputs[name]
+            for c, d in _engine_calls(profile, device, local, a, b, analytics):
+                outputs = price_with_analytics(engine, columns_from_matrix(local[c:d]), cfg.tree,
+                                               ids[c:d], analytics)
+                for j, name in enumerate(analytics.outputs):
+                    values[c:d, j] = outputs[name]
             if checkpoint is not None:
                 checkpoint.save(chunk, values[a:b])
             done += 1
+            if progress.enabled:
+                progress.chunk_done(_nodes_priced(local[a:b, MATRIX_COLUMNS.index("steps")], analytics))
             chunk_delay()
         inject(faults, rank, done)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         watch.failed(done, exc)
-    watch.barrier()  # so that rank 0's "gather" is the gather, not the wait for the slowest rank
+    # so that rank 0's "gather" is the gather, not the wait for the slowest rank (it shows the
+    # progress meanwhile)
+    watch.barrier(idle=progress.poll)
+    progress.finish()
     return values, engine_name, setup
+
+
+def _engine_calls(profile, budget: int, local: np.ndarray, a: int, b: int, analytics) -> list:
+    """Rows a:b in one engine call, or for gpu/hybrid under a device budget in consecutive calls
+    whose batch-kernel arrays fit it (an option's price does not depend on its call)."""
+    if profile is None or profile.backend == "batch":
+        return [(a, b)]
+    steps = local[a:b, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+    cuts = a + memory.split_calls(memory.gpu_call_bytes(profile, steps, analytics), budget)
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+
+
+def _fit_devices(cfg: RunConfig, plan: Plan, engine, infos: list):
+    """Rank 0: memory.fit_devices for every rank's share, with rank 0's engine settings (every
+    rank runs the same backend with the same settings); None where no rank measured a GPU."""
+    profile = memory.device_profile(engine)
+    if profile is None or all(info is None for info in infos):
+        return None
+    steps = plan.matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+    shares = []
+    for r in range(len(infos)):
+        lo, hi = int(plan.bounds[r]), int(plan.bounds[r + 1])
+        first, last = np.searchsorted(plan.cuts, [lo, hi])   # bounds are cuts
+        cuts = plan.cuts[first:last + 1] - lo
+        shares.append((steps[lo:hi], cuts, plan.ids[lo:hi]))
+    return memory.fit_devices(profile, infos, shares, cfg.analytics(), cfg.input)
 
 
 def _prepare_engine(engine, cfg: RunConfig, local: np.ndarray) -> float:
