@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from pricer.engines.cpu import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
-from pricer.engines.serial import SerialEngine
+from pricer.engines.serial import (LEVEL_VALUES, PAIR_MAX_STEPS, SerialEngine,
+                                   backward_keeping_levels, power_tables, terminal_values)
 from pricer.errors import InputError
 from pricer.generate import generate
 from pricer.lattice import lattice_parameters
@@ -317,6 +318,45 @@ def test_serial_and_cpu_bitwise_equal(rng, two_threads):
     # the engines price the options they are given, in that order
     order = rng.permutation(n)
     assert bitwise_equal(CPU.price(params.take(order)), serial[order])
+
+
+def price_alone(params, levels: np.ndarray) -> np.ndarray:
+    """Each option on its own through the plain kernels (power_tables, terminal_values,
+    backward_keeping_levels: what the GPU engines' CPU tail and the cpu engine's wide path run)."""
+    out = np.empty(len(params))
+    for k in range(len(params)):
+        n = int(params.steps[k])
+        values, level_base, ratio = np.empty(n + 1), np.empty(n + 1), np.empty(n + 1)
+        sign = 1.0 if params.call[k] else -1.0
+        power_tables(params.spot[k], params.log_up[k], params.log_down[k], n, level_base, ratio)
+        terminal_values(values, n, params.strike[k], sign, level_base, ratio)
+        backward_keeping_levels(values, n, params.strike[k], sign, params.american[k], params.pu[k],
+                                params.pd[k], level_base, ratio, levels, k)
+        out[k] = values[0]
+    return out
+
+
+def test_options_priced_in_pairs_bitwise_equal_alone(rng):
+    """The engines price two lattices at a time in 8-wide vectors, past each level's end, from
+    PAIR_MAX_STEPS down (serial.advance_pair): every price and first-levels value must be the one
+    the option gets alone, whatever its partner (N below 2, below and above PAIR_MAX_STEPS, call or
+    put, American or European, any N mod 8)."""
+    n = 75   # odd: the last option has no partner
+    cols = random_market(rng, n, steps=(1, PAIR_MAX_STEPS + 700))
+    cols["volatility"] = np.maximum(cols["volatility"], 0.35)  # p in (0, 1) at N = 1
+    cols["steps"][:20] = rng.permutation([1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 63, 64,
+                                          65, PAIR_MAX_STEPS - 1, PAIR_MAX_STEPS, PAIR_MAX_STEPS + 1])
+    order = rng.permutation(n)
+    params = lattice_parameters({k: v[order] for k, v in cols.items()})
+    alone_levels = np.empty((n, LEVEL_VALUES))
+    alone = price_alone(params, alone_levels)
+    assert bitwise_equal(SERIAL.price(params), alone)
+    for engine in (SERIAL, CPU):
+        levels = np.empty((n, LEVEL_VALUES))
+        assert bitwise_equal(engine.price(params, levels), alone), engine.name
+        assert bitwise_equal(levels, alone_levels), engine.name
+    shuffled = rng.permutation(n)   # other partners
+    assert bitwise_equal(SERIAL.price(params.take(shuffled)), alone[shuffled])
 
 
 def test_level_parallel_chunks_bitwise_equal(rng):

@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.engines.serial import (advance, backward_keeping_levels, kernel_arguments, level_array,
-                                   power_tables, price_range, terminal_values)
+                                   power_tables, price_here, price_range, terminal_values)
 from pricer.lattice import LatticeParams
 from pricer.partition import option_cost, partition_by_cost
 
@@ -82,13 +82,19 @@ class CpuEngine:
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        threads = numba.get_num_threads()
-        out = np.empty(len(params))
+        # One thread, or one option too narrow to share its levels: the serial kernel, called
+        # straight away. An N = 100 option is ~2 us of work; asking numba for its thread count
+        # takes ~1.3 us, and the cost model and partition below several more.
+        one_small = params.steps.size == 1 and params.steps[0] < LEVEL_PARALLEL_MIN_STEPS
+        threads = 1 if one_small else numba.get_num_threads()
+        if threads < 2:
+            return price_here(params, levels)
         lv = level_array(levels)
+        out = np.empty(len(params))
         wide = self.level_parallel(params.steps, threads)
         narrow = np.flatnonzero(~wide).astype(np.int64)
         groups = min(threads, narrow.size)
-        if groups == 1:  # no parallel region (and no partition) for one option or one thread
+        if groups == 1:  # no parallel region (and no partition) for one option
             price_range(*kernel_arguments(params), narrow, out, lv)
         elif groups > 1:
             bounds = partition_by_cost(params.steps[narrow], groups)
