@@ -1,13 +1,15 @@
 """The `pricer` command: price, run, generate, info, bench, calibrate, scaling (also `python -m pricer`).
 
-Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else. Under
-MPI an unexpected exception on any rank aborts the whole job rather than leaving the others waiting.
+Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else (SIGTERM
+included). Under MPI an unexpected exception on any rank aborts the whole job rather than leaving the
+others waiting.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from pricer import __version__
@@ -77,7 +79,8 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
                    help="lattice nodes per chunk, the unit of checkpoints and failure checks "
                         "(default 2**28)")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--quiet", action="store_true",
+                   help="print nothing but errors (no progress, no summary)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +151,7 @@ def _price(args, prepare=None) -> int:
                     partition=args.partition, distribute=args.distribute,
                     overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2,
                     greeks=args.greeks, richardson=args.richardson, checkpoint=args.checkpoint,
-                    resume=bool(args.resume))
+                    resume=bool(args.resume), progress=not args.quiet)
     if args.chunk_nodes is not None:
         cfg.chunk_nodes = args.chunk_nodes
     summary = run(cfg, prepare=prepare)
@@ -239,7 +242,25 @@ COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _in
             "calibrate": _calibrate, "scaling": _scaling}
 
 
+def _exit_1_on_sigterm() -> None:
+    """SIGTERM ends pricer with exit code 1 (anything else) rather than death by the signal (143).
+    `srun --kill-on-bad-exit=1` (slurm/) terminates a step's other ranks once one exits non-zero,
+    and reports the largest of the ranks' codes: where every rank refuses bad input with 2, a
+    slower rank terminated on its way out must not turn the job's 2 into 143 (main() ignores
+    SIGTERM once its command has returned)."""
+    def terminated(signum, frame):
+        try:
+            sys.stderr.write("pricer: terminated (SIGTERM)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def main(argv=None) -> int:
+    if argv is None:   # a real command line (tests call main(argv) inside pytest)
+        _exit_1_on_sigterm()
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -249,3 +270,8 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if argv is None:
+            # the exit code is decided; the interpreter's and MPI's teardown that follows runs
+            # without Python signal handlers, where a SIGTERM would still turn it into 143
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -105,13 +105,16 @@ class FailureWatch:
         if self.request is not None and self.request.Test():
             self._abort(_decode(self.buffer))
 
-    def barrier(self) -> None:
-        """Everyone finished computing; rank 0 keeps listening while it waits."""
+    def barrier(self, idle=None) -> None:
+        """Everyone finished computing; rank 0 keeps listening while it waits (and calls `idle`,
+        if given, between polls: progress.Progress.poll)."""
         if self.comm.Get_size() == 1:
             return
         request = self.comm.Ibarrier()
         while not request.Test():
             self.poll()
+            if idle is not None:
+                idle()
             time.sleep(POLL)
         if self.request is not None:  # no rank failed: nothing will come any more
             self.request.Cancel()

@@ -1,10 +1,11 @@
 """`pricer scaling`: strong scaling of one job over rank counts, and partition quality at scale.
 
     pricer scaling JOB.toml --ranks 1,2,4 [--repeats R] [--launcher CMD] --out DIR
-        runs `pricer run JOB.toml -o WORK/ranks-K-rep-R.h5` under `srun -n K` (inside a Slurm
-        allocation: SLURM_JOB_ID is set) or `mpiexec -n K` (else; `--launcher` overrides both) for
-        each rank count K, R times (the median counts), after one untimed warm-up run (generation of
-        the job's portfolio, numba's cache); writes DIR/scaling.csv, DIR/scaling.md, DIR/scaling.png.
+        runs `pricer run JOB.toml -o WORK/ranks-K-rep-R.h5` under `srun --kill-on-bad-exit=1 -n K`
+        (inside a Slurm allocation: SLURM_JOB_ID is set) or `mpiexec -n K` (else; `--launcher`
+        overrides both) for each rank count K, R times (the median counts), after one untimed
+        warm-up run (generation of the job's portfolio, numba's cache); writes DIR/scaling.csv,
+        DIR/scaling.md, DIR/scaling.png.
     pricer scaling --simulate PORTFOLIO.h5 --ranks 1,...,4096 --out DIR
         no pricing: each partitioner's largest and mean rank cost per rank count against the bound
         max(mean, largest option); writes DIR/simulate.csv, .md, .png.
@@ -131,8 +132,8 @@ def launcher_command(launcher: str | None = None, environ=None) -> list[str]:
     environ = os.environ if environ is None else environ
     if launcher:
         return shlex.split(launcher)
-    if environ.get("SLURM_JOB_ID"):
-        return ["srun"]
+    if environ.get("SLURM_JOB_ID"):   # a rank that dies ends the step, not the time limit
+        return ["srun", "--kill-on-bad-exit=1"]
     local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.path.exists(local):
         return [local]

@@ -237,3 +237,24 @@ def test_input_unchanged_by_a_run(tmp_path, book):
     assert (path.read_bytes(), os.stat(path).st_mtime_ns) == before
     with h5py.File(tmp_path / "a.h5") as f:
         assert f["results/price"].shape == (150,)
+
+
+# ------------------------------------------------------------------------------------- SIGTERM
+
+def test_sigterm_exits_1(tmp_path, book):
+    """SIGTERM (as srun --kill-on-bad-exit=1 sends the other ranks once one exits non-zero) ends
+    pricer with exit code 1, not death by the signal (143, which srun would report over a 2)."""
+    path, _ = book
+    folder = tmp_path / "ck"
+    e = env()
+    e["PRICER_CHUNK_DELAY"] = "30"
+    job = subprocess.Popen(pricer_command() + ["price", str(path), "-o", str(tmp_path / "p.h5"),
+                                               "--chunk-nodes", CHUNK, "--threads", "1",
+                                               "--checkpoint", str(folder)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    deadline = time.monotonic() + 60
+    while _chunks(folder) < 1 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)    # it sleeps after its first chunk
+    stdout, stderr = job.communicate(timeout=10)
+    assert job.returncode == 1 and "pricer: terminated (SIGTERM)" in stderr, (job.returncode, stderr)

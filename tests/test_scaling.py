@@ -133,7 +133,7 @@ def test_parse_helpers():
                    "distribute": 0.001, "compute": 0.480, "gather": 0.002, "write": 0.019}
     greeks = "priced 3 options with Greeks and Richardson extrapolation (15 nodes) on 1 rank(s) with backend cpu in 1.000s (15 nodes/s)"
     assert parse_summary(greeks)["wall"] == 1.0
-    assert launcher_command(None, {"SLURM_JOB_ID": "42"}) == ["srun"]
+    assert launcher_command(None, {"SLURM_JOB_ID": "42"}) == ["srun", "--kill-on-bad-exit=1"]
     assert launcher_command("mpirun --oversubscribe", {"SLURM_JOB_ID": "42"}) == ["mpirun",
                                                                                   "--oversubscribe"]
     assert launcher_command(None, {})[0].endswith(("mpiexec", "mpirun"))

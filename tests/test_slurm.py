@@ -56,7 +56,7 @@ overwrite = true
 # ------------------------------------------------------------------------------------------------
 # The shipped job specs and docs/jobs.md (no cluster needed)
 
-@pytest.mark.parametrize("name", ["demo.toml", "large.toml", "scaling.toml"])
+@pytest.mark.parametrize("name", ["demo.toml", "large.toml", "scaling.toml", "scaling-gpu.toml"])
 def test_shipped_job_specs_load(name):
     from pricer.jobs import load_job
 
@@ -66,6 +66,15 @@ def test_shipped_job_specs_load(name):
         assert job["portfolio"]["generate"]["count"] == 1_000_000
     if name == "scaling.toml":  # one thread per rank: the rank count is the scaling variable
         assert job["pricing"]["threads"] == 1 and job["pricing"]["backend"] == "cpu"
+    if name == "scaling-gpu.toml":  # one rank per GPU, the batch backend
+        assert job["pricing"]["backend"] == "batch"
+        assert job["portfolio"]["generate"]["count"] == 500_000
+
+
+def test_docs_jobs_lists_every_shipped_job():
+    text = (ROOT / "docs" / "jobs.md").read_text()
+    for path in sorted(JOBS.glob("*.toml")):
+        assert f"| `jobs/{path.name}` |" in text, f"docs/jobs.md's table of shipped jobs lacks {path.name}"
 
 
 def test_docs_jobs_lists_every_key():
