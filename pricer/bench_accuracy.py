@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from pricer.generate import generate
-from pricer.greeks import Analytics, price_with_analytics
+from pricer.greeks import Analytics, price_with_analytics, richardson_steps
 from pricer.portfolio import columns_from_matrix, lattice_nodes
 
 STEPS = (25, 51, 101, 201, 401, 801, 1601, 3201, 6401, 12801)
@@ -42,8 +42,12 @@ def prices(engine, cols: dict, tree: str, richardson: bool) -> np.ndarray:
 
 
 def nodes_per_option(steps: int, richardson: bool) -> float:
+    """Lattice nodes per option: the N-step lattice, plus with Richardson the coarse lattice that
+    pricer.greeks really prices (richardson_steps: ~N/2 with N's parity, not N // 2)."""
     n = float(lattice_nodes(np.array([steps]))[0])
-    return n + (float(lattice_nodes(np.array([steps // 2]))[0]) if richardson else 0.0)
+    if not richardson:
+        return n
+    return n + float(lattice_nodes(richardson_steps(np.array([steps])))[0])
 
 
 def nodes_at(points: list[tuple[float, float]], target: float) -> float | None:

@@ -150,6 +150,20 @@ def test_richardson_is_second_order_at_the_money_for_the_textbook_tree():
     np.testing.assert_allclose(rich[:-1] / rich[1:], 4.0, rtol=0.1)
 
 
+def test_bench_accuracy_counts_the_coarse_lattice_richardson_prices():
+    """`pricer bench accuracy` charges Richardson for the N-step lattice plus the one it really
+    prices (richardson_steps: N's parity, 13 steps for N = 25), not N // 2."""
+    from pricer.bench_accuracy import STEPS, nodes_per_option
+    from pricer.greeks import richardson_steps
+    from pricer.portfolio import lattice_nodes
+    assert nodes_per_option(25, False) == 26 * 27 / 2
+    assert nodes_per_option(25, True) == 26 * 27 / 2 + 14 * 15 / 2
+    for n in STEPS:
+        coarse = int(richardson_steps(np.array([n]))[0])
+        both = lattice_nodes(np.array([n]))[0] + lattice_nodes(np.array([coarse]))[0]
+        assert nodes_per_option(n, True) == float(both)
+
+
 @pytest.mark.parametrize("what", [Analytics(greeks=True), Analytics(richardson=True)])
 def test_analytics_refuse_one_step_options_by_id(what):
     cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=0.02, volatility=0.3,
