@@ -31,7 +31,7 @@ def numpy_levels(s, k, t, r, q, vol, steps, call, american):
         return sign * (s * np.exp((2.0 * np.arange(level + 1) - level) * log_u) - k)
 
     values = np.maximum(exercise(steps), 0.0)
-    kept = {}
+    kept = {steps: values.copy()}       # at N = 2 level 2 is the payoff
     for level in range(steps - 1, -1, -1):
         values = disc * (p * values[1:] + (1.0 - p) * values[:-1])
         if american:
