@@ -1,7 +1,12 @@
 """Every QuantLib tree on every GPU backend against QuantLib 1.44's BinomialVanillaEngine (issue 5):
 prices of a few hundred fresh options per tree, and price, delta, gamma and theta of the lattice's
 first levels. Marked `gpu`: skipped here with the reason; run on the GPU machine (../shared/device),
-where QuantLib is not installed by the kit: without it every test here skips, saying so.
+where the kit does not install QuantLib: without it every test here skips, saying so. Its wheel
+(QuantLib 1.44, abi3, manylinux_2_28 x86_64: `pip download QuantLib==1.44 --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d dist/quantlib`) goes
+along as an ignored path (carry [".device", "dist/quantlib"]):
+    source .device/setup.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/site
+    dist/quantlib/*.whl; python3 -m pytest -m gpu -q -s -rs tests/test_gpu_trees.py   (one line)
 
 Backends: `batch`; `hybrid` and `gpu` as they run by default (options up to batch_max_steps = 8191
 steps go through their own batch kernel, hybrid's N <= 16 on the CPU), and the same two with the
@@ -34,7 +39,7 @@ GREEK_OPTIONS = 120
 def quantlib():
     """QuantLib, or a skip that says it is missing (the GPU machine kit does not install it)."""
     return pytest.importorskip("QuantLib", reason="QuantLib is not installed (pip install QuantLib==1.44; "
-                                                  "on the GPU machine: docs/numerics.md)")
+                                                  "on the GPU machine: tests/test_gpu_trees.py's docstring)")
 
 
 def gpu_engines() -> dict:
