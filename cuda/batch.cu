@@ -78,7 +78,6 @@ struct StepState {
     double chunk_now, chunk_next;   // level factors of this and the next chunk of 32 steps
     int j;                          // step within the chunk
     int lane, warp;
-    double* kept;                   // null, or where V(1,0), V(1,1), V(2,0), V(2,1), V(2,2) go
 };
 
 __device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
@@ -120,12 +119,15 @@ __device__ __forceinline__ void send_neighbours(const double (&v)[G][VT], double
 // so the groups' shuffles and FP64 chains are independent straight-line code that the compiler
 // interleaves; the levels at which GA drops are the phase boundaries (price_lattice).  On entry
 // up[g] (g < GA) holds the neighbour above group g's last node at level t_hi (lane 31 of a W > 1
-// warp: in xch, read after the barrier); on exit the same for level t_lo.
-template <int W, int G, int GA, bool AMERICAN>
+// warp: in xch, read after the barrier); on exit the same for level t_lo.  KEEP (only for the last
+// steps of warp 0, so that the check stays out of the long loops): lane 0 stores levels 2 and 1 in
+// kept = V(1,0), V(1,1), V(2,0), V(2,1), V(2,2).
+template <int W, int G, int GA, bool AMERICAN, bool KEEP = false>
 __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&up)[G],
                                                   const double (&group_ratio)[G],
                                                   const double (&node_ratio)[VT], StepState& st,
-                                                  double (*xch)[G * W + 1], int t_hi, int t_lo)
+                                                  double (*xch)[G * W + 1], int t_hi, int t_lo,
+                                                  double* __restrict__ kept = nullptr)
 {
     for (int t = t_hi; t > t_lo; --t, ++st.j) {
         double level = 0.0;
@@ -161,14 +163,14 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
             }
         }
         // levels 2 and 1 for Greeks: nodes 0..2 are lane 0's group 0 of warp 0
-        if (GA > 0 && t <= 3 && st.kept != nullptr && st.warp == 0 && st.lane == 0) {
+        if (KEEP && GA > 0 && st.lane == 0) {
             if (t == 3) {
-                st.kept[2] = v[0][0];
-                st.kept[3] = v[0][1];
-                st.kept[4] = v[0][VT > 2 ? 2 : 0];
+                kept[2] = v[0][0];
+                kept[3] = v[0][1];
+                kept[4] = v[0][VT > 2 ? 2 : 0];
             } else if (t == 2) {
-                st.kept[0] = v[0][0];
-                st.kept[1] = v[0][1];
+                kept[0] = v[0][0];
+                kept[1] = v[0][1];
             }
         }
     }
@@ -208,7 +210,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     st.j = 0;
     st.lane = lane;
     st.warp = warp;
-    st.kept = kept;
     if (kept != nullptr && n <= 2 && warp == 0 && lane == 0) {
         if (n < 2) {
 #pragma unroll
@@ -238,7 +239,16 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         const int t_lo = active > 0 ? first_node(active - 1, W, warp) : 0;
         switch (active) {
         case 0: steps_with_groups<W, G, 0, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
-        case 1: steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
+        case 1:
+            // warp 0's last phase ends at level 0: its last 3 steps keep levels 2 and 1 if asked
+            if (kept != nullptr && t_lo == 0 && warp == 0) {
+                const int t_keep = t < 3 ? t : 3;
+                steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_keep);
+                steps_with_groups<W, G, 1, AMERICAN, true>(v, up, group_ratio, node_ratio, st, xch, t_keep, 0, kept);
+            } else {
+                steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo);
+            }
+            break;
 #define PHASE(K) case K: if (K <= G) steps_with_groups<W, G, (K <= G ? K : G), AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
         PHASE(2) PHASE(3) PHASE(4) PHASE(5) PHASE(6) PHASE(7) PHASE(8)
 #undef PHASE
