@@ -337,13 +337,15 @@ warp_steps(const double* __restrict__ vin, double* __restrict__ vout,
 // arrays; option o's tables are level_base = tables + offsets[o] (steps + 1 entries) followed by
 // ratio (steps + 1 entries).  The terminal payoff is formed in registers, the nodes stay in
 // registers for all steps (neighbour through the shared-memory halo, as in tiled_steps), and
-// thread 0 writes the price.  Compile one module per size class (TILED_B, TILED_VT).
+// thread 0 writes the price.  With `levels` (KEEP), thread 0 also stores V(1,0), V(1,1), V(2,0),
+// V(2,1), V(2,2) at levels + 5 o (NaN for N < 2), for Greeks: nodes 0..2 are its own for
+// TILED_VT >= 3, as in every class gpu.py builds.  Compile one module per size class (TILED_B, TILED_VT).
 
-template <bool AMERICAN>
+template <bool AMERICAN, bool KEEP>
 __device__ __forceinline__ double batch_body(const double* __restrict__ lb, const double* __restrict__ ratio,
-                                             int n, double pu, double pd, double strike, double sign)
+                                             int n, double pu, double pd, double strike, double sign,
+                                             double* __restrict__ kept, double (*halo)[TILED_B + 1])
 {
-    __shared__ double halo[2][TILED_B + 1];
     const int tid = threadIdx.x;
     const double base_n = lb[n];
     double v[TILED_VT], r[TILED_VT];
@@ -365,6 +367,14 @@ __device__ __forceinline__ double batch_body(const double* __restrict__ lb, cons
         halo[1][TILED_B] = 0.0;
     }
     const double mstrike = -sign * strike;
+    if (KEEP && tid == 0 && n <= 2) {
+        for (int k = 0; k < 5; ++k) kept[k] = __longlong_as_double(0x7ff8000000000000LL);   // NaN
+        if (n == 2) {   // level 2 is the payoff
+            kept[2] = v[0];
+            kept[3] = v[TILED_VT > 1 ? 1 : 0];
+            kept[4] = v[TILED_VT > 2 ? 2 : 0];
+        }
+    }
     LevelBaseCache lbc(lb, n, tid & 31);
     for (int s = 1; s <= n; ++s) {
         const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
@@ -375,6 +385,14 @@ __device__ __forceinline__ double batch_body(const double* __restrict__ lb, cons
         for (int q = 0; q < TILED_VT - 1; ++q)
             v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
         v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
+        if (KEEP && tid == 0 && s == n - 2) {          // level 2
+            kept[2] = v[0];
+            kept[3] = v[TILED_VT > 1 ? 1 : 0];
+            kept[4] = v[TILED_VT > 2 ? 2 : 0];
+        } else if (KEEP && tid == 0 && s == n - 1) {   // level 1
+            kept[0] = v[0];
+            kept[1] = v[TILED_VT > 1 ? 1 : 0];
+        }
     }
     return v[0];
 }
@@ -384,17 +402,21 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
             const int* __restrict__ steps, const double* __restrict__ pu,
             const double* __restrict__ pd, const double* __restrict__ strike,
             const double* __restrict__ sign, const int* __restrict__ american,
-            double* __restrict__ out, int count)
+            double* __restrict__ out, double* __restrict__ levels, int count)
 {
     const int o = blockIdx.x;
     if (o >= count) return;   // uniform per block
     const int n = steps[o];
     const double* lb = tables + offsets[o];
     const double* ratio = lb + n + 1;
+    double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
+    __shared__ double halo[2][TILED_B + 1];   // one for all four bodies (shared memory is per block)
     double price;
-    if (american[o])
-        price = batch_body<true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o]);
+    if (kept != nullptr)
+        price = american[o] ? batch_body<true, true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo)
+                            : batch_body<false, true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo);
     else
-        price = batch_body<false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o]);
+        price = american[o] ? batch_body<true, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo)
+                            : batch_body<false, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo);
     if (threadIdx.x == 0) out[o] = price;
 }

@@ -140,6 +140,12 @@ def test_emulated_batch_equals_serial(rng):
     p = options(rng, BATCH_EDGES[:10] + [700, 2048, 4097])
     rows = np.arange(len(p))
     np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows), SerialEngine().price(p))
+    # with `levels` (Greeks) the kernel also keeps levels 2 and 1, bitwise the serial engine's
+    from pricer.engines.serial import LEVEL_VALUES
+    ref_levels, levels = np.empty((len(p), LEVEL_VALUES)), np.full((len(p), LEVEL_VALUES), -1.0)
+    np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows, levels),
+                                  SerialEngine().price(p, ref_levels))
+    assert np.array_equal(levels, ref_levels, equal_nan=True)
     assert list(batch_class(np.array([1, 255, 256, 511, 512, 2047, 2048, 8191]))) == [0, 0, 1, 1, 2, 3, 4, 5]
 
 

@@ -393,9 +393,9 @@ class CudaKernels:
     def synchronize(self):
         self.rt.stream.synchronize()
 
-    def batch(self, p: LatticeParams, rows: np.ndarray) -> np.ndarray:
+    def batch(self, p: LatticeParams, rows: np.ndarray, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices of options `rows` (all with steps + 1 <= the largest class width), one launch
-        per size class."""
+        per size class; with `levels` ((rows.size, LEVEL_VALUES)) also their first levels' values."""
         cls = batch_class(p.steps[rows])
         order = np.argsort(cls, kind="stable")
         rows_sorted, cls_sorted = rows[order], cls[order]
@@ -407,6 +407,9 @@ class CudaKernels:
                 dev[key] = rt.alloc(arr.nbytes)
                 cuda.memcpy_htod(dev[key], arr)
             out_d = dev["out"] = rt.alloc(8 * rows.size)
+            levels_d = None
+            if levels is not None:
+                levels_d = dev["levels"] = rt.alloc(8 * LEVEL_VALUES * rows.size)
             for c in np.unique(cls_sorted):
                 lo, hi = np.searchsorted(cls_sorted, [c, c + 1])
                 b, vt = BATCH_CLASSES[int(c)]
@@ -415,9 +418,15 @@ class CudaKernels:
                 fn.prepared_async_call((int(hi - lo), 1), (b, 1, 1), rt.stream, int(dev["tables"]),
                                        ptr("offsets", 8), ptr("steps", 4), ptr("pu", 8), ptr("pd", 8),
                                        ptr("strike", 8), ptr("sign", 8), ptr("american", 4),
-                                       int(out_d) + 8 * int(lo), np.int32(hi - lo))
+                                       int(out_d) + 8 * int(lo),
+                                       0 if levels_d is None else ptr("levels", 8 * LEVEL_VALUES),
+                                       np.int32(hi - lo))
             out_sorted = np.empty(rows.size)
             cuda.memcpy_dtoh(out_sorted, out_d)     # waits for the stream (blocking stream)
+            if levels is not None:
+                levels_sorted = np.empty((rows.size, LEVEL_VALUES))
+                cuda.memcpy_dtoh(levels_sorted, levels_d)
+                levels[order] = levels_sorted
         finally:
             rt.stream.synchronize()
             for a in dev.values():
@@ -432,7 +441,7 @@ class CudaKernels:
             defines = [f"-DPRICER_FMA={int(self.config.fma)}", f"-DTILED_B={b}", f"-DTILED_VT={vt}",
                        f"-DWARP_VT={self.config.warp_vt}"]
             fn = self.rt.module(defines).get_function("batch_price")
-            fn.prepare("PPPPPPPPPi")
+            fn.prepare("PPPPPPPPPPi")
             self._batch_fns[key] = fn
         return self._batch_fns[key]
 
@@ -521,9 +530,11 @@ class NumpyKernels:
             may = max(l_a, l_b) * np.maximum(r_a, r_b) > strike * (1.0 - 1e-9)
         return inside & may
 
-    def batch(self, p: LatticeParams, rows: np.ndarray) -> np.ndarray:
+    def batch(self, p: LatticeParams, rows: np.ndarray, levels: np.ndarray | None = None) -> np.ndarray:
         h = batch_inputs(p, rows)
         out = np.empty(rows.size)
+        if levels is not None:
+            levels[:] = np.nan
         for j, c in enumerate(batch_class(p.steps[rows])):
             b, vt = BATCH_CLASSES[int(c)]
             width, n, o = b * vt, int(h["steps"][j]), int(h["offsets"][j])
@@ -534,12 +545,17 @@ class NumpyKernels:
             v = np.zeros(width)
             payoff = sign * (lb[n] * r - strike)
             v[:n + 1] = np.where(payoff > 0.0, payoff, 0.0)
-            for s in range(1, n + 1):
-                up = np.empty_like(v)
-                up[:-1] = v[1:]
-                up[-1] = 0.0
-                v = self._node(h["pu"][j], h["pd"][j], up, v, sign * lb[n - s], rr, -sign * strike,
-                               american)
+            for s in range(0, n + 1):
+                if s > 0:
+                    up = np.empty_like(v)
+                    up[:-1] = v[1:]
+                    up[-1] = 0.0
+                    v = self._node(h["pu"][j], h["pd"][j], up, v, sign * lb[n - s], rr,
+                                   -sign * strike, american)
+                if levels is not None and n >= 2 and n - s == 2:   # N < 2 keeps NaN
+                    levels[j, 2:5] = v[:3]          # V(2,0), V(2,1), V(2,2)
+                elif levels is not None and n >= 2 and n - s == 1:
+                    levels[j, 0:2] = v[:2]          # V(1,0), V(1,1)
             out[j] = v[0]
         return out
 
@@ -593,9 +609,7 @@ class GpuEngine:
         return self._host
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
-        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values. The
-        batch kernel of this engine does not keep them, so with `levels` every GPU option runs
-        through the regimes one by one (the `batch` backend keeps them in its kernels)."""
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         out = np.empty(len(params))
         if len(params) == 0:
             return out
@@ -611,12 +625,14 @@ class GpuEngine:
                 if levels is not None:
                     levels[rows] = part
             gpu_rows = np.flatnonzero(~small)
-        if (self.mode in ("gpu", "hybrid") and self.config.batch_max_steps > 0 and gpu_rows.size
-                and levels is None):
+        if self.mode in ("gpu", "hybrid") and self.config.batch_max_steps > 0 and gpu_rows.size:
             in_batch = params.steps[gpu_rows] <= self.config.batch_max_steps
             if in_batch.any():
                 rows = gpu_rows[in_batch]
-                out[rows] = self.kernels.batch(params, rows)
+                part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
+                out[rows] = self.kernels.batch(params, rows, part)
+                if levels is not None:
+                    levels[rows] = part
                 gpu_rows = gpu_rows[~in_batch]
         if gpu_rows.size:
             top = int(params.steps[gpu_rows].max()) + 2
