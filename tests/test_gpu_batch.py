@@ -94,6 +94,36 @@ def test_kept_levels_for_greeks_on_every_gpu_backend(rng):
                          f"{name} level value {col}")
 
 
+def test_richardson_and_greeks_on_every_gpu_backend(rng):
+    """--richardson and --greeks (pricer.greeks: the extra and bumped lattices in the same engine
+    call) on batch, hybrid and gpu against the cpu engine's, on fresh random options."""
+    from pricer.engines.gpu import GpuEngine
+    from pricer.greeks import Analytics, price_with_analytics
+    n = 40
+    cols = dict(spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
+                maturity=rng.uniform(0.1, 2.0, n), rate=rng.uniform(0.0, 0.06, n),
+                dividend=rng.uniform(0.0, 0.04, n), volatility=rng.uniform(0.15, 0.5, n),
+                steps=rng.integers(10, 5000, n), call=rng.random(n) < 0.5,
+                american=rng.random(n) < 0.5)
+    ids = np.arange(1, n + 1)
+    what = Analytics(greeks=True, richardson=True)
+    ref = price_with_analytics(CpuEngine(), cols, "crr", ids, what)
+    engines = {"batch": batch_engine(), "hybrid": GpuEngine("hybrid", t2=64),
+               "gpu": GpuEngine("gpu")}
+    # Greeks are difference quotients of lattice values, so their rounding grows as the CPU test's
+    # floors say (test_greeks.greek_floors; the same 1e-8 bar); vega and rho divide differences of
+    # prices (~1e-15 of the price apart on GPU and CPU) by 2 BUMP = 2e-4, so 5e-12 of the price
+    from test_greeks import greek_floors
+    floors = greek_floors(cols, np.column_stack([ref[k] for k in ("price", "delta", "gamma", "theta")]))
+    floors["vega"] = floors["rho"] = 1e-3 * np.abs(ref["price"]) + 1e-8 * cols["strike"]
+    for name, engine in engines.items():
+        got = price_with_analytics(engine, cols, "crr", ids, what)
+        for output in what.outputs:
+            err = np.abs(got[output] - ref[output]) / np.maximum(np.abs(ref[output]), floors[output])
+            print(f"RICHARDSON+GREEKS backend={name} {output} max_rel={err.max():.2g}")
+            assert err.max() <= 1e-8, (name, output, float(err.max()))
+
+
 def test_auto_is_batch_on_a_gpu_machine():
     assert gpu_available() and resolve_backend("auto") == "batch"
 
