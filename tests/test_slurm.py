@@ -68,7 +68,7 @@ def test_shipped_job_specs_load(name):
         assert job["pricing"]["threads"] == 1 and job["pricing"]["backend"] == "cpu"
     if name == "scaling-gpu.toml":  # one rank per GPU, the batch backend
         assert job["pricing"]["backend"] == "batch"
-        assert job["portfolio"]["generate"]["count"] == 500_000
+        assert job["portfolio"]["generate"]["count"] == 1_000_000
 
 
 def test_docs_jobs_lists_every_shipped_job():
