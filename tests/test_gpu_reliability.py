@@ -8,7 +8,6 @@ reason, run on the GPU machine (../shared/device)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 
@@ -18,7 +17,7 @@ from helpers import env, mpiexec, pricer_command
 from pricer.results import read_results
 from test_gpu import GPU
 from test_reliability import (CHUNK, DEADLINE, _chunks, bitwise_equal, book,  # noqa: F401 (fixture)
-                              leftover_processes)
+                              kill_9_after_chunks, leftover_processes)
 
 pytestmark = GPU
 RANKS = 2
@@ -65,17 +64,7 @@ def test_batch_kill_9_and_resume_bitwise_equal(tmp_path, book):
     proc, _ = run(["price", path, "-o", whole] + common)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     args = ["price", path, "-o", out, "--checkpoint", folder] + common
-    e = env()
-    e["PRICER_CHUNK_DELAY"] = "0.1"
-    cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
-    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e,
-                           start_new_session=True)
-    deadline = time.monotonic() + 60
-    while _chunks(folder) < 6 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=10)
-    time.sleep(0.5)
+    kill_9_after_chunks(args, folder, 6, ranks=RANKS)
     assert leftover_processes(str(out)) == []
     assert not out.exists()
     saved = _chunks(folder)

@@ -17,9 +17,7 @@ compared with what cuMemGetInfo sees the engines take (printed, for docs/reliabi
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -31,13 +29,13 @@ import pytest
 from helpers import env, mpiexec
 from pricer import memory
 from pricer.checkpoint import chunk_grid
-from pricer.engines import gpu_available
 from pricer.engines.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS
 from pricer.errors import InputError
 from pricer.greeks import Analytics, price_with_analytics
 from pricer.lattice import lattice_parameters
 from pricer.portfolio import Portfolio, write_portfolio
 from pricer.results import read_results
+from test_gpu import needs_gpu
 
 MIB = 1 << 20
 ANALYTICS = [Analytics(), Analytics(greeks=True), Analytics(richardson=True),
@@ -490,15 +488,6 @@ def test_stand_in_hybrid_prices_a_chunk_in_several_calls(tmp_path):
 
 # ------------------------------------------------------------------------ on a real GPU
 
-def _why_no_gpu() -> str:
-    if importlib.util.find_spec("pycuda") is None:
-        return "pycuda is not installed (it is in the GPU machine kit, ../shared/device)"
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        return "nvcc not found (needed to build the kernels)"
-    return "no usable CUDA device"
-
-
-needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
 
 
 def _cli(args, limit=None, ranks=None, timeout=300):

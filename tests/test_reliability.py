@@ -141,18 +141,7 @@ def test_kill_9_and_resume_bitwise_equal(tmp_path, book, rng):
     out, folder = tmp_path / "prices.h5", tmp_path / "ck"
     args = ["price", path, "-o", out, "--chunk-nodes", CHUNK, "--threads", "1", "--greeks",
             "--checkpoint", folder]
-    e = env()
-    e["PRICER_CHUNK_DELAY"] = "0.1"
-    cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
-    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e,
-                           start_new_session=True)
-    wanted = int(rng.integers(3, 25))  # the random moment: after this many chunk files
-    deadline = time.monotonic() + 60
-    while _chunks(folder) < wanted and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=10)
-    time.sleep(0.5)
+    kill_9_after_chunks(args, folder, int(rng.integers(3, 25)))  # the random moment
     assert leftover_processes(str(out)) == []
     assert not out.exists()
     saved = _chunks(folder)
@@ -171,6 +160,22 @@ def test_kill_9_and_resume_bitwise_equal(tmp_path, book, rng):
                                   "options priced on resume": priced,
                                   "options": len(portfolio), "bitwise equal": True,
                                   "resume seconds": round(seconds, 2)})
+
+
+def kill_9_after_chunks(args, folder, wanted: int, ranks: int = RANKS) -> None:
+    """Start `pricer ARGS` (with --checkpoint folder) under mpiexec -n RANKS, slowed per chunk, and
+    SIGKILL the launcher's whole process group once `wanted` chunk files are saved."""
+    e = env()
+    e["PRICER_CHUNK_DELAY"] = "0.1"
+    cmd = [mpiexec(), "-n", str(ranks)] + pricer_command() + [str(a) for a in args]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e,
+                           start_new_session=True)
+    deadline = time.monotonic() + 60
+    while _chunks(folder) < wanted and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=10)
+    time.sleep(0.5)
 
 
 def _chunks(folder) -> int:
