@@ -28,7 +28,6 @@ GPU's free memory.
 
 from __future__ import annotations
 
-import inspect
 import os
 import socket
 from dataclasses import dataclass
@@ -155,7 +154,6 @@ class DeviceProfile:
     cpu_max_nodes: float = 0.0    # batch (`auto`): a call of at most this many nodes runs on the CPU
     cpu_max_steps: int = 0        # hybrid: options with steps <= this run on the CPU
     batch_max_steps: int = 0      # gpu/hybrid: options up to this go through the batch kernel
-    batch_levels: bool = False    # gpu/hybrid: ... with --greeks too (its batch kernel keeps levels)
 
 
 def device_profile(engine) -> DeviceProfile | None:
@@ -167,12 +165,7 @@ def device_profile(engine) -> DeviceProfile | None:
     if name in ("gpu", "hybrid"):
         c = engine.config
         cpu = (c.t2 if c.cpu_max_steps is None else c.cpu_max_steps) if name == "hybrid" else 0
-        # the batch kernel of gpu/hybrid keeps the first levels (--greeks) where its `batch` takes
-        # them; before that, options with levels went through the regimes
-        batch = getattr(getattr(engine, "kernels", None), "batch", None)
-        levels = batch is not None and "levels" in inspect.signature(batch).parameters
-        return DeviceProfile(name, cpu_max_steps=int(cpu), batch_max_steps=int(c.batch_max_steps),
-                             batch_levels=levels)
+        return DeviceProfile(name, cpu_max_steps=int(cpu), batch_max_steps=int(c.batch_max_steps))
     return None
 
 
@@ -246,9 +239,8 @@ def device_need(profile: DeviceProfile, steps: np.ndarray, cuts: np.ndarray,
 
 def _in_gpu_batch(profile: DeviceProfile, steps: np.ndarray, analytics: Analytics) -> np.ndarray:
     """gpu/hybrid: the lattices its batch kernel prices (on the GPU, steps <= batch_max_steps; with
-    --greeks only where that kernel keeps levels, else every GPU option goes through the regimes)."""
-    if (profile.backend not in ("gpu", "hybrid") or profile.batch_max_steps <= 0
-            or (analytics.greeks and not profile.batch_levels)):
+    --greeks too, since that kernel keeps the first levels)."""
+    if profile.backend not in ("gpu", "hybrid") or profile.batch_max_steps <= 0:
         return np.zeros(steps.shape, dtype=bool)
     return (steps > profile.cpu_max_steps) & (steps <= profile.batch_max_steps)
 
