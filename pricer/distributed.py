@@ -253,9 +253,18 @@ def _plan_whole(cfg: RunConfig, portfolio, matrix: np.ndarray, input_sha256: str
     else:
         todo = assignment.order
         rows, ids, steps = np.ascontiguousarray(matrix[todo]), portfolio.id[todo], portfolio.steps[todo]
-    cuts = np.union1d(chunk_grid(steps, *chunk_shape(cfg)), assignment.bounds)
+    cuts = _merge_cuts(chunk_grid(steps, *chunk_shape(cfg)), assignment.bounds)
     return Plan(portfolio, input_sha256, rows, ids, todo, assignment.bounds, cuts,
                 np.full(len(cuts) - 1, -1), [], None)
+
+
+def _merge_cuts(grid: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The sorted union of the chunk grid and the ranks' bounds (both sorted). np.union1d hashes
+    or sorts all of it: 0.25 s for the 370 000-chunk grid of a million large options on the CPU."""
+    bounds = np.unique(bounds)           # a few numbers: ranks + 1
+    at = np.searchsorted(grid, bounds)
+    new = (at == grid.size) | (grid[np.minimum(at, grid.size - 1)] != bounds)
+    return np.insert(grid, at[new], bounds[new]).astype(np.int64)
 
 
 def chunk_shape(cfg: RunConfig) -> tuple[float, int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
 
 NODES_PER_LANE = 4                 # VT in cuda/batch.cu
 WARPS = (1, 2, 4, 8, 16)
@@ -105,21 +104,13 @@ def plan(steps: np.ndarray, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> Plan:
     return Plan(order=order, classes=sorted_classes, chunks=tuple(chunks))
 
 
-@njit(cache=True, nogil=True)
-def _fill(spot, strike, log_up, log_down, pu, pd, steps, call, american, index, rows):
-    for k in range(index.size):
-        j = index[k]
-        rows[k, 0] = spot[j]
-        rows[k, 1] = strike[j]
-        rows[k, 2] = log_up[j]
-        rows[k, 3] = log_down[j]
-        rows[k, 4] = pu[j]
-        rows[k, 5] = pd[j]
-        rows[k, 6] = steps[j]
-        rows[k, 7] = (CALL_FLAG if call[j] else 0) + (AMERICAN_FLAG if american[j] else 0)
-
-
 def fill_rows(params, index: np.ndarray, rows: np.ndarray) -> None:
-    """rows[k] = the kernel's 8 numbers of option index[k] (rows: (len(index), 8) float64)."""
-    _fill(params.spot, params.strike, params.log_up, params.log_down, params.pu, params.pd,
-          params.steps, params.call, params.american, np.asarray(index, dtype=np.int64), rows)
+    """rows[k] = the kernel's 8 numbers of option index[k] (rows: (len(index), 8) float64).
+    numpy, not numba: the batch path calls no other numba code, and numba's first call in a process
+    (0.15-0.35 s to load its compiler and cache) fell on every rank's start-up."""
+    index = np.asarray(index, dtype=np.int64)
+    for k, name in enumerate(ROW_FIELDS[:6]):
+        np.take(getattr(params, name), index, out=rows[:, k])
+    rows[:, 6] = params.steps[index]
+    rows[:, 7] = np.where(params.call[index], CALL_FLAG, 0) + np.where(params.american[index],
+                                                                         AMERICAN_FLAG, 0)
