@@ -267,7 +267,7 @@ def markdown_runs(rows: list[dict], title: str) -> list[str]:
         lines.append(f"| {r['ranks']} | {r['wall']:.3f} | "
                      + " | ".join(f"{r[s]:.3f}" for s in STAGES)
                      + f" | {r['compute_min']:.3f} / {r['compute_mean']:.3f} / {r['compute_max']:.3f}"
-                     f" | {r['speedup']:.2f} | {r['efficiency']:.2f} |")
+                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} |")
     return lines
 
 
