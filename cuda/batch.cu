@@ -24,8 +24,9 @@
 // no flush of tiny values (subnormal FP64 is full speed on the GPU).  Prices equal the CPU engine's
 // to rounding, not bitwise.
 //
-// Input: `rows`, one row of 8 doubles per option: spot, strike, log_up, log_down, pu, pd, steps,
-// flags (bit 0 call, bit 1 American).  Output: out[o], the price of row o, and, if `levels` is not
+// Input: `rows`, 8 columns of `stride` doubles (column k of option o at rows[k * stride + o]): spot,
+// strike, log_up, log_down, pu, pd, steps, flags (bit 0 call, bit 1 American); column by column so
+// that the host fills them with contiguous gathers.  Output: out[o], the price of row o, and, if `levels` is not
 // null, levels[5 o .. 5 o + 4] = V(1,0), V(1,1), V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps + 1 must not exceed
 // the kernel's capacity 32 * VT * G * W (the scheduler picks the class).
 //
@@ -49,18 +50,18 @@ struct Option {
     bool call, american;
 };
 
-__device__ __forceinline__ Option load_option(const double* __restrict__ rows, int o)
+__device__ __forceinline__ Option load_option(const double* __restrict__ rows, int stride, int o)
 {
-    const double* p = rows + 8 * (size_t)o;
+    const double* p = rows + o;
     Option x;
     x.spot = p[0];
-    x.strike = p[1];
-    x.log_up = p[2];
-    x.log_down = p[3];
-    x.pu = p[4];
-    x.pd = p[5];
-    x.steps = (int)p[6];
-    const int flags = (int)p[7];
+    x.strike = p[(size_t)stride];
+    x.log_up = p[2 * (size_t)stride];
+    x.log_down = p[3 * (size_t)stride];
+    x.pu = p[4 * (size_t)stride];
+    x.pd = p[5 * (size_t)stride];
+    x.steps = (int)p[6 * (size_t)stride];
+    const int flags = (int)p[7 * (size_t)stride];
     x.call = (flags & 1) != 0;
     x.american = (flags & 2) != 0;
     return x;
@@ -259,8 +260,9 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
 }
 
 template <int W, int G>
-__device__ __forceinline__ void batch_price(const double* __restrict__ rows, double* __restrict__ out,
-                                            double* __restrict__ levels, int count)
+__device__ __forceinline__ void batch_price(const double* __restrict__ rows, int stride,
+                                            double* __restrict__ out, double* __restrict__ levels,
+                                            int count)
 {
     __shared__ double xch[2][G * W + 1];
     const int lane = threadIdx.x & 31;
@@ -273,7 +275,7 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, dou
         __syncthreads();
     }
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
-    const Option op = load_option(rows, o);
+    const Option op = load_option(rows, stride, o);
     double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
     const double price = op.american ? price_lattice<W, G, true>(op, xch, warp, lane, kept)
                                      : price_lattice<W, G, false>(op, xch, warp, lane, kept);
@@ -282,10 +284,10 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, dou
 
 #define BATCH_KERNEL(G)                                                                           \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)                                   \
-        batch_kernel_g##G(const double* __restrict__ rows, double* __restrict__ out,             \
+        batch_kernel_g##G(const double* __restrict__ rows, int stride, double* __restrict__ out, \
                           double* __restrict__ levels, int count)                                 \
     {                                                                                             \
-        batch_price<BATCH_W, G>(rows, out, levels, count);                                        \
+        batch_price<BATCH_W, G>(rows, stride, out, levels, count);                                \
     }
 
 BATCH_KERNEL(1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pricer.engines.batch_plan import (AMERICAN_FLAG, CALL_FLAG, CAPACITY, CLASSES, MAX_STEPS,
-                                       class_of, fill_rows, plan)
+                                       class_of, fill_columns, plan)
 from pricer.lattice import lattice_parameters
 
 
@@ -69,7 +69,7 @@ def test_one_chunk_when_it_fits_and_empty_portfolio():
         plan(np.array([5]), chunk_options=0)
 
 
-def test_rows_carry_the_lattice_numbers_and_flags(rng):
+def test_columns_carry_the_lattice_numbers_and_flags(rng):
     n = 6
     cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n), maturity=np.ones(n),
                 volatility=np.full(n, 0.3), rate=np.full(n, 0.02), dividend=np.zeros(n),
@@ -77,10 +77,9 @@ def test_rows_carry_the_lattice_numbers_and_flags(rng):
                 american=np.array([1, 1, 0, 0, 1, 0], bool))
     params = lattice_parameters(cols)
     index = np.array([4, 0, 3])
-    rows = np.empty((3, 8))
-    fill_rows(params, index, rows)
-    np.testing.assert_array_equal(rows[:, 0], params.spot[index])
-    np.testing.assert_array_equal(rows[:, 3], params.log_down[index])
-    np.testing.assert_array_equal(rows[:, 5], params.pd[index])
-    np.testing.assert_array_equal(rows[:, 6], [50, 10, 40])
-    np.testing.assert_array_equal(rows[:, 7], [CALL_FLAG + AMERICAN_FLAG, CALL_FLAG + AMERICAN_FLAG, 0])
+    columns = np.full((8, 3), np.nan)
+    fill_columns(params, index, columns)
+    for k, name in enumerate(("spot", "strike", "log_up", "log_down", "pu", "pd")):
+        np.testing.assert_array_equal(columns[k], getattr(params, name)[index])
+    np.testing.assert_array_equal(columns[6], [50, 10, 40])
+    np.testing.assert_array_equal(columns[7], [CALL_FLAG + AMERICAN_FLAG, CALL_FLAG + AMERICAN_FLAG, 0])

@@ -2,12 +2,12 @@
 pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go through `hybrid`.
 `auto` on a GPU machine is this engine with cpu_max_nodes set: a share that small runs on the CPU.
 
-Data movement per chunk (at most `chunk_options` options): the chunk's rows (8 doubles per option)
-are written into a page-locked host buffer, copied to the device asynchronously, priced by one
-launch per class (the launches side by side on their own streams), and the prices (8 bytes per
-option) copied back asynchronously. Two buffers and
-two streams alternate, so chunk k's copies overlap chunk k-1's kernels; a portfolio of any size
-streams through 2 * chunk_options rows of device memory.
+Data movement per chunk (at most `chunk_options` options): the chunk's 8 numbers per option are
+written column by column (the kernel reads column k of option o at k * n + o) into a page-locked
+host buffer, copied to the device asynchronously, priced by one launch per class (the launches side
+by side on their own streams), and the prices (8 bytes per option) copied back asynchronously. Two
+buffers and two streams alternate, so chunk k's copies overlap chunk k-1's kernels; a portfolio of
+any size streams through 2 * chunk_options rows of device memory.
 
 `last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
 summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS,
-                                       ROW_FIELDS, fill_rows, options_per_block, plan)
+                                       ROW_FIELDS, fill_columns, options_per_block, plan)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -49,7 +49,7 @@ class CudaBatchRunner:
             warps, groups = CLASSES[cls]
             module = self.rt.module([f"-DBATCH_W={warps}"], "batch.cu")
             fn = module.get_function(f"batch_kernel_g{groups}")
-            fn.prepare("PPPi")
+            fn.prepare("PiPPi")
             self._functions[cls] = fn
         return self._functions[cls]
 
@@ -59,7 +59,7 @@ class CudaBatchRunner:
                 or (with_levels and self._buffers[0]["levels_d"] is None)):
             self._release()
             self._buffers = [dict(capacity=size,
-                                  rows=cuda.pagelocked_empty((size, len(ROW_FIELDS)), np.float64),
+                                  rows=cuda.pagelocked_empty(size * len(ROW_FIELDS), np.float64),
                                   prices=cuda.pagelocked_empty(size, np.float64),
                                   rows_d=self.rt.alloc(8 * len(ROW_FIELDS) * size),
                                   prices_d=self.rt.alloc(8 * size),
@@ -98,10 +98,11 @@ class CudaBatchRunner:
             if slot in pending:          # the buffer's previous chunk must be home first
                 self._collect(pending.pop(slot), sorted_prices, sorted_levels, stream)
             n = chunk.size
-            fill_rows(params, index[schedule.order[chunk.lo:chunk.hi]], buf["rows"][:n])
+            columns = buf["rows"][:len(ROW_FIELDS) * n].reshape(len(ROW_FIELDS), n)
+            fill_columns(params, index[schedule.order[chunk.lo:chunk.hi]], columns)
             marks = [cuda.Event() for _ in range(4)]
             marks[0].record(stream)
-            cuda.memcpy_htod_async(buf["rows_d"], buf["rows"][:n], stream)
+            cuda.memcpy_htod_async(buf["rows_d"], buf["rows"][:len(ROW_FIELDS) * n], stream)
             marks[1].record(stream)
             self._launch_all(chunk, buf, stream, marks[1])
             marks[2].record(stream)
@@ -130,23 +131,24 @@ class CudaBatchRunner:
         for k, launch in enumerate(chunk.launches):        # largest class first (plan's order)
             side = self._launch_streams[k % LAUNCH_STREAMS]
             side.wait_for_event(rows_ready)
-            self._launch(launch, buf, side)
+            self._launch(launch, buf, side, chunk.size)
             finished = cuda.Event()
             finished.record(side)
             done.append(finished)
         for finished in done:
             stream.wait_for_event(finished)
 
-    def _launch(self, launch, buf, stream):
+    def _launch(self, launch, buf, stream, stride: int):
+        """One class's launch over its options of the chunk (`stride` options in all)."""
         per_block = options_per_block(launch.warps)
         count = launch.hi - launch.lo
         blocks = (count + per_block - 1) // per_block
-        rows_d = int(buf["rows_d"]) + 8 * len(ROW_FIELDS) * launch.lo
+        rows_d = int(buf["rows_d"]) + 8 * launch.lo     # in column 0; column k is k * stride further
         prices_d = int(buf["prices_d"]) + 8 * launch.lo
         levels_d = int(buf["levels_d"]) + 8 * LEVEL_VALUES * launch.lo if self._keep_levels else 0
         self.function(launch.cls).prepared_async_call(
-            (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, rows_d, prices_d,
-            levels_d, np.int32(count))
+            (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, rows_d, np.int32(stride),
+            prices_d, levels_d, np.int32(count))
 
     @staticmethod
     def _collect(job, sorted_prices, sorted_levels, stream):
