@@ -16,10 +16,12 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+from numba import njit
 
 from pricer.engines.cpu import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
-from pricer.engines.serial import (LEVEL_VALUES, PAIR_MAX_STEPS, SerialEngine,
-                                   backward_keeping_levels, power_tables, terminal_values)
+from pricer.engines.serial import (LANES, LEVEL_VALUES, PAD, PAIR_MAX_STEPS, UNDERFLOW,
+                                   SerialEngine, advance, backward_keeping_levels,
+                                   backward_padded, power_tables, terminal_values)
 from pricer.errors import InputError
 from pricer.generate import generate
 from pricer.lattice import lattice_parameters
@@ -383,6 +385,80 @@ def test_cpu_engine_single_thread_and_empty(rng):
         numba.set_num_threads(before)
     empty = params.take(slice(0, 0))
     assert CPU.price(empty).shape == (0,) and SERIAL.price(empty).shape == (0,)
+
+
+@njit(cache=False)
+def every_node(values, t_from, strike, sign, american, pu, pd, level_base, ratio):
+    """The backward step on every node of every level, the American one on all of them: the kernel
+    before nodes were skipped (no runs, no +0.0 nodes left alone), the reference for bits."""
+    minus_strike = -sign * strike
+    for t in range(t_from - 1, -1, -1):
+        signed_base = sign * level_base[t]
+        for i in range(t + 1):
+            hold = pu * values[i + 1] + pd * values[i]
+            hold = hold if hold >= UNDERFLOW else 0.0
+            if american:
+                exercise = signed_base * ratio[i] + minus_strike
+                hold = exercise if exercise > hold else hold
+            values[i] = hold
+    return values[0]
+
+
+def every_node_prices(params) -> np.ndarray:
+    out = np.empty(len(params))
+    for k in range(len(params)):
+        n = int(params.steps[k])
+        values, level_base, ratio = np.empty(n + 1), np.empty(n + 1), np.empty(n + 1)
+        sign = 1.0 if params.call[k] else -1.0
+        power_tables(params.spot[k], params.log_up[k], params.log_down[k], n, level_base, ratio)
+        terminal_values(values, n, params.strike[k], sign, level_base, ratio)
+        out[k] = every_node(values, n, params.strike[k], sign, params.american[k], params.pu[k],
+                            params.pd[k], level_base, ratio)
+    return out
+
+
+@pytest.mark.parametrize("tree", ["crr", "lr", "jr"])
+def test_skipped_nodes_change_no_bit(rng, tree, two_threads):
+    """The kernels give nodes that cannot be exercised the European step and leave +0.0 nodes alone
+    (serial.put_edge, call_edge, zero_boundary): the prices must be bitwise those of the American
+    step on every node, for options deep in and far out of the money, one per call (the one-option
+    path) and together (pairs, level-parallel chunks)."""
+    n = 40
+    cols = random_market(rng, n, steps=(1, 1300))
+    cols["volatility"] = np.maximum(cols["volatility"], 0.35)  # p in (0, 1) at N = 1
+    cols["spot"] = cols["strike"] * np.exp(rng.uniform(-2.5, 2.5, n))
+    params = lattice_parameters(cols, tree)
+    reference = every_node_prices(params)
+    for engine in (SERIAL, CPU):
+        assert bitwise_equal(engine.price(params), reference), engine.name
+        one_by_one = np.array([engine.price(params.take([k]))[0] for k in range(n)])
+        assert bitwise_equal(one_by_one, reference), engine.name
+    wide = random_market(rng, 1, steps=(2 * MIN_CHUNK_NODES + BLOCK_STEPS + 500,) * 2)
+    p = lattice_parameters(wide, tree)
+    price_wide = _price_wide(p.spot[0], p.strike[0], p.steps[0], p.call[0], p.american[0],
+                             p.log_up[0], p.log_down[0], p.pu[0], p.pd[0], 2, np.empty((0, 5)), 0)
+    assert bitwise_equal(np.array([price_wide]), every_node_prices(p))
+
+
+@pytest.mark.parametrize("call", [False, True], ids=["put", "call"])
+def test_unordered_ratio_table_takes_every_node(rng, call):
+    """Skipping rests on the ratio table being non-decreasing; where it is not (it always is, barring
+    rounding at extreme inputs), advance and backward_padded must take every node (here a table
+    with two entries swapped)."""
+    n = 150
+    p = lattice_parameters(random_market(rng, 1, steps=(n, n), call=call, american=True))
+    size = (n + 1 + PAD + LANES - 1) & -LANES
+    values, level_base, ratio = np.zeros(size), np.zeros(size), np.zeros(size)
+    power_tables(p.spot[0], p.log_up[0], p.log_down[0], n, level_base, ratio)
+    ratio[60], ratio[61] = ratio[61], ratio[60]
+    sign = 1.0 if call else -1.0
+    terminal_values(values, n, p.strike[0], sign, level_base, ratio)
+    args = (p.strike[0], sign, True, p.pu[0], p.pd[0], level_base, ratio)
+    reference = every_node(values.copy(), n, *args)
+    plain, padded = values.copy(), values.copy()
+    advance(plain, n + 1, n, n, *args)
+    backward_padded(padded, n, 0, *args)
+    assert bitwise_equal(np.array([plain[0], padded[0]]), np.array([reference, reference]))
 
 
 # ------------------------------------------------------------------------------ independent oracles

@@ -18,9 +18,10 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pricer.lattice import LatticeParams
+from pricer.lattice import FLAGS_ROW, FLOAT_ROWS, STEPS_ROW, LatticeParams
 
 # Option values below 2**-963 (~1e-290) are set to 0. Far out-of-the-money nodes of wide lattices
 # otherwise decay into subnormal numbers, which x86 cores handle in microcode: a 7x slow-down on a
@@ -75,25 +76,118 @@ def terminal_values(values, steps, strike, sign, level_base, ratio):
 
 
 @njit(cache=True, nogil=True)
+def american_nodes(values, count, pu, pd, signed_base, minus_strike, ratio):
+    """Nodes 0..count of the next level in place, American: the larger of holding and exercising."""
+    for i in range(count):
+        hold = pu * values[i + 1] + pd * values[i]
+        hold = hold if hold >= UNDERFLOW else 0.0
+        # sign is +-1, so signed_base*ratio + minus_strike == sign*(S - strike) exactly
+        exercise = signed_base * ratio[i] + minus_strike
+        values[i] = exercise if exercise > hold else hold
+
+
+@njit(cache=True, nogil=True)
+def european_nodes(values, count, pu, pd):
+    """Nodes 0..count of the next level in place, holding only."""
+    for i in range(count):
+        hold = pu * values[i + 1] + pd * values[i]
+        values[i] = hold if hold >= UNDERFLOW else 0.0
+
+
+# Which nodes of a level need which step. Hold values are never negative, so a node whose exercise
+# value is <= 0 takes the hold (American max) and one whose two successors are +0.0 is +0.0 again
+# (the floor maps 0, -0 and NaN products to +0.0), unless it may be exercised. With the ratio table
+# non-decreasing, the exercise value sign*(S - K) is monotone in the node index: a put may be
+# exercised exactly on the nodes below an edge, a call exactly from an edge up, and the nodes that
+# stay +0.0 are the ones above (put) or below (call) a boundary that moves at most one node per
+# level. So each level is two runs of nodes, one American and one European, and the zero nodes are
+# left as they are: bitwise the values of the full American step, with fewer operations (about half
+# the nodes of an at-the-money lattice need no exercise, and a quarter stay zero).
+
+
+@njit(cache=True, nogil=True)
+def ratio_monotone(ratio, width):
+    """ratio[0..width) finite and non-decreasing (always, barring rounding at extreme inputs)."""
+    ok = True
+    for i in range(width - 1):
+        ok &= ratio[i] <= ratio[i + 1]
+    return ok and ratio[width - 1] < math.inf
+
+
+@njit(cache=True, nogil=True, inline="always")
+def put_edge(edge, count, signed_base, minus_strike, ratio):
+    """The nodes [0, edge) of a put's level of `count` nodes are the ones it may exercise (exercise
+    value > 0); found by walking from the level before's edge (ratio non-decreasing)."""
+    edge = min(edge, count)
+    while edge > 0 and not signed_base * ratio[edge - 1] + minus_strike > 0.0:
+        edge -= 1
+    while edge < count and signed_base * ratio[edge] + minus_strike > 0.0:
+        edge += 1
+    return edge
+
+
+@njit(cache=True, nogil=True, inline="always")
+def call_edge(edge, count, signed_base, minus_strike, ratio):
+    """The nodes [edge, count) of a call's level are the ones it may exercise."""
+    edge = min(edge, count)
+    while edge < count and not signed_base * ratio[edge] + minus_strike > 0.0:
+        edge += 1
+    while edge > 0 and signed_base * ratio[edge - 1] + minus_strike > 0.0:
+        edge -= 1
+    return edge
+
+
+@njit(cache=True, nogil=True)
+def _is_plus_zero(x):
+    return x == 0.0 and math.copysign(1.0, x) > 0.0
+
+
+@njit(cache=True, nogil=True)
+def zero_boundary(values, width, put):
+    """put: the first index of the +0.0 nodes at the top of values[0..width); call: the number of
+    +0.0 nodes at the bottom."""
+    if put:
+        top = width
+        while top > 0 and _is_plus_zero(values[top - 1]):
+            top -= 1
+        return top
+    bottom = 0
+    while bottom < width and _is_plus_zero(values[bottom]):
+        bottom += 1
+    return bottom
+
+
+@njit(cache=True, nogil=True)
 def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level_base, ratio):
     """Take `levels` backward steps in place from level t_from, whose first `width` nodes are in
     values[0..width); each step leaves one node fewer. ratio may be offset (ratio[j] belongs to
-    values[j]), which lets a chunk of a level advance on its own."""
+    values[j]), which lets a chunk of a level advance on its own. Nodes that cannot be exercised
+    take the European step and +0.0 nodes are left as they are (see above); where the ratio table
+    is not monotone, every node takes the American step."""
     minus_strike = -sign * strike
-    for s in range(1, levels + 1):
-        signed_base = sign * level_base[t_from - s]
-        count = width - s
-        if american:
-            # sign is +-1, so signed_base*ratio + minus_strike == sign*(S - strike) exactly
-            for i in range(count):
-                hold = pu * values[i + 1] + pd * values[i]
-                hold = hold if hold >= UNDERFLOW else 0.0
-                exercise = signed_base * ratio[i] + minus_strike
-                values[i] = exercise if exercise > hold else hold
-        else:
-            for i in range(count):
-                hold = pu * values[i + 1] + pd * values[i]
-                values[i] = hold if hold >= UNDERFLOW else 0.0
+    if american and not ratio_monotone(ratio, width):
+        for s in range(1, levels + 1):
+            american_nodes(values, width - s, pu, pd, sign * level_base[t_from - s], minus_strike,
+                           ratio)
+    elif sign < 0:
+        zeros = zero_boundary(values, width, True)
+        edge = zeros
+        for s in range(1, levels + 1):
+            count, signed_base = width - s, sign * level_base[t_from - s]
+            edge = put_edge(edge, count, signed_base, minus_strike, ratio) if american else 0
+            zeros = max(zeros, edge)
+            american_nodes(values, edge, pu, pd, signed_base, minus_strike, ratio)
+            european_nodes(values[edge:], min(zeros, count) - edge, pu, pd)
+    else:
+        zeros = zero_boundary(values, width, False)
+        edge = zeros
+        for s in range(1, levels + 1):
+            count, signed_base = width - s, sign * level_base[t_from - s]
+            edge = call_edge(edge, count, signed_base, minus_strike, ratio) if american else count
+            zeros = max(0, min(zeros - 1, edge))
+            european_nodes(values[zeros:], edge - zeros, pu, pd)
+            american_nodes(values[edge:], count - edge, pu, pd, signed_base, minus_strike,
+                           ratio[edge:])
 
 
 @njit(cache=True, nogil=True)
@@ -128,23 +222,28 @@ def backward_keeping_levels(values, t_from, strike, sign, american, pu, pd, leve
     backward_inplace(values, 1, 0, strike, sign, american, pu, pd, level_base, ratio)
 
 
-# Levels up to this index are advanced two lattices at a time (advance_pair); wider levels one
+# Levels up to this index are advanced two lattices at a time (padded_pair); wider levels one
 # lattice at a time, since one alone already keeps the vector units busy there.
 PAIR_MAX_STEPS = 512
-# advance_pair computes whole vectors of LANES nodes (512 bits), so it runs up to LANES - 1 nodes
-# past a level's last node and reads one further: price_range's work arrays have PAD nodes of
-# padding after the lattice's last node.
+# The padded kernels (_vector_run) compute whole vectors of LANES nodes (512 bits), so they run up
+# to LANES - 1 nodes past a level's last node and read the vector after that: price_range's work
+# arrays have PAD zeroed nodes after the lattice's last. Nodes past a level's last one compute
+# garbage from finite padding (zeros, table entries, stale values) that never flows back, since
+# node i reads only nodes i and i + 1.
 LANES = 8
-PAD = LANES
+PAD = 2 * LANES
 
 
-def _vector_nodes(american: bool):
-    """An intrinsic nodes(values, ratio, i, pu, pd, signed_base, minus_strike): nodes i..i+7 of the
-    next level in place, as explicit 8-wide vector code with advance's exact operations in each
-    lane. Explicit because LLVM's loop vectoriser leaves advance_pair's loop scalar: the loop writes
-    two arrays that it cannot prove disjoint."""
+def _vector_run(american: bool):
+    """An intrinsic run(values, ratio, start, stop, pu, pd, signed_base, minus_strike): nodes
+    start..stop of the next level in place (start a multiple of LANES), whole vectors, with
+    advance's exact operations in each lane. Each vector's upper neighbours come from the next
+    aligned vector by a lane shift (kept in a register for the next step) rather than from a load
+    one node further on: such a load spans two of the previous level's stores, which the core
+    cannot forward, and at small N each level waits on the one before."""
     vector = ir.VectorType(ir.DoubleType(), LANES)
     lanes = ir.VectorType(ir.IntType(32), LANES)
+    shift = ir.Constant(lanes, list(range(1, LANES + 1)))
 
     def load(builder, pointer):
         return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=8)
@@ -156,64 +255,108 @@ def _vector_nodes(american: bool):
                                       ir.Constant(lanes, [0] * LANES))
 
     @intrinsic
-    def nodes(typingctx, values, ratio, i, pu, pd, signed_base, minus_strike):
+    def run(typingctx, values, ratio, start, stop, pu, pd, signed_base, minus_strike):
         def codegen(context, builder, signature, args):
-            values, ratio, i, pu, pd, signed_base, minus_strike = args
-            at = builder.gep(context.make_array(signature.args[0])(context, builder, values).data,
-                             [i])
-            low = load(builder, at)
-            up = load(builder, builder.gep(at, [ir.Constant(ir.IntType(64), 1)]))
-            hold = builder.fadd(builder.fmul(splat(builder, pu), up),
-                                builder.fmul(splat(builder, pd), low))
+            values, ratio, start, stop, pu, pd, signed_base, minus_strike = args
+            data = context.make_array(signature.args[0])(context, builder, values).data
+            rdata = context.make_array(signature.args[1])(context, builder, ratio).data
+            pu, pd = splat(builder, pu), splat(builder, pd)
             floor = splat(builder, ir.Constant(ir.DoubleType(), UNDERFLOW))
-            hold = builder.select(builder.fcmp_ordered(">=", hold, floor), hold,
-                                  ir.Constant(vector, [0.0] * LANES))
-            if american:
-                ratio = context.make_array(signature.args[1])(context, builder, ratio).data
-                exercise = builder.fadd(
-                    builder.fmul(splat(builder, signed_base), load(builder, builder.gep(ratio, [i]))),
-                    splat(builder, minus_strike))
-                hold = builder.select(builder.fcmp_ordered(">", exercise, hold), exercise, hold)
-            builder.store(hold, builder.bitcast(at, vector.as_pointer()), align=8)
+            zero = ir.Constant(vector, [0.0] * LANES)
+            signed_base, minus_strike = splat(builder, signed_base), splat(builder, minus_strike)
+            low_slot = cgutils.alloca_once(builder, vector)
+            with builder.if_then(builder.icmp_signed("<", start, stop)):
+                builder.store(load(builder, builder.gep(data, [start])), low_slot)
+                step = ir.Constant(start.type, LANES)
+                with cgutils.for_range_slice(builder, start, stop, step) as (i, _):
+                    at = builder.gep(data, [i])
+                    low = builder.load(low_slot)
+                    high = load(builder, builder.gep(at, [step]))
+                    up = builder.shuffle_vector(low, high, shift)
+                    hold = builder.fadd(builder.fmul(pu, up), builder.fmul(pd, low))
+                    hold = builder.select(builder.fcmp_ordered(">=", hold, floor), hold, zero)
+                    if american:
+                        exercise = builder.fadd(
+                            builder.fmul(signed_base, load(builder, builder.gep(rdata, [i]))),
+                            minus_strike)
+                        hold = builder.select(builder.fcmp_ordered(">", exercise, hold), exercise,
+                                              hold)
+                    builder.store(hold, builder.bitcast(at, vector.as_pointer()), align=8)
+                    builder.store(high, low_slot)
             return context.get_dummy_value()
 
-        return types.void(values, ratio, i, pu, pd, signed_base, minus_strike), codegen
+        return types.void(values, ratio, start, stop, pu, pd, signed_base, minus_strike), codegen
 
-    return nodes
+    return run
 
 
-_american_nodes = _vector_nodes(True)
-_european_nodes = _vector_nodes(False)
+_american_run = _vector_run(True)
+_european_run = _vector_run(False)
+
+
+# backward_padded's ways through a level: every node American (the ratio table is not monotone),
+# or the runs of a put or of a call (advance's, rounded out to whole vectors)
+_FULL, _PUT, _CALL = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
-def _level_nodes(values, ratio, i, pu, pd, signed_base, minus_strike, american):
-    """Nodes i..i+7 of the next level (advance's operations, 8 lanes at a time)."""
-    if american:
-        _american_nodes(values, ratio, i, pu, pd, signed_base, minus_strike)
+def _padded_start(values, ratio, t_from, sign, american):
+    """(way, edge, zeros) of a lattice at level t_from for _padded_level."""
+    if american and not ratio_monotone(ratio, t_from + 1):
+        return _FULL, 0, 0
+    zeros = zero_boundary(values, t_from + 1, sign < 0)
+    return (_PUT if sign < 0 else _CALL), zeros, zeros
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _padded_level(values, ratio, t, way, american, edge, zeros, pu, pd, signed_base,
+                  minus_strike):
+    """Level t from level t + 1 in whole vectors; returns the new (edge, zeros)."""
+    count = t + 1
+    if way == _FULL:
+        _american_run(values, ratio, 0, count, pu, pd, signed_base, minus_strike)
+    elif way == _PUT:
+        edge = put_edge(edge, count, signed_base, minus_strike, ratio) if american else 0
+        zeros = max(zeros, edge)
+        _american_run(values, ratio, 0, edge, pu, pd, signed_base, minus_strike)
+        _european_run(values, ratio, (edge + LANES - 1) & -LANES, min(zeros, count), pu, pd,
+                      signed_base, minus_strike)
     else:
-        _european_nodes(values, ratio, i, pu, pd, signed_base, minus_strike)
+        edge = call_edge(edge, count, signed_base, minus_strike, ratio) if american else count
+        zeros = max(0, min(zeros - 1, edge))
+        cut = edge & -LANES if american else count   # a European option has no American run
+        _european_run(values, ratio, zeros & -LANES, cut, pu, pd, signed_base, minus_strike)
+        _american_run(values, ratio, cut, count, pu, pd, signed_base, minus_strike)
+    return edge, zeros
 
 
 @njit(cache=True, nogil=True)
-def advance_pair(a, b, t_from, t_to):
-    """Two lattices a and b, both at level t_from, down to level t_to, a vector of one and then of
-    the other in turn.
+def backward_padded(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio):
+    """backward_inplace on price_range's padded work arrays, in whole vectors (_vector_run), with
+    advance's runs of nodes rounded out to whole vectors: at N = 100 a level is latency-bound, and
+    LLVM's loops with their scalar remainders cost more there than the nodes they leave out."""
+    minus_strike = -sign * strike
+    way, edge, zeros = _padded_start(values, ratio, t_from, sign, american)
+    for t in range(t_from - 1, t_to - 1, -1):
+        edge, zeros = _padded_level(values, ratio, t, way, american, edge, zeros, pu, pd,
+                                    sign * level_base[t], minus_strike)
 
-    At small N one lattice's levels are short and each depends on the one before (a chain of ~30
-    cycles per level through memory); interleaving two independent lattices lets the core overlap
-    them (N = 100: ~1.05 us per option against 1.39 us alone). Each option is a tuple (values,
-    ratio, level_base, pu, pd, strike, sign, american) of price_range's padded work arrays. Nodes
-    past a level's last one compute garbage from finite padding (zeros, table entries, stale
-    values) that never flows back, since node i reads only nodes i and i + 1."""
+
+@njit(cache=True, nogil=True)
+def padded_pair(a, b, t_from, t_to):
+    """Two lattices a and b, both at level t_from, down to level t_to, a level of one and then of
+    the other in turn, so that the core overlaps their chains (see backward_padded). Each is a tuple
+    (values, ratio, level_base, pu, pd, strike, sign, american) of price_range's work arrays."""
     va, ra, lba, pua, pda, ka, sa, ama = a
     vb, rb, lbb, pub, pdb, kb, sb, amb = b
     minus_ka, minus_kb = -sa * ka, -sb * kb
+    way_a, edge_a, zeros_a = _padded_start(va, ra, t_from, sa, ama)
+    way_b, edge_b, zeros_b = _padded_start(vb, rb, t_from, sb, amb)
     for t in range(t_from - 1, t_to - 1, -1):
-        base_a, base_b = sa * lba[t], sb * lbb[t]
-        for i in range(0, t + 1, LANES):
-            _level_nodes(va, ra, i, pua, pda, base_a, minus_ka, ama)
-            _level_nodes(vb, rb, i, pub, pdb, base_b, minus_kb, amb)
+        edge_a, zeros_a = _padded_level(va, ra, t, way_a, ama, edge_a, zeros_a, pua, pda,
+                                        sa * lba[t], minus_ka)
+        edge_b, zeros_b = _padded_level(vb, rb, t, way_b, amb, edge_b, zeros_b, pub, pdb,
+                                        sb * lbb[t], minus_kb)
 
 
 @njit(cache=True, nogil=True)
@@ -241,7 +384,7 @@ def _work(width):
 @njit(cache=True, nogil=True)
 def _price_pair(k, m, spot, strike, steps, call, american, log_up, log_down, pu, pd, out, levels,
                 wa, wb):
-    """Options k and m: each alone down to level PAIR_MAX_STEPS, then both together (advance_pair)
+    """Options k and m: each alone down to level PAIR_MAX_STEPS, then both together (padded_pair)
     down to the last levels, which each finishes alone (keeping the first levels' values)."""
     va, lba, ra, sca = wa
     vb, lbb, rb, scb = wb
@@ -251,14 +394,14 @@ def _price_pair(k, m, spot, strike, steps, call, american, log_up, log_down, pu,
     joint = max(min(steps[k], steps[m], PAIR_MAX_STEPS), floor)
     ta, tb = steps[k], steps[m]
     if ta > joint:
-        backward_inplace(va, ta, joint, strike[k], sa, american[k], pu[k], pd[k], lba, ra)
+        backward_padded(va, ta, joint, strike[k], sa, american[k], pu[k], pd[k], lba, ra)
         ta = joint
     if tb > joint:
-        backward_inplace(vb, tb, joint, strike[m], sb, american[m], pu[m], pd[m], lbb, rb)
+        backward_padded(vb, tb, joint, strike[m], sb, american[m], pu[m], pd[m], lbb, rb)
         tb = joint
     if ta == tb and ta > floor:
-        advance_pair((va, ra, lba, pu[k], pd[k], strike[k], sa, american[k]),
-                     (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m]), ta, floor)
+        padded_pair((va, ra, lba, pu[k], pd[k], strike[k], sa, american[k]),
+                    (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m]), ta, floor)
         ta = tb = floor
     backward_keeping_levels(va, ta, strike[k], sa, american[k], pu[k], pd[k], lba, ra, levels, k)
     backward_keeping_levels(vb, tb, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, levels, m)
@@ -272,38 +415,84 @@ def _price_single(k, spot, strike, steps, call, american, log_up, log_down, pu, 
     values, level_base, ratio, scratch = work
     sign = _prepare(values, level_base, ratio, scratch, spot[k], strike[k], steps[k], call[k],
                     log_up[k], log_down[k])
-    backward_keeping_levels(values, steps[k], strike[k], sign, american[k], pu[k], pd[k],
+    t = steps[k]
+    floor = 2 if levels.shape[0] > 0 else 0
+    if t > floor:
+        backward_padded(values, t, floor, strike[k], sign, american[k], pu[k], pd[k], level_base,
+                        ratio)
+        t = floor
+    backward_keeping_levels(values, t, strike[k], sign, american[k], pu[k], pd[k],
                             level_base, ratio, levels, k)
     out[k] = values[0]
 
 
 @njit(cache=True, nogil=True)
-def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels):
-    """Price the options order[0..] into out, two at a time (_price_pair) reusing two sets of work
-    arrays; `levels` is (len(out), LEVEL_VALUES) to keep the first levels' values, or (0,
-    LEVEL_VALUES). Every price is bitwise the one the option gets alone."""
-    if order.size == 0:
-        return
-    width = 1
-    for k in order:
-        width = max(width, steps[k] + 1)
-    first = _work(width)
-    second = _work(width) if order.size > 1 else first
-    j = 0
-    while j + 1 < order.size:
-        _price_pair(order[j], order[j + 1], spot, strike, steps, call, american, log_up, log_down,
-                    pu, pd, out, levels, first, second)
-        j += 2
-    if j < order.size:
-        _price_single(order[j], spot, strike, steps, call, american, log_up, log_down, pu, pd, out,
-                      levels, first)
+def _option(order, j):
+    """The j-th option to price: order[j], or j itself where there is no order."""
+    if order is None:
+        return j
+    return order[j]
 
 
 @njit(cache=True, nogil=True)
-def price_all(spot, strike, steps, call, american, log_up, log_down, pu, pd, out):
-    """price_range over all the options in order, without their first levels."""
-    price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
-                np.arange(spot.size), out, np.empty((0, LEVEL_VALUES)))
+def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels):
+    """Price the options order[0..] (all of them, in turn, if order is None) into out, two at a
+    time (_price_pair) reusing two sets of work arrays; `levels` is (len(out), LEVEL_VALUES) to keep
+    the first levels' values, or (0, LEVEL_VALUES). Every price is bitwise the one the option gets
+    alone."""
+    count = out.size if order is None else order.size
+    if count == 0:
+        return
+    width = 1
+    for j in range(count):
+        width = max(width, steps[_option(order, j)] + 1)
+    first = _work(width)
+    second = _work(width) if count > 1 else first
+    j = 0
+    while j + 1 < count:
+        _price_pair(_option(order, j), _option(order, j + 1), spot, strike, steps, call, american,
+                    log_up, log_down, pu, pd, out, levels, first, second)
+        j += 2
+    if j < count:
+        _price_single(_option(order, j), spot, strike, steps, call, american, log_up, log_down, pu,
+                      pd, out, levels, first)
+
+
+_SPOT, _STRIKE = FLOAT_ROWS["spot"], FLOAT_ROWS["strike"]
+_LOG_UP, _LOG_DOWN, _PU, _PD = (FLOAT_ROWS[name] for name in ("log_up", "log_down", "pu", "pd"))
+
+
+@njit(cache=True, nogil=True)
+def packed_arguments(packed):
+    """kernel_arguments from LatticeParams.packed (see lattice.packed_views)."""
+    n = packed.shape[1]
+    flags = packed[FLAGS_ROW].view(np.bool_)
+    return (packed[_SPOT], packed[_STRIKE], packed[STEPS_ROW].view(np.int64), flags[:n],
+            flags[n:2 * n], packed[_LOG_UP], packed[_LOG_DOWN], packed[_PU], packed[_PD])
+
+
+@njit(cache=True, nogil=True)
+def _price_alone(spot, strike, steps, call, american, log_up, log_down, pu, pd):
+    """One option's price, from scalars: the pair machinery's bookkeeping (arrays handed through
+    four calls, each counting references) costs ~0.3 us, a sixth of an N = 100 option."""
+    values, level_base, ratio, scratch = _work(steps + 1)
+    sign = _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_up,
+                    log_down)
+    backward_padded(values, steps, 0, strike, sign, american, pu, pd, level_base, ratio)
+    return values[0]
+
+
+@njit(cache=True, nogil=True)
+def price_all(packed, out):
+    """price_range over all the options of LatticeParams.packed, without their first levels: two
+    array arguments, where the nine fields would cost numba's dispatch ~0.5 us more per call."""
+    spot, strike, steps, call, american, log_up, log_down, pu, pd = packed_arguments(packed)
+    if out.size == 1:
+        out[0] = _price_alone(spot[0], strike[0], steps[0], call[0], american[0], log_up[0],
+                              log_down[0], pu[0], pd[0])
+    else:
+        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, None, out,
+                    np.empty((0, LEVEL_VALUES)))
 
 
 def kernel_arguments(params: LatticeParams):
@@ -320,15 +509,31 @@ def level_array(levels: np.ndarray | None) -> np.ndarray:
     return _NO_LEVELS if levels is None else levels
 
 
+class Direct:
+    """A kernel called through its compiled entry point for one signature, without numba's type
+    dispatch (~0.1 us of an N = 100 call's ~2 us). Only for arguments that always have exactly
+    those types: LatticeParams.packed (always a C-contiguous float64 (PACKED_ROWS, n) array) and a
+    fresh float64 `out`. Compiled (or loaded from numba's cache) on the first call."""
+
+    def __init__(self, kernel, signature: str):
+        self.kernel, self.signature = kernel, signature
+        self.call = self._first_call
+
+    def _first_call(self, *args):
+        self.call = self.kernel.compile(self.signature)
+        return self.call(*args)
+
+
+price_packed = Direct(price_all, "void(float64[:, ::1], float64[::1])")
+
+
 def price_here(params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
-    """All the options on this thread, in one kernel call. Without levels it is price_all, with
-    the fewest arguments: numba's dispatch costs ~0.1 us per array argument, and an N = 100 option
-    only ~2 us of work."""
-    out = np.empty(params.spot.size)
+    """All the options on this thread, in one kernel call."""
+    out = np.empty(len(params))
     if levels is None:
-        price_all(*kernel_arguments(params), out)
+        price_packed.call(params.packed, out)
     else:
-        price_range(*kernel_arguments(params), np.arange(out.size), out, levels)
+        price_range(*kernel_arguments(params), None, out, levels)
     return out
 
 
@@ -339,4 +544,10 @@ class SerialEngine:
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        return price_here(params, levels)
+        if levels is not None:
+            return price_here(params, levels)
+        # price_here's path, inline: at N = 100 each Python call and lookup is ~2 % of the call
+        packed = params.packed
+        out = np.empty(packed.shape[1])
+        price_packed.call(packed, out)
+        return out
