@@ -110,9 +110,9 @@ def _cases(quick: bool) -> list[Case]:
         cases.append(Case(f"put N={n:,}", _single_put(n), np.array([0]),
                           QL_MAX_STEPS if over else None,
                           f"QuantLib timed at N={QL_MAX_STEPS:,}, extrapolated per node" if over else ""))
-    # One N = 100 put per call measures the call (numba's dispatch of ten arrays and the engine's
-    # Python, ~1.5 us) as much as the option (~2 us); a batch of them per call shows the per-node
-    # rate at small N.
+    # One N = 100 put per call measures the call as well as the option (2.35 us per engine call,
+    # 1.65 us of them the kernel's in a numba loop: docs/performance.md); a batch of them per call
+    # shows the per-node rate at small N.
     batch = {k: np.repeat(v, SMALL_BATCH) for k, v in _single_put(SMALL_STEPS).items()}
     index = np.arange(0, SMALL_BATCH, SMALL_BATCH // 50)
     cases.append(Case(f"{SMALL_BATCH:,} puts N={SMALL_STEPS}", batch, index,

@@ -5,7 +5,8 @@ exp(i*(log_up - log_down)) from two tables whose entries are within a few ulp (s
 power_tables_into), so the exercise value is as accurate at N = 1 000 000 as at N = 10. The kernels
 below are also the building blocks of the `cpu` backend and of the GPU CPU tail; all of them do
 exactly the same floating-point operations per node, so every backend that uses them is bitwise
-equal to this one.
+equal to this one. Nodes where those operations cannot change a bit are skipped (the exercise
+value where it cannot win, nodes that stay +0.0: see "Which nodes of a level need which step").
 
 Options are priced two at a time (price_range): at small N a lattice's levels are short, each
 waits on the one before, and a second, independent lattice in the same loop fills the wait.
