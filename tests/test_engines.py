@@ -322,16 +322,22 @@ def test_serial_and_cpu_bitwise_equal(rng, two_threads):
     assert bitwise_equal(CPU.price(params.take(order)), serial[order])
 
 
+def terminal_lattice(params, k: int):
+    """Option k's steps, payoff level, power tables and sign, from the plain kernels."""
+    n = int(params.steps[k])
+    values, level_base, ratio = np.empty(n + 1), np.empty(n + 1), np.empty(n + 1)
+    sign = 1.0 if params.call[k] else -1.0
+    power_tables(params.spot[k], params.log_up[k], params.log_down[k], n, level_base, ratio)
+    terminal_values(values, n, params.strike[k], sign, level_base, ratio)
+    return n, values, level_base, ratio, sign
+
+
 def price_alone(params, levels: np.ndarray) -> np.ndarray:
     """Each option on its own through the plain kernels (power_tables, terminal_values,
     backward_keeping_levels: what the GPU engines' CPU tail and the cpu engine's wide path run)."""
     out = np.empty(len(params))
     for k in range(len(params)):
-        n = int(params.steps[k])
-        values, level_base, ratio = np.empty(n + 1), np.empty(n + 1), np.empty(n + 1)
-        sign = 1.0 if params.call[k] else -1.0
-        power_tables(params.spot[k], params.log_up[k], params.log_down[k], n, level_base, ratio)
-        terminal_values(values, n, params.strike[k], sign, level_base, ratio)
+        n, values, level_base, ratio, sign = terminal_lattice(params, k)
         backward_keeping_levels(values, n, params.strike[k], sign, params.american[k], params.pu[k],
                                 params.pd[k], level_base, ratio, levels, k)
         out[k] = values[0]
@@ -407,11 +413,7 @@ def every_node(values, t_from, strike, sign, american, pu, pd, level_base, ratio
 def every_node_prices(params) -> np.ndarray:
     out = np.empty(len(params))
     for k in range(len(params)):
-        n = int(params.steps[k])
-        values, level_base, ratio = np.empty(n + 1), np.empty(n + 1), np.empty(n + 1)
-        sign = 1.0 if params.call[k] else -1.0
-        power_tables(params.spot[k], params.log_up[k], params.log_down[k], n, level_base, ratio)
-        terminal_values(values, n, params.strike[k], sign, level_base, ratio)
+        n, values, level_base, ratio, sign = terminal_lattice(params, k)
         out[k] = every_node(values, n, params.strike[k], sign, params.american[k], params.pu[k],
                             params.pd[k], level_base, ratio)
     return out
