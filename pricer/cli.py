@@ -48,7 +48,9 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--partition", choices=PARTITIONERS, default=d("cost"),
                    help="static split across ranks: equal Σ N² (cost, default) or equal counts")
     p.add_argument("--distribute", choices=DISTRIBUTIONS, default=d("scatter"),
-                   help="how rank 0 sends the portfolio: Scatterv of slices (default) or Bcast of all")
+                   help="how the ranks get the portfolio: rank 0 reads it and sends each rank its "
+                        "slice by Scatterv (scatter, default) or everything by Bcast (bcast), or "
+                        "every rank reads and checks its own rows of the file, read-only (read)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per rank (default: the node's cores / ranks on the node)")
     p.add_argument("--t1", type=int, default=None, metavar="N",

@@ -1,17 +1,21 @@
 """Stage 5: the MPI master–worker (SPMD): rank 0 reads, validates and partitions; the portfolio moves
-as one float64 matrix (Bcast or Scatterv); every rank prices its slice (with --greeks/--richardson
+as one float64 matrix (Bcast or Scatterv), or with --distribute read every rank reads and validates
+its own rows of the input file (read-only), partitioned alike from the file's id and steps columns;
+every rank prices its slice (with --greeks/--richardson
 through pricer/greeks.py); one Gatherv of an (options, outputs) float64 matrix brings the prices and
 Greeks back to rank 0, which writes the results. Single-process runs take the same path with size 1.
 Each option's tree travels in the matrix as a code, resolved on rank 0 from the portfolio's `tree`
 column where it has one, else from the run's tree.
 
-Failure rules: rank 0 checks everything it can before any collective work and broadcasts a verdict,
-so bad input makes every rank exit 2 together; anything unexpected later aborts the whole job
+Failure rules: rank 0 (with --distribute read, every rank for its rows) checks everything it can
+before any collective work, and one verdict that every rank takes part in follows, so bad input makes
+every rank exit 2 together, with one message (rank 0 prints the lowest failing rank's); anything unexpected later aborts the whole job
 (cli.py installs an excepthook that calls MPI Abort), so no rank is ever left waiting.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -28,13 +32,14 @@ from pricer.engines import get_engine, resolve_backend
 from pricer.errors import InputError
 from pricer.faults import FailureWatch, chunk_delay, inject, planned_faults, polite_barrier
 from pricer.greeks import BUMP, Analytics, bumped, check, price_with_analytics, richardson_steps
-from pricer.lattice import lattice_parameters, tree_named
+from pricer.lattice import TREE_NAMES, lattice_parameters, tree_named
 from pricer.partition import PARTITIONERS, assign
-from pricer.portfolio import MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_portfolio
+from pricer.portfolio import (MATRIX_COLUMNS, columns_from_matrix, lattice_nodes, read_index,
+                              read_portfolio, read_portfolio_rows)
 from pricer.progress import Progress
 from pricer.results import check_output_path, sha256_of_file, utc_now, write_results
 
-DISTRIBUTIONS = ("scatter", "bcast")
+DISTRIBUTIONS = ("scatter", "bcast", "read")
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 ROOT = 0
 
@@ -141,13 +146,44 @@ def _check_buffer(array: np.ndarray) -> None:
     assert array.dtype == np.float64 and array.flags.c_contiguous, (array.dtype, array.flags)
 
 
-def _verdict(comm, status: int) -> None:
-    """Rank 0 tells everyone whether to go on: 0 yes, 2 bad input (every rank exits 2), 1 a bug on
-    rank 0 (it re-raises it, the others exit 1), so no rank is left waiting in a collective."""
-    verdict = np.array([status], dtype=np.int64)
-    comm.Bcast(verdict, root=ROOT)
-    if verdict[0] and not (verdict[0] == 1 and comm.Get_rank() == ROOT):
-        raise BadInput(int(verdict[0]))
+def _verdict(comm, status: int, message: str | None = None, own: "OwnRows | None" = None) -> int:
+    """Every rank learns every rank's status, so that no rank is left waiting in a collective: 0
+    go on; 2 bad input: rank 0 prints the message of the lowest rank that found some, every rank
+    exits 2; 1 a bug: the ranks that hit it return (to re-raise it), the others exit 1. With
+    --distribute read (`own`), the ranks' partitions must agree (same digest), and the return value
+    is the union of the tree codes their rows use (a bit per code); else 0."""
+    rank = comm.Get_rank()
+    mine = np.array([status, own.digest if own else 0, own.trees if own else 0], dtype=np.int64)
+    every = np.empty((comm.Get_size(), 3), dtype=np.int64)
+    comm.Allgather(mine, every)
+    statuses = every[:, 0].copy()
+    if own is not None and not statuses.any() and (every[:, 1] != every[0, 1]).any():
+        statuses[ROOT] = 2   # e.g. numpy builds that round the cost sums differently
+        message = ("with --distribute read the ranks computed different partitions of the portfolio "
+                   "(different numpy builds or processors?); use --distribute scatter")
+    if (statuses == 1).any():
+        if status == 1:
+            return 0
+        raise BadInput(1)
+    if (statuses == 2).any():
+        sender = int(np.flatnonzero(statuses == 2)[0])
+        text = _bcast_text(comm, message if rank == sender else None, sender)
+        if rank == ROOT:
+            print(f"pricer: error: {'' if sender == ROOT else f'rank {sender}: '}{text}",
+                  file=sys.stderr, flush=True)
+        raise BadInput(2)
+    return int(np.bitwise_or.reduce(every[:, 2]))
+
+
+def _bcast_text(comm, text: str | None, root: int) -> str:
+    """A message from rank `root` to every rank, as a byte buffer (its length first)."""
+    data = np.frombuffer((text or "").encode(), dtype=np.uint8) if comm.Get_rank() == root else None
+    length = np.array([data.size if data is not None else 0], dtype=np.int64)
+    comm.Bcast(length, root=root)
+    if data is None:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    comm.Bcast(data, root=root)
+    return data.tobytes().decode()
 
 
 def distribute(comm, matrix, bounds: np.ndarray, how: str) -> np.ndarray:
@@ -193,9 +229,12 @@ def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | No
 @dataclass
 class Plan:
     """Rank 0's decisions before any work: the rows to price and how they are cut."""
-    portfolio: object
+    input_ids: np.ndarray   # every option's id, in input order (the results' id column)
+    trees: list             # the names of the trees that price the run
     input_sha256: str
-    matrix: np.ndarray      # rows to price (all, or a resume's missing chunks), in input order
+    matrix: np.ndarray | None  # rows to price (all, or a resume's missing chunks), in plan order;
+                               # None with --distribute read (every rank reads its own)
+    steps: np.ndarray       # their steps (int64)
     ids: np.ndarray         # their ids
     todo: np.ndarray | None  # their row numbers in the portfolio (None: all rows in input order)
     bounds: np.ndarray      # rank r prices matrix rows bounds[r]:bounds[r+1]
@@ -208,25 +247,31 @@ class Plan:
         """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
         if self.todo is None:
             return priced
-        full = np.empty((len(self.portfolio), priced.shape[1]))
+        full = np.empty((len(self.input_ids), priced.shape[1]))
         full[self.todo] = priced
         for (a, b), chunk in self.reuse:
             full[a:b] = self.checkpoint.load(chunk)
         return full
 
 
-def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
-    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk."""
+def _check_launcher(size: int) -> None:
     expected = launcher_world_size()
     if expected is not None and expected != size:
         raise InputError(f"the launcher started {expected} processes but MPI sees a world of "
                          f"{size}: mpi4py is linked to a different MPI than the launcher's")
+
+
+def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
+    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk."""
+    _check_launcher(size)
     if prepare is not None:
         prepare()
     portfolio, matrix, input_sha256 = _read_and_check(cfg)
-    _check_memory(cfg, portfolio, size, node_ranks)
+    _check_memory(cfg, len(portfolio), portfolio.steps, portfolio.tree is not None, size, node_ranks)
+    trees = portfolio.trees_used(cfg.tree)
     if not cfg.checkpoint:
-        return _plan_whole(cfg, portfolio, matrix, input_sha256, size)
+        return _plan_whole(cfg, portfolio.id, portfolio.steps, matrix, input_sha256, trees,
+                           assign(portfolio.steps, size, cfg.partition))
     grid = chunk_grid(portfolio.steps, *chunk_shape(cfg))
     checkpoint = Checkpoint(cfg.checkpoint)
     checkpoint.open(input_sha256, _checkpoint_settings(cfg, grid), cfg.resume)
@@ -240,22 +285,69 @@ def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
         else np.zeros(0)
     bounds = cuts[split_chunks(costs, size)]
     reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
-    return Plan(portfolio, input_sha256, np.ascontiguousarray(matrix[todo]), portfolio.id[todo],
-                todo, bounds, cuts, missing.astype(np.int64), reuse, checkpoint)
+    return Plan(portfolio.id, trees, input_sha256, np.ascontiguousarray(matrix[todo]),
+                portfolio.steps[todo], portfolio.id[todo], todo, bounds, cuts,
+                missing.astype(np.int64), reuse, checkpoint)
 
 
-def _plan_whole(cfg: RunConfig, portfolio, matrix: np.ndarray, input_sha256: str, size: int) -> Plan:
-    """Every row priced; each rank's rows as partition.assign places them: contiguous slices, or
-    whole options in another order (then rows travel in that order and Plan.assemble undoes it)."""
-    assignment = assign(portfolio.steps, size, cfg.partition)
+def _plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
+                matrix: np.ndarray | None, input_sha256: str, trees: list, assignment) -> Plan:
+    """Every row priced; each rank's rows as partition.assign placed them: contiguous slices, or
+    whole options in another order (then rows travel in that order and Plan.assemble undoes it).
+    `matrix` None: the ranks read their own rows (--distribute read)."""
     if assignment.in_input_order():
-        todo, rows, ids, steps = None, matrix, portfolio.id, portfolio.steps
+        todo, rows, ids, steps = None, matrix, input_ids, input_steps
     else:
         todo = assignment.order
-        rows, ids, steps = np.ascontiguousarray(matrix[todo]), portfolio.id[todo], portfolio.steps[todo]
+        rows = None if matrix is None else np.ascontiguousarray(matrix[todo])
+        ids, steps = input_ids[todo], input_steps[todo]
     cuts = _merge_cuts(chunk_grid(steps, *chunk_shape(cfg)), assignment.bounds)
-    return Plan(portfolio, input_sha256, rows, ids, todo, assignment.bounds, cuts,
+    return Plan(input_ids, trees, input_sha256, rows, steps, ids, todo, assignment.bounds, cuts,
                 np.full(len(cuts) - 1, -1), [], None)
+
+
+@dataclass
+class OwnRows:
+    """--distribute read: the rows one rank read and checked for itself."""
+    matrix: np.ndarray   # its rows of the portfolio matrix, in plan order
+    ids: np.ndarray      # their ids
+    digest: int          # of the partition it computed (every rank's must agree)
+    trees: int           # the tree codes its rows use, a bit per code
+
+
+def _plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
+    """--distribute read, on every rank: the partition from the file's id and steps columns (the
+    same on every rank), then this rank's own rows, read and checked; rank 0 also makes the Plan
+    (without the matrix) and does the whole-file checks. Returns (plan or None, OwnRows)."""
+    if rank == ROOT:
+        _check_launcher(size)
+    _check_settings(cfg)
+    if rank == ROOT:
+        check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest = pool.submit(sha256_of_file, cfg.input) if rank == ROOT else None
+        index = read_index(cfg.input)
+        assignment = assign(index.steps, size, cfg.partition)
+        rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
+        part = read_portfolio_rows(cfg.input, rows)   # a part's rows are in input order
+        matrix = part.to_matrix(cfg.tree)
+        _check_lattices(cfg, matrix, part.id)
+        codes = np.unique(matrix[:, -1]).astype(np.int64)
+        own = OwnRows(matrix, part.id, _assignment_digest(assignment),
+                      int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
+        plan = None
+        if rank == ROOT:
+            _check_memory(cfg, len(index), index.steps, index.has_tree, size, node_ranks)
+            plan = _plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
+    return plan, own
+
+
+def _assignment_digest(assignment) -> int:
+    """64 bits of a hash of the partition, to check that every rank computed the same one."""
+    h = hashlib.sha256(assignment.bounds.astype(np.int64).tobytes())
+    if not assignment.in_input_order():
+        h.update(assignment.order.astype(np.int64).tobytes())
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
 def _merge_cuts(grid: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -284,12 +376,13 @@ def _checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
             "chunk_rows": rows, "chunks": len(grid) - 1}
 
 
-def _check_memory(cfg: RunConfig, portfolio, size: int, node_ranks: int) -> None:
+def _check_memory(cfg: RunConfig, options: int, steps: np.ndarray, has_tree: bool, size: int,
+                  node_ranks: int) -> None:
     analytics = cfg.analytics()
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
-    est = memory.estimate(len(portfolio), len(analytics.outputs), size, node_ranks, chunk_shape(cfg)[1],
-                          int(portfolio.steps.max()), 1 + 4 * analytics.greeks + analytics.richardson,
-                          threads, portfolio.tree is not None, cfg.distribute == "bcast")
+    est = memory.estimate(options, len(analytics.outputs), size, node_ranks, chunk_shape(cfg)[1],
+                          int(steps.max()), 1 + 4 * analytics.greeks + analytics.richardson,
+                          threads, has_tree, cfg.distribute == "bcast")
     memory.check(est, cfg.input)
 
 
@@ -303,14 +396,19 @@ def _read_and_check(cfg: RunConfig):
         digest = pool.submit(sha256_of_file, cfg.input)
         portfolio = read_portfolio(cfg.input)
         matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
-        cols = columns_from_matrix(matrix)
-        try:
-            lattice_parameters(cols, cfg.tree, ids=portfolio.id)
-            _check_analytics(cols, cfg, portfolio.id)
-        except InputError as exc:
-            raise InputError(f"{cfg.input}: {exc}") from None
+        _check_lattices(cfg, matrix, portfolio.id)
         input_sha256 = digest.result()
     return portfolio, matrix, input_sha256
+
+
+def _check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
+    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add."""
+    cols = columns_from_matrix(matrix)
+    try:
+        lattice_parameters(cols, cfg.tree, ids=ids)
+        _check_analytics(cols, cfg, ids)
+    except InputError as exc:
+        raise InputError(f"{cfg.input}: {exc}") from None
 
 
 def _check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
@@ -349,6 +447,9 @@ def _check_settings(cfg: RunConfig) -> None:
             raise InputError(f"{key} must be a whole number >= 0, got {value!r}")
     if cfg.resume and not cfg.checkpoint:
         raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume)")
+    if cfg.checkpoint and cfg.distribute == "read":
+        raise InputError("--checkpoint needs --distribute scatter or bcast (rank 0 reads the "
+                         "checkpoint and hands out only the chunks still to price), not read")
     if cfg.chunk_nodes is not None and (not isinstance(cfg.chunk_nodes, (int, float))
                                         or isinstance(cfg.chunk_nodes, bool) or not cfg.chunk_nodes >= 1):
         raise InputError(f"chunk_nodes must be a number >= 1, got {cfg.chunk_nodes!r}")
@@ -369,19 +470,26 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     t_start = time.perf_counter()
     stages = {}
     node_ranks = _node_ranks(comm)
-    plan, status, failure = None, 0, None
-    # rank 0 reads in a second thread while every rank starts its engine (a GPU context: ~0.2 s
-    # that does not shrink with more ranks, so it goes beside the read rather than after it)
+    reading = cfg.distribute == "read"    # every rank reads its own rows
+    if reading and prepare is not None:   # the input is made before anyone reads it
+        _outcome(comm, prepare if rank == ROOT else None)
+        prepare = None
+    plan, own, status, message, failure = None, None, 0, None, None
+    # the plan is made in a second thread (rank 0's, or with --distribute read every rank's own
+    # rows) while every rank starts its engine (a GPU context: ~0.2 s that does not shrink with
+    # more ranks, so it goes beside the read rather than after it)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        planned = pool.submit(_plan, cfg, size, node_ranks, prepare) if rank == ROOT else None
+        if reading:
+            planned = pool.submit(_plan_own_rows, cfg, size, rank, node_ranks)
+        else:
+            planned = pool.submit(_plan, cfg, size, node_ranks, prepare) if rank == ROOT else None
         started = _start_engine(cfg)
-        if rank == ROOT:
+        if planned is not None:
             try:
-                plan = planned.result()
+                plan, own = planned.result() if reading else (planned.result(), None)
             except InputError as exc:
-                status = 2
-                print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
-            except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
+                status, message = 2, str(exc)
+            except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, this one re-raises it
                 status, failure = 1, exc
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
     # every rank's GPU memory, measured now that every engine has started, to rank 0, which fits
@@ -392,13 +500,14 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
         try:
             fitted = _fit_devices(cfg, plan, started.engine, infos)
         except InputError as exc:
-            status = 2
-            print(f"pricer: error: {exc}", file=sys.stderr, flush=True)
+            status, message = 2, str(exc)
         except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
             status, failure = 1, exc
-    _verdict(comm, status)
+    trees = _verdict(comm, status, message, own)
     if failure is not None:
         raise failure
+    if reading and rank == ROOT:
+        plan.trees = [name for code, name in enumerate(TREE_NAMES) if trees >> code & 1]
     threads = configure_threads(comm, cfg.threads)
     device = _bcast_array(comm, (fitted.settings if fitted is not None else np.zeros(size))
                           if rank == ROOT else None)
@@ -409,20 +518,26 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     stages["read"] = time.perf_counter() - t_start
 
     t = time.perf_counter()
-    local = distribute(comm, plan.matrix if rank == ROOT else None, bounds, cfg.distribute)
+    if reading:
+        local = own.matrix
+    else:
+        local = distribute(comm, plan.matrix if rank == ROOT else None, bounds, cfg.distribute)
     stages["distribute"] = time.perf_counter() - t
 
     t = time.perf_counter()
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    # ids only name options in messages: rank 0 has them; the others use global row numbers (rank 0
-    # checked every option already, so no message is expected from them)
-    ids = plan.ids[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
+    # ids only name options in messages: rank 0 has them, a reading rank its own; the others use
+    # global row numbers (rank 0 checked every option already, so no message is expected from them)
+    if reading:
+        ids = own.ids
+    else:
+        ids = plan.ids[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
     mine = (cuts >= lo) & (cuts <= hi)
     chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
               zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
     # every rank reports its finished chunks; rank 0 shows them against all the nodes to price
-    tracker = Progress(comm, cfg.progress, cuts, bounds, _nodes_priced(
-        plan.matrix[:, MATRIX_COLUMNS.index("steps")], cfg.analytics()) if rank == ROOT else 0.0)
+    tracker = Progress(comm, cfg.progress, cuts, bounds,
+                       _nodes_priced(plan.steps, cfg.analytics()) if rank == ROOT else 0.0)
     values, engine_name, setup = _compute(comm, cfg, local, ids, chunks, started, int(device[rank]),
                                           progress=tracker)
     compute = time.perf_counter() - t - setup
@@ -443,8 +558,8 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     t = time.perf_counter()
     full = plan.assemble(full)
     wall = time.perf_counter() - t_start
-    portfolio, analytics = plan.portfolio, cfg.analytics()
-    attrs = {"backend": engine_name, "tree": ",".join(portfolio.trees_used(cfg.tree)), "ranks": size,
+    analytics = cfg.analytics()
+    attrs = {"backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": plan.input_sha256,
              "input_path": os.path.abspath(cfg.input)}
@@ -452,11 +567,11 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
     extra = {name: full[:, j] for j, name in enumerate(analytics.outputs) if name != "price"}
-    write_results(cfg.output, portfolio.id, full[:, 0], attrs, run_stats, extra=extra)
+    write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
     stages["write"] = time.perf_counter() - t
-    return RunSummary(options=len(portfolio), nodes=float(all_stats[:, 2].sum()), ranks=size,
+    return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
-                      analytics=analytics, reused=len(portfolio) - int(bounds[-1]),
+                      analytics=analytics, reused=len(plan.input_ids) - int(bounds[-1]),
                       engine_start=started.seconds, notes=fitted.notes if fitted else [])
 
 
@@ -545,7 +660,7 @@ def _fit_devices(cfg: RunConfig, plan: Plan, engine, infos: list):
     profile = memory.device_profile(engine)
     if profile is None or all(info is None for info in infos):
         return None
-    steps = plan.matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+    steps = plan.steps.astype(np.int64)
     shares = []
     for r in range(len(infos)):
         lo, hi = int(plan.bounds[r]), int(plan.bounds[r + 1])
@@ -572,6 +687,22 @@ def _node_ranks(comm) -> int:
         return node.Get_size()
     finally:
         node.Free()
+
+
+def _outcome(comm, action) -> None:
+    """Rank 0 runs `action` (the others pass None) and everyone learns how it went: an InputError
+    makes every rank exit 2 with its message, a bug every rank exit 1 (rank 0 re-raises it)."""
+    status, message, failure = 0, None, None
+    if action is not None:
+        try:
+            action()
+        except InputError as exc:
+            status, message = 2, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
+            status, failure = 1, exc
+    _verdict(comm, status, message)
+    if failure is not None:
+        raise failure
 
 
 def _bcast_array(comm, array: np.ndarray | None) -> np.ndarray:

@@ -1,7 +1,9 @@
 """Stage 1: the portfolio — its HDF5 schema, reading, writing and validation with named reasons.
 
-Only rank 0 calls `read_portfolio`; the other ranks receive the validated columns as one float64
-matrix (`to_matrix`/`columns_from_matrix`), so they never open the input file. The optional `tree`
+With `--distribute scatter|bcast` only rank 0 calls `read_portfolio`; the other ranks receive the
+validated columns as one float64 matrix (`to_matrix`/`columns_from_matrix`), so they never open the
+input file. With `--distribute read` every rank opens the file read-only: `read_index` (the id and
+steps columns, enough to partition) and `read_portfolio_rows` (its own rows). The optional `tree`
 column (tree names, strings in the file) travels in that matrix as each name's code, its index in
 `pricer.lattice.TREE_NAMES`.
 """
@@ -135,6 +137,45 @@ def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) 
 
 def read_portfolio(path: str) -> Portfolio:
     """Read and validate a portfolio file; any problem raises InputError naming the cause."""
+    return read_portfolio_rows(path, None)
+
+
+def read_portfolio_rows(path: str, rows: np.ndarray | None) -> Portfolio:
+    """The options at row numbers `rows` (increasing; None: all), read and validated. Ids are
+    checked for uniqueness among these rows only (read_index checks the whole column)."""
+    portfolio = Portfolio(**_with_file(path, lambda f: _read_columns(path, f, rows)))
+    validate(portfolio, path)
+    return portfolio
+
+
+@dataclass
+class PortfolioIndex:
+    """What every rank needs to partition a portfolio without reading it: its id and steps
+    columns, checked (ids unique, steps in range), and whether it has a tree column."""
+    id: np.ndarray
+    steps: np.ndarray
+    has_tree: bool
+
+    def __len__(self) -> int:
+        return int(self.id.shape[0])
+
+
+def read_index(path: str) -> PortfolioIndex:
+    """The file's structure checked as read_portfolio does, then only its id and steps columns."""
+    def read(f):
+        g, names = _checked_group(path, f)
+        return PortfolioIndex(id=_typed_column(path, "id", g["id"], None),
+                              steps=_typed_column(path, "steps", g["steps"], None),
+                              has_tree=TREE_COLUMN in names)
+    index = _with_file(path, read)
+    if not _strictly_increasing(index.id):
+        _check_unique(index.id, path)
+    _check_steps(index.id, index.steps, path)
+    return index
+
+
+def _with_file(path: str, read):
+    """read(f) on the open file, with a missing, unreadable or non-HDF5 file named."""
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -143,17 +184,16 @@ def read_portfolio(path: str) -> Portfolio:
         raise InputError(f"{path}: not an HDF5 file")
     try:
         with h5py.File(path, "r") as f:
-            columns = _read_columns(path, f)
+            return read(f)
     except InputError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as exc:
         raise InputError(f"{path}: cannot read the portfolio: {exc}") from None
-    portfolio = Portfolio(**columns)
-    validate(portfolio, path)
-    return portfolio
 
 
-def _read_columns(path: str, f: h5py.File) -> dict:
+def _checked_group(path: str, f: h5py.File):
+    """The /portfolio group and its column names, once the schema and the columns' names, shapes
+    and lengths are right."""
     if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
         raise InputError(f"{path}: no group /{GROUP} (expected schema {SCHEMA!r})")
     g = f[GROUP]
@@ -173,10 +213,8 @@ def _read_columns(path: str, f: h5py.File) -> dict:
     if missing:
         raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
     length = None
-    raw = {}
-    for name in ALL_COLUMNS:
-        if name not in g:
-            continue
+    names = [name for name in ALL_COLUMNS if name in g]
+    for name in names:
         ds = g[name]
         if not isinstance(ds, h5py.Dataset):
             raise InputError(f"{path}: /{GROUP}/{name} is a group, expected a 1-D dataset")
@@ -186,41 +224,60 @@ def _read_columns(path: str, f: h5py.File) -> dict:
             length = ds.shape[0]
         elif ds.shape[0] != length:
             raise InputError(f"{path}: column {name} has {ds.shape[0]} rows, column id has {length}")
-        raw[name] = _typed_column(path, name, ds)
     if length == 0:
         raise InputError(f"{path}: the portfolio is empty (0 options)")
+    return g, names
+
+
+def _read_columns(path: str, f: h5py.File, rows: np.ndarray | None) -> dict:
+    g, names = _checked_group(path, f)
+    raw = {name: _typed_column(path, name, g[name], rows) for name in names}
+    count = len(raw["id"])
     for name, default in OPTIONAL_DEFAULTS.items():
         if name not in raw:
-            raw[name] = np.full(length, default)
+            raw[name] = np.full(count, default)
     return raw
 
 
-def _typed_column(path: str, name: str, ds: h5py.Dataset) -> np.ndarray:
+def _rows_of(ds, rows: np.ndarray | None, text: bool = False) -> np.ndarray:
+    """ds's values at `rows` (increasing row numbers; None: all): one read of the stretch they
+    span, then a take where they are not contiguous."""
+    source = ds.asstr(errors="backslashreplace") if text else ds
+    if rows is None:
+        return source[()]
+    if rows.size == 0:
+        return source[0:0]
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    data = source[first:last]
+    return data if last - first == rows.size else data[rows - first]
+
+
+def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | None) -> np.ndarray:
     kind = ds.dtype.kind
     if name == TREE_COLUMN:
         if h5py.check_string_dtype(ds.dtype) is None:
             raise InputError(f"{path}: column tree has dtype {ds.dtype}, expected strings "
                              f"(tree names: {', '.join(TREE_NAMES)})")
         # undecodable bytes become escapes, so validate() names them as unknown tree names
-        return np.array(ds.asstr(errors="backslashreplace")[()].tolist(), dtype=str)
+        return np.array(np.asarray(_rows_of(ds, rows, text=True)).tolist(), dtype=str)
     if name in ("id", "steps"):
         if kind not in "iu":
             raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers")
-        data = ds[()]
+        data = _rows_of(ds, rows)
         if kind == "u" and data.size and data.max() > np.iinfo(np.int64).max:
             raise InputError(f"{path}: column {name} has values beyond int64")
         return data.astype(np.int64)
     if name in FLAG_COLUMNS:
         if kind not in "biu":
             raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1")
-        data = ds[()]
+        data = _rows_of(ds, rows)
         if kind != "b" and not np.isin(data, (0, 1)).all():
             raise InputError(f"{path}: column {name} holds values other than 0/1: "
                              f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}")
         return data.astype(bool)
     if kind not in "iuf":
         raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64")
-    return ds[()].astype(np.float64)
+    return _rows_of(ds, rows).astype(np.float64)
 
 
 def _strictly_increasing(ids: np.ndarray) -> bool:
@@ -253,16 +310,7 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
         if bad.any():
             raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
                              f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})")
-    bad = p.steps < 1
-    if bad.any():
-        raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
-                         f"{first_ids(ids, bad)} (first value {int(p.steps[bad][0])})")
-    limit = max_steps_for_memory()
-    bad = p.steps > limit
-    if bad.any():
-        raise InputError(f"{source}: column steps is too large for this machine's memory for option "
-                         f"id(s) {first_ids(ids, bad)} (first value {int(p.steps[bad][0])}, "
-                         f"limit {limit})")
+    _check_steps(ids, p.steps, source)
     if p.tree is not None:
         bad = ~np.isin(p.tree, TREE_NAMES)
         if bad.any():
@@ -272,3 +320,16 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
                 names += f" and {len(unknown) - 5} more"
             raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
                              f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}")
+
+
+def _check_steps(ids: np.ndarray, steps: np.ndarray, source: str) -> None:
+    bad = steps < 1
+    if bad.any():
+        raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
+                         f"{first_ids(ids, bad)} (first value {int(steps[bad][0])})")
+    limit = max_steps_for_memory()
+    bad = steps > limit
+    if bad.any():
+        raise InputError(f"{source}: column steps is too large for this machine's memory for option "
+                         f"id(s) {first_ids(ids, bad)} (first value {int(steps[bad][0])}, "
+                         f"limit {limit})")

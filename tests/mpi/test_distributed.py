@@ -127,7 +127,7 @@ def check_results(out: str, portfolio: Portfolio, reference, cfg: RunConfig, sum
     return errors
 
 
-@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+@pytest.mark.parametrize("distribute", ["scatter", "bcast", "read"])
 @pytest.mark.parametrize("method", ["cost", "count"])
 def test_bitwise_equal_to_one_process(book, shared_dir, request, method, distribute):
     path, portfolio, reference = book
@@ -143,17 +143,20 @@ def test_bitwise_equal_to_one_process(book, shared_dir, request, method, distrib
     verdict(errors)
 
 
-def test_cost_partition_out_of_input_order(shared_dir, request):
+@pytest.mark.parametrize("distribute", ["scatter", "read"])
+def test_cost_partition_out_of_input_order(shared_dir, request, distribute):
     """A book whose SIZE largest options sit side by side: no contiguous split gives each its own
     rank with a share of the small ones, so `cost` places whole options out of input order
-    (partition.assign); the results still come back bitwise equal and in input order."""
+    (partition.assign); the results still come back bitwise equal and in input order (with
+    --distribute read each rank reads its scattered rows itself)."""
     portfolio = None
     if RANK == ROOT:
         portfolio = make_book(77, 200)
         portfolio.steps[:] = 40
         portfolio.steps[-SIZE:] = 1000
     path = write_book(shared_dir, "skewed.h5", portfolio)
-    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu", threads=1)
+    cfg = RunConfig(input=path, output=output_path(shared_dir, request), backend="cpu", threads=1,
+                    distribute=distribute)
     summary = run(cfg)
     errors = None
     if RANK == ROOT:
@@ -180,7 +183,7 @@ def test_serial_backend(book, shared_dir, request):
 def test_fewer_options_than_ranks(shared_dir, request, count, method):
     portfolio = make_book(1234 + count, count) if RANK == ROOT else None
     path = write_book(shared_dir, f"few{count}.h5", portfolio)
-    for distribute in ("scatter", "bcast"):
+    for distribute in ("scatter", "bcast", "read"):
         cfg = RunConfig(input=path, output=output_path(shared_dir, request) + f".{distribute}.h5",
                         partition=method, distribute=distribute, threads=1)
         summary = run(cfg)
@@ -223,22 +226,26 @@ def spoiled(shared_dir: str, name: str, column: str, row: int, value):
     return path, bad_id
 
 
+@pytest.mark.parametrize("distribute", ["scatter", "read"])
+@pytest.mark.parametrize("row", [4, 11])   # rank 0's rows, the last rank's
 @pytest.mark.parametrize("column,value,needle", [
     ("spot", np.nan, "column spot"),
     ("steps", 0, "column steps"),
     ("rate", 0.9, "not arbitrage-free"),  # p > 1 at N = 1 with a 90 % rate
 ])
-def test_bad_input_every_rank_exits_2(shared_dir, request, capsys, column, value, needle):
-    path, bad_id = spoiled(shared_dir, f"bad_{column}.h5", column, 4, value)
+def test_bad_input_every_rank_exits_2(shared_dir, request, capsys, column, value, needle, row,
+                                      distribute):
+    """One message, on rank 0, naming the option, whichever rank's rows hold it."""
+    path, bad_id = spoiled(shared_dir, f"bad_{column}_{row}_{distribute}.h5", column, row, value)
     if column == "rate":
         if RANK == ROOT:  # one step, low volatility: p = (e^{r dt} - d)/(u - d) > 1
             with h5py.File(path, "a") as f:
-                f["portfolio"]["steps"][4] = 1
-                f["portfolio"]["volatility"][4] = 0.05
+                f["portfolio"]["steps"][row] = 1
+                f["portfolio"]["volatility"][row] = 0.05
         comm.Barrier()
     out = output_path(shared_dir, request)
     with pytest.raises(BadInput) as info:
-        run(RunConfig(input=path, output=out, threads=1))
+        run(RunConfig(input=path, output=out, threads=1, partition="count", distribute=distribute))
     code = info.value.code
     err = capsys.readouterr().err
     reports = comm.gather((code, err), root=ROOT)
@@ -278,10 +285,11 @@ def test_existing_output_refused_on_every_rank(book, shared_dir, request):
     verdict(errors)
 
 
-def test_missing_input_every_rank_exits_2(shared_dir, request):
+@pytest.mark.parametrize("distribute", ["scatter", "read"])
+def test_missing_input_every_rank_exits_2(shared_dir, request, distribute):
     with pytest.raises(BadInput) as info:
         run(RunConfig(input=os.path.join(shared_dir, "absent.h5"),
-                      output=output_path(shared_dir, request), threads=1))
+                      output=output_path(shared_dir, request), threads=1, distribute=distribute))
     codes = comm.gather(info.value.code, root=ROOT)
     verdict(None if RANK != ROOT else ([] if codes == [2] * SIZE else [f"codes {codes}"]))
 
@@ -294,7 +302,7 @@ def tree_book() -> Portfolio:
     return portfolio
 
 
-@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+@pytest.mark.parametrize("distribute", ["scatter", "bcast", "read"])
 def test_tree_column_bitwise_equal_to_one_process(shared_dir, request, distribute):
     """Each option's tree travels to its rank as a code in the matrix; the prices are those of the
     one-process reference, and the column wins over the run's tree."""
@@ -312,16 +320,17 @@ def test_tree_column_bitwise_equal_to_one_process(shared_dir, request, distribut
     verdict(errors)
 
 
-def test_bad_tree_name_every_rank_exits_2(shared_dir, request, capsys):
+@pytest.mark.parametrize("distribute", ["scatter", "read"])
+def test_bad_tree_name_every_rank_exits_2(shared_dir, request, capsys, distribute):
     portfolio = bad_id = None
     if RANK == ROOT:
         portfolio = tree_book()
-        portfolio.tree[5] = "cox-ross"
-        bad_id = int(portfolio.id[5])
-    path = write_book(shared_dir, "bad_tree.h5", portfolio)
+        portfolio.tree[30] = "cox-ross"
+        bad_id = int(portfolio.id[30])
+    path = write_book(shared_dir, f"bad_tree_{distribute}.h5", portfolio)
     out = output_path(shared_dir, request)
     with pytest.raises(BadInput) as info:
-        run(RunConfig(input=path, output=out, threads=1))
+        run(RunConfig(input=path, output=out, threads=1, partition="count", distribute=distribute))
     reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
     errors = None
     if RANK == ROOT:
@@ -344,7 +353,7 @@ def greeks_book(seed: int, n: int = 29) -> Portfolio:
     return portfolio
 
 
-@pytest.mark.parametrize("distribute", ["scatter", "bcast"])
+@pytest.mark.parametrize("distribute", ["scatter", "bcast", "read"])
 def test_greeks_and_richardson_bitwise_equal_to_one_process(seed, shared_dir, request, distribute):
     """Price and the five Greeks travel back in one Gatherv of (n_local, 6) rows: the file holds
     pricer/greeks.py's one-process serial values, bitwise, and /run counts the lattices priced."""
@@ -380,14 +389,16 @@ def test_greeks_and_richardson_bitwise_equal_to_one_process(seed, shared_dir, re
     (True, False, 1, "--greeks needs steps >= 2"),
     (False, True, 2, "--richardson needs steps >= 3"),
 ])
+@pytest.mark.parametrize("distribute", ["scatter", "read"])
 def test_analytics_bad_input_every_rank_exits_2(shared_dir, request, capsys, greeks, richardson,
-                                                steps, needle):
-    """The option that cannot be priced is the last one (the last rank's): rank 0 refuses it first."""
-    path, bad_id = spoiled(shared_dir, f"bad_analytics_{steps}.h5", "steps", 11, steps)
+                                                steps, needle, distribute):
+    """The option that cannot be priced is the last one (the last rank's): rank 0 refuses it first
+    (with --distribute read the last rank finds it, and rank 0 prints its message)."""
+    path, bad_id = spoiled(shared_dir, f"bad_analytics_{steps}_{distribute}.h5", "steps", 11, steps)
     out = output_path(shared_dir, request)
     with pytest.raises(BadInput) as info:
         run(RunConfig(input=path, output=out, threads=1, partition="count", greeks=greeks,
-                      richardson=richardson))
+                      richardson=richardson, distribute=distribute))
     reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
     errors = None
     if RANK == ROOT:
@@ -400,4 +411,41 @@ def test_analytics_bad_input_every_rank_exits_2(shared_dir, request, capsys, gre
             errors.append(f"other ranks printed: {[e for _, e in reports[1:]]}")
         if os.path.exists(out):
             errors.append("an output file was written")
+    verdict(errors)
+
+
+def test_read_refuses_checkpoint_on_every_rank(book, shared_dir, request, capsys):
+    path, _, _ = book
+    out = output_path(shared_dir, request)
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=path, output=out, threads=1, distribute="read",
+                      checkpoint=os.path.join(shared_dir, "ckpt-read")))
+    reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = [] if [c for c, _ in reports] == [2] * SIZE else [f"codes {reports}"]
+        if "--checkpoint needs --distribute scatter or bcast" not in reports[0][1]:
+            errors.append(f"rank 0 message: {reports[0][1]!r}")
+        if any(e for _, e in reports[1:]) or os.path.exists(out):
+            errors.append(f"other ranks printed or an output was written: {reports}")
+    verdict(errors)
+
+
+def test_read_with_duplicate_ids_in_different_ranks_rows(shared_dir, request, capsys):
+    """Ids are checked across the whole file, not only within each rank's rows."""
+    portfolio = None
+    if RANK == ROOT:
+        portfolio = make_book(99, 12)
+        portfolio.id[11] = portfolio.id[0]
+    path = write_book(shared_dir, "dup_read.h5", portfolio)
+    dup = comm.bcast(int(portfolio.id[0]) if RANK == ROOT else None, root=ROOT)
+    with pytest.raises(BadInput) as info:
+        run(RunConfig(input=path, output=output_path(shared_dir, request), threads=1,
+                      partition="count", distribute="read"))
+    reports = comm.gather((info.value.code, capsys.readouterr().err), root=ROOT)
+    errors = None
+    if RANK == ROOT:
+        errors = [] if [c for c, _ in reports] == [2] * SIZE else [f"codes {reports}"]
+        if "duplicate ids" not in reports[0][1] or str(dup) not in reports[0][1]:
+            errors.append(f"rank 0 message: {reports[0][1]!r}")
     verdict(errors)

@@ -1,7 +1,8 @@
 """Fuzzed bad input (issue 7), collectively under `mpiexec -n K python -m pytest --with-mpi tests/mpi`:
 rank 0 draws ~1000 malformed portfolio files from hypothesis (tests/fuzz_portfolios.py), and for
 each one every rank calls the real entry point, `pricer.cli.main(["price", ...])`, in-process — the
-code `mpiexec -n 3 pricer price` runs, without paying a launch per case. Every rank must exit 2
+code `mpiexec -n 3 pricer price` runs, without paying a launch per case; every other case with
+`--distribute read`, where each rank reads and checks its own rows. Every rank must exit 2
 within 10 s, rank 0 alone prints one message naming the cause, the input is unchanged and nothing
 is written. (tests/test_fuzz_cli.py runs a few dozen of the same cases through real launches.)
 """
@@ -32,6 +33,7 @@ comm = MPI.COMM_WORLD
 RANK, SIZE = comm.Get_rank(), comm.Get_size()
 ROOT = 0
 DEADLINE = 10.0   # seconds: every rank must have exited the command by then
+DISTRIBUTIONS = ("scatter", "read")
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -74,7 +76,9 @@ def fuzz(count: int, seed: int) -> dict:
                 before = (sorted(os.listdir(folder)), _digest(path))
                 kinds[cases[i].name] = kinds.get(cases[i].name, 0) + 1
             comm.Barrier()
-            code, err, seconds = _call_cli(["price", path, "-o", out, "--quiet", "--threads", "1"])
+            # every other case with --distribute read: every rank checks its own rows
+            code, err, seconds = _call_cli(["price", path, "-o", out, "--quiet", "--threads", "1",
+                                            "--distribute", DISTRIBUTIONS[i % 2]])
             reports = comm.gather((code, err, seconds), root=ROOT)
             if RANK == ROOT:
                 worst = max(worst, max(s for _, _, s in reports))
