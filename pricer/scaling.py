@@ -89,6 +89,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="passed to pricer run: CPU threads per rank (default: cores / ranks)")
     ap.add_argument("--partition", choices=("cost", "count"), default=None,
                     help="passed to pricer run (default: the job's)")
+    ap.add_argument("--distribute", choices=("scatter", "bcast", "read"), default=None,
+                    help="passed to pricer run (default: the job's)")
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="seconds allowed per run (default 3600)")
     ap.add_argument("--simulate", action="store_true",
@@ -166,7 +168,7 @@ def read_run_stats(path: str) -> dict:
 
 def _pricer_args(args, output: str) -> list[str]:
     cmd = [sys.executable, "-m", "pricer", "run", args.input, "-o", output, "--overwrite"]
-    for key in ("backend", "threads", "partition"):
+    for key in ("backend", "threads", "partition", "distribute"):
         if getattr(args, key) is not None:
             cmd += [f"--{key}", str(getattr(args, key))]
     return cmd

@@ -12,6 +12,7 @@ import pytest
 from pricer.generate import generate
 from pricer.partition import option_cost
 from pricer.portfolio import write_portfolio
+from pricer.results import read_results
 from pricer.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, launcher_command, main, parse_ranks,
                             parse_summary, simulate_rows)
 
@@ -77,7 +78,7 @@ def test_strong_scaling_run(tmp_path, monkeypatch):
                    '[output]\npath = "never-written.h5"\n')
     out = tmp_path / "out"
     rc = main([str(job), "--ranks", "2,1", "--out", str(out), "--launcher", mpiexec(),
-               "--timeout", "120"])
+               "--timeout", "120", "--distribute", "read"])
     assert rc == 0
     rows = read_csv(out / "scaling.csv")
     assert [int(r["ranks"]) for r in rows] == [1, 2]
@@ -96,6 +97,7 @@ def test_strong_scaling_run(tmp_path, monkeypatch):
     assert {p.name for p in runs.glob("*.h5")} == {"warmup.h5", "ranks-1-rep-1.h5",
                                                    "ranks-2-rep-1.h5"}
     assert not (tmp_path / "never-written.h5").exists()
+    assert read_results(str(runs / "ranks-2-rep-1.h5"))["attrs"]["distribute"] == "read"
 
 
 @pytest.mark.parametrize("ranks,message", [("", "comma-separated list"), (",", "comma-separated"),
