@@ -1,16 +1,17 @@
 """Stage 5: the MPI master–worker (SPMD): rank 0 reads, validates and partitions; the portfolio moves
 as one float64 matrix (Bcast or Scatterv), or with --distribute read every rank reads and validates
-its own rows of the input file (read-only), partitioned alike from the file's id and steps columns;
-every rank prices its slice (with --greeks/--richardson
-through pricer/greeks.py); one Gatherv of an (options, outputs) float64 matrix brings the prices and
-Greeks back to rank 0, which writes the results. Single-process runs take the same path with size 1.
-Each option's tree travels in the matrix as a code, resolved on rank 0 from the portfolio's `tree`
-column where it has one, else from the run's tree.
+its own rows of the input file (read-only), each rank computing the same partition from the file's
+id and steps columns. Every rank prices its slice (with --greeks/--richardson through
+pricer/greeks.py); one Gatherv of an (options, outputs) float64 matrix brings the prices and Greeks
+back to rank 0, which writes the results. Single-process runs take the same path with size 1. Each
+option's tree travels in the matrix as a code, resolved from the portfolio's `tree` column where it
+has one, else from the run's tree.
 
-Failure rules: rank 0 (with --distribute read, every rank for its rows) checks everything it can
-before any collective work, and one verdict that every rank takes part in follows, so bad input makes
-every rank exit 2 together, with one message (rank 0 prints the lowest failing rank's); anything unexpected later aborts the whole job
-(cli.py installs an excepthook that calls MPI Abort), so no rank is ever left waiting.
+Failure rules: rank 0 (with --distribute read, every rank for its own rows) checks everything it can
+before any collective work, then every rank takes part in one verdict, so bad input makes every rank
+exit 2 together with one message (rank 0 prints the lowest failing rank's); anything unexpected later
+aborts the whole job (cli.py installs an excepthook that calls MPI Abort), so no rank is ever left
+waiting.
 """
 
 from __future__ import annotations
