@@ -23,6 +23,8 @@
 //                    __syncthreads per step; shared memory holds only the halo); each block writes only its exact valid region
 //   warp_steps       32-thread blocks, WARP_VT nodes per thread in registers, neighbour through
 //                    __shfl_down_sync; no shared memory, no __syncthreads; many steps per launch
+//   pers_steps       persistent: one launch for all the narrow levels, warp tiles exchanging
+//                    PERS_K-node halos through global memory every PERS_K steps (run 9, below)
 // Level buffers are double-buffered (in -> out) because a block's halo overlaps the next block's
 // output region.
 
@@ -419,4 +421,319 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
         price = american[o] ? batch_body<true, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo)
                             : batch_body<false, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo);
     if (threadIdx.x == 0) out[o] = price;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Persistent narrow regime (issue 3, run 9): ONE launch from level t (in) down to level t_stop
+// (out), no launch gaps and no block barrier per step.
+//
+// Tile j = warp (blockIdx.x * PERS_WARPS + warp index) owns the output nodes [j*OUT, j*OUT + OUT),
+// OUT = PERS_W - PERS_K, for the whole launch (node i of level t-1 sits above nodes i, i+1 of
+// level t, so a node never moves); lane l keeps nodes j*OUT + l*VT .. + VT-1 in registers and
+// takes its last node's upper neighbour from lane l+1 by __shfl_down_sync.  An epoch is
+// k = min(PERS_K, t - t_stop) steps: at its start the tile needs level t on [j*OUT, j*OUT + PERS_W)
+// -- its own OUT nodes (registers) and the first PERS_K nodes of tile j+1, which its top
+// PERS_K/VT lanes load -- and after k steps its own nodes hold level t-k (the halo's garbage
+// never reaches them).  So a tile depends only on its right neighbour's previous epoch.
+//
+// Exchange, LL style (as NCCL's low-latency protocol): after an epoch tile j stores its first
+// PERS_K nodes into its ring slot e % PERS_D, each double as one 16-byte store {lo, flag, hi, flag}
+// whose two 8-byte halves are each single-copy atomic, flag = gen << 20 | e.  The reader polls
+// until both flags of a value match: no fence, no separate flag, one L2 round trip when the data
+// is there.  Back-pressure: before overwriting slot e % PERS_D (epoch e - PERS_D's data) tile j
+// waits until tile j-1 has published progress >= e - PERS_D + 1 (it stores that after reading).
+// gen (1..4095) changes every launch, so words of earlier launches never match; the host zeroes
+// the ring and progress words when gen wraps.  Epochs of one launch < 2^20 (host checks).
+//
+// Never hangs: the host launches only as many blocks as fit on the GPU at once (registers,
+// threads, blocks per SM), tiles that run out of nodes stop only when no neighbour needs them any
+// more (tile j-1 waits for tile j at epoch e only if tile j has nodes at level t_e, i.e. computed
+// epoch e-1), and every wait gives up after PERS_SPIN = 2^26 polls (each an L2 round trip, so
+// seconds to tens of seconds; not measured): the tile then writes NaN
+// over its output nodes and sets *status, so the host raises instead of returning a price.
+//
+// Arithmetic: PRICER_FMA=0 uses node() (bitwise the serial engine's operations); PRICER_FMA=1 with
+// scaled != 0 works, inside an epoch, on X = V / pd^s (s = steps into the epoch):
+//     X(i) = max(exercise(i) / pd^s, a * X(i+1) + X(i)),   a = pu / pd,
+// one DFMA for the hold instead of DMUL + DFMA + the underflow flush (FP64 denormals cost the GPU
+// nothing; values below 2^-963 differ from the CPU engines' zero by less than 2^-963), and
+// V = X * pd^k at the epoch's end.  pows = pd^0..pd^PERS_K, then pd^-0..pd^-PERS_K (host, long
+// double, rounded once).  The rounding of a acts as pu (1 + 2^-53): ~N/2 * 1.1e-16 relative at most.
+
+#ifndef PERS_VT
+#define PERS_VT 8
+#endif
+#ifndef PERS_K
+#define PERS_K 64
+#endif
+#ifndef PERS_WARPS
+#define PERS_WARPS 4
+#endif
+#define PERS_W (32 * PERS_VT)
+#define PERS_OUT (PERS_W - PERS_K)
+#define PERS_HL (PERS_K / PERS_VT)          // halo lanes (top) = publishing lanes (bottom)
+#define PERS_D 4                             // ring slots per tile
+#define PERS_KC ((PERS_K + 31) / 32)         // 32-step chunks of one epoch
+#define PERS_SPIN (1 << 26)
+
+static_assert(PERS_K % PERS_VT == 0 && PERS_K >= PERS_VT && PERS_K < PERS_W,
+              "PERS_K must be a multiple of PERS_VT in [PERS_VT, 32 * PERS_VT)");
+
+__device__ __forceinline__ void ll_store(uint4* p, double v, unsigned flag)
+{
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(__double2loint(v)), "r"(flag), "r"(__double2hiint(v)), "r"(flag)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 ll_load(const uint4* p)
+{
+    uint4 w;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
+    return w;
+}
+
+__device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
+{
+    unsigned x;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
+    return x;
+}
+
+#ifndef PERS_INTMAX
+#define PERS_INTMAX 0
+#endif
+
+template <bool AMERICAN, bool SCALED>
+__device__ __forceinline__ double pers_node(double pu, double pd, double up, double down,
+                                            double sbase, double r, double mstrike)
+{
+    if (SCALED) {   // pu is a = pu / pd here; no underflow flush (see above)
+        const double hold = fma(pu, up, down);
+        if (AMERICAN) {
+            const double exercise = fma(sbase, r, mstrike);
+#if PERS_INTMAX     // hold >= +0, so the bit patterns as integers order them as the doubles
+            return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
+#else
+            return exercise > hold ? exercise : hold;
+#endif
+        }
+        return hold;
+    }
+    return node<AMERICAN>(pu, pd, up, down, sbase, r, mstrike);
+}
+
+#ifdef PERS_PROFILE   // measurement builds only: per tile, cycles spent where (clock64 of its SM)
+__device__ unsigned long long pers_prof[8192 * 4];
+#define PERS_CLOCK(x) const long long x = clock64()
+#else
+#define PERS_CLOCK(x)
+#endif
+
+template <bool AMERICAN, bool SCALED>
+__device__ __forceinline__ void pers_body(const double* __restrict__ vin, double* __restrict__ vout,
+                                          const double* __restrict__ level_base,
+                                          const double* __restrict__ ratio,
+                                          const double* __restrict__ pows, uint4* ring,
+                                          unsigned* progress, int* status, int t, int t_stop,
+                                          double pu, double pd, double strike, double sign,
+                                          unsigned gen, double2* steps_sm)
+{
+    const unsigned FULL = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const int tile = blockIdx.x * PERS_WARPS + (threadIdx.x >> 5);
+    const long long a0 = (long long)tile * PERS_OUT;
+    const long long base = a0 + (long long)lane * PERS_VT;
+    const bool halo_lane = lane >= 32 - PERS_HL;
+#ifdef PERS_PROFILE
+    long long p_wait = 0, p_back = 0, p_steps = 0;
+    PERS_CLOCK(p_start);
+#endif
+    double v[PERS_VT], r[PERS_VT];
+#pragma unroll
+    for (int q = 0; q < PERS_VT; ++q) {
+        const long long g = base + q;
+        const bool in = g <= (long long)t;
+        v[q] = in ? vin[g] : 0.0;
+        r[q] = (AMERICAN && in) ? ratio[g] : 0.0;
+    }
+    // Each step's exercise numbers {sign * level_base[t - s] (scaled: / pd^s), mstrike (scaled:
+    // -sign * strike / pd^s)} sit in the warp's steps_sm[s - 1], written at the epoch's start
+    // (lane l: steps 32c + l + 1) and read by every lane with one broadcast load per step.
+    // level_base is loaded an epoch ahead into lbn.
+    const double a = SCALED ? pu / pd : pu;
+    double msr[PERS_KC], fac[PERS_KC], lbn[PERS_KC];
+#pragma unroll
+    for (int c = 0; c < PERS_KC; ++c) {
+        const int s = 32 * c + lane + 1;
+        const double inv = (SCALED && s <= PERS_K) ? pows[PERS_K + 1 + s] : 1.0;
+        msr[c] = SCALED ? (-sign * strike) * inv : -sign * strike;
+        fac[c] = SCALED ? sign * inv : sign;
+        const int idx = t - s;
+        lbn[c] = (AMERICAN && idx >= 0) ? level_base[idx] : 0.0;
+    }
+    const double pd_k = SCALED ? pows[PERS_K] : 1.0;
+    uint4* const mine = ring + (size_t)tile * PERS_D * PERS_K;
+    const uint4* const right = ring + (size_t)(tile + 1) * PERS_D * PERS_K;
+    unsigned seen = 0;          // lane 0: the left neighbour's progress last read
+    bool failed = false;
+    unsigned e = 0;
+    while (t > t_stop) {
+        const int k = min(PERS_K, t - t_stop);
+        const int tn = t - k;
+        if (a0 > (long long)tn) break;             // no node left at level tn (uniform per warp)
+        if (AMERICAN) {
+            __syncwarp();                          // every lane is done with the last epoch's
+#pragma unroll
+            for (int c = 0; c < PERS_KC; ++c) {
+                const int s = 32 * c + lane + 1;
+                if (s <= PERS_K) steps_sm[s - 1] = make_double2(lbn[c] * fac[c], msr[c]);
+                const int idx = tn - s;            // the next epoch's, an epoch ahead
+                lbn[c] = idx >= 0 ? level_base[idx] : 0.0;
+            }
+            __syncwarp();
+        }
+        if (e > 0) {
+            PERS_CLOCK(p0);
+            if (a0 + PERS_OUT <= (long long)t) {  // tile j+1 has nodes at level t: its epoch e-1
+                bool late = false;
+                if (halo_lane) {
+                    const unsigned want = (gen << 20) | (e - 1);
+                    const uint4* src = right + ((e - 1) % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
+                    uint4 w[PERS_VT];
+#pragma unroll
+                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                    for (int spin = 0;; ++spin) {
+                        bool all = true;
+#pragma unroll
+                        for (int q = 0; q < PERS_VT; ++q)
+                            if (w[q].y != want || w[q].w != want) {
+                                all = false;
+                                w[q] = ll_load(src + q);
+                            }
+                        if (all) break;
+                        if (spin >= PERS_SPIN) { late = true; break; }
+                    }
+#pragma unroll
+                    for (int q = 0; q < PERS_VT; ++q) v[q] = __hiloint2double(w[q].z, w[q].x);
+                }
+                if (__any_sync(FULL, late)) { failed = true; break; }
+                // every halo lane holds its values (the __any_sync above orders them before this)
+                if (lane == 0)
+                    asm volatile("st.volatile.global.u32 [%0], %1;"
+                                 :: "l"(progress + tile), "r"((gen << 20) | e) : "memory");
+            } else if (halo_lane) {               // above level t: nothing to read, keep it finite
+#pragma unroll
+                for (int q = 0; q < PERS_VT; ++q) v[q] = 0.0;
+            }
+#ifdef PERS_PROFILE
+            PERS_CLOCK(p1);
+            p_wait += p1 - p0;
+#endif
+        }
+        PERS_CLOCK(p2);
+        const double msc = -sign * strike;
+        for (int s = 0; s < k; ++s) {
+            const double nb = __shfl_down_sync(FULL, v[0], 1);
+            double sbase = 0.0, mstrike = msc;
+            if (AMERICAN) {
+                const double2 st = steps_sm[s];
+                sbase = st.x;
+                mstrike = st.y;
+            }
+#pragma unroll
+            for (int q = 0; q < PERS_VT - 1; ++q)
+                v[q] = pers_node<AMERICAN, SCALED>(a, pd, v[q + 1], v[q], sbase, r[q], mstrike);
+            v[PERS_VT - 1] = pers_node<AMERICAN, SCALED>(a, pd, nb, v[PERS_VT - 1], sbase,
+                                                         r[PERS_VT - 1], mstrike);
+        }
+        if (SCALED) {
+            const double back = k == PERS_K ? pd_k : pows[k];
+#pragma unroll
+            for (int q = 0; q < PERS_VT; ++q) v[q] *= back;
+        }
+#ifdef PERS_PROFILE
+        PERS_CLOCK(p3);
+        p_steps += p3 - p2;
+#endif
+        if (tn > t_stop && tile > 0) {             // publish level tn's first PERS_K nodes
+            if (e >= PERS_D) {
+                PERS_CLOCK(p4);
+                bool late = false;
+                if (lane == 0) {
+                    const unsigned need = e - PERS_D + 1;
+                    for (int spin = 0; !((seen >> 20) == gen && (seen & 0xFFFFFu) >= need); ++spin) {
+                        if (spin >= PERS_SPIN) { late = true; break; }
+                        seen = ld_volatile_u32(progress + tile - 1);
+                    }
+                }
+                if (__any_sync(FULL, late)) { failed = true; break; }
+#ifdef PERS_PROFILE
+                PERS_CLOCK(p5);
+                p_back += p5 - p4;
+#endif
+            }
+            if (lane < PERS_HL) {
+                const unsigned flag = (gen << 20) | e;
+                uint4* dst = mine + (e % PERS_D) * PERS_K + lane * PERS_VT;
+#pragma unroll
+                for (int q = 0; q < PERS_VT; ++q) ll_store(dst + q, v[q], flag);
+            }
+        }
+        t = tn;
+        ++e;
+    }
+    if (failed) {
+        if (lane == 0) atomicExch(status, 1);
+#pragma unroll
+        for (int q = 0; q < PERS_VT; ++q) v[q] = __longlong_as_double(0x7ff8000000000000LL);
+    }
+    if (t == t_stop || failed) {
+#pragma unroll
+        for (int q = 0; q < PERS_VT; ++q) {
+            const int local = lane * PERS_VT + q;
+            const long long g = a0 + local;
+            if (local < PERS_OUT && g <= (long long)t_stop) vout[g] = v[q];
+        }
+    }
+#ifdef PERS_PROFILE
+    PERS_CLOCK(p_end);
+    if (lane == 0 && tile < 8192) {
+        pers_prof[4 * tile + 0] = p_end - p_start;
+        pers_prof[4 * tile + 1] = p_wait;
+        pers_prof[4 * tile + 2] = p_back;
+        pers_prof[4 * tile + 3] = p_steps | ((unsigned long long)e << 48);
+    }
+#endif
+}
+
+// min blocks 1: without it ptxas caps the registers at 96 on sm_80 and spills (fma builds)
+extern "C" __global__ void __launch_bounds__(32 * PERS_WARPS, 1)
+pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
+           const double* __restrict__ level_base, const double* __restrict__ ratio,
+           const double* __restrict__ pows, uint4* ring, unsigned* progress, int* status,
+           int t, int t_stop, int tiles, double pu, double pd, double strike, double sign,
+           int american, int scaled, unsigned gen)
+{
+    __shared__ double2 steps_sm[PERS_WARPS][PERS_K];
+    if (blockIdx.x * PERS_WARPS + (threadIdx.x >> 5) >= tiles) return;   // whole warps
+    double2* mine = steps_sm[threadIdx.x >> 5];
+#if PRICER_FMA
+    if (scaled) {
+        if (american)
+            pers_body<true, true>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
+                                  t_stop, pu, pd, strike, sign, gen, mine);
+        else
+            pers_body<false, true>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
+                                   t_stop, pu, pd, strike, sign, gen, mine);
+        return;
+    }
+#endif
+    if (american)
+        pers_body<true, false>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
+                               t_stop, pu, pd, strike, sign, gen, mine);
+    else
+        pers_body<false, false>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
+                                t_stop, pu, pd, strike, sign, gen, mine);
 }

@@ -13,6 +13,8 @@ import importlib.util
 import os
 import shutil
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -24,10 +26,16 @@ from pricer.lattice import lattice_parameters
 
 # A small configuration whose thresholds and tile widths are cheap to straddle.
 # SMALL runs the mid regime (tiled kernel, narrow shape) below t1; SMALL_WARP warp per block there.
+# SMALL_PERS runs the persistent kernel there (tiles of 64 nodes, 48 owned, halos every 16 steps).
 SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                  mid_b=32, mid_vt=2, mid_k=25, fma=False, batch_max_steps=0)
+                  mid_b=32, mid_vt=2, mid_k=25, pers_vt=0, fma=False, batch_max_steps=0)
 SMALL_WARP = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                       mid_b=0, fma=False, batch_max_steps=0)
+                       mid_b=0, pers_vt=0, fma=False, batch_max_steps=0)
+SMALL_PERS = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
+                       pers_vt=2, pers_k=16, pers_warps=2, fma=False, batch_max_steps=0)
+# tiles the stand-in GPUs of the tests hold at once (NumpyKernels.pers_tiles, and a CudaKernels cut
+# down to it), so that levels wider than that (tiled first) are cheap to reach
+SMALL_PERS_TILES = 8
 # the batch kernel's size-class edges
 BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047, 2048,
                4095, 4096, 4097, 8190, 8191]
@@ -84,32 +92,62 @@ def assert_close(got, ref, p, label=""):
                            f"err={err.max():.3g} got={got[np.argmax(err)]!r} ref={ref[np.argmax(err)]!r}")
 
 
-def boundary_steps(c: GpuConfig):
+def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
     s = {1, 2, 3, 4, 5, 31, 32, 33, 100}
     for edge in (c.t2, c.t1, c.warp_w, c.tiled_w, c.t2 + c.warp_k, c.t1 + c.tiled_k,
                  c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k, c.mid_w, c.t2 + c.mid_k, c.t2 + c.mid_w):
         s.update({edge - 1, edge, edge + 1})
+    if c.pers_vt:   # the persistent kernel: tile and epoch edges, from T2 / 0, and its widest level
+        own = c.pers_w - c.pers_k
+        for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2 + c.pers_k,
+                     c.t2 + own, c.t2 + 2 * c.pers_k, pers_tiles * own):
+            s.update({edge - 1, edge, edge + 1})
     return sorted(x for x in s if x >= 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Everywhere: the schedule and the kernels' index logic, through the numpy emulation.
 
+def small_numpy_kernels(config):
+    kernels = NumpyKernels(config)
+    kernels.pers_tiles = SMALL_PERS_TILES
+    return kernels
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [SMALL, SMALL_WARP,
+@pytest.mark.parametrize("config", [SMALL, SMALL_WARP, SMALL_PERS,
                                     GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
                                               tiled_k=100, warp_vt=8, warp_k=64, mid_b=64,
-                                              mid_vt=1, mid_k=40, batch_max_steps=0),
+                                              mid_vt=1, mid_k=40, pers_vt=0, batch_max_steps=0),
                                     GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
                                               tiled_k=100, warp_vt=8, warp_k=64, mid_b=0,
+                                              pers_vt=0, batch_max_steps=0),
+                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
+                                              tiled_k=100, pers_vt=3, pers_k=9, pers_warps=1,
                                               batch_max_steps=0)],
-                         ids=["small", "small-warp", "medium", "medium-warp"])
+                         ids=["small", "small-warp", "small-pers", "medium", "medium-warp",
+                              "medium-pers"])
 def test_emulated_kernels_equal_serial(mode, config, rng):
+    if mode == "pers" and not config.pers_vt:
+        config = replace(config, pers_vt=4, pers_k=32)
     p = options(rng, boundary_steps(config) + list(rng.integers(1, 2500, 6)))
-    got = GpuEngine(mode, config=config, kernels=NumpyKernels(config)).price(p)
+    got = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config)).price(p)
     ref = SerialEngine().price(p)
     # same tables, same operations in the same order: bitwise
     np.testing.assert_array_equal(got, ref)
+
+
+def test_pers_pows():
+    from pricer.engines.gpu import pers_pows
+    out = np.empty(2 * 64 + 2)
+    assert pers_pows(0.5, 64, out)
+    assert out[0] == 1.0 and out[64] == 0.5 ** 64 and out[65] == 1.0 and out[129] == 2.0 ** 64
+    pd = 0.4987654321
+    assert pers_pows(pd, 64, out)
+    exact = [float(np.longdouble(pd) ** s) for s in (1, 17, 64)]
+    assert abs(out[17] / exact[1] - 1) < 2e-16 and abs(out[64] * out[129] - 1) < 3e-16
+    assert not pers_pows(0.001, 64, out)      # pd^64 < 2^-600: the kernel keeps V unscaled
+    assert not pers_pows(1.0, 64, out)
 
 
 def test_blocks_skipped_for_exercise_never_exercise(rng):
@@ -158,6 +196,13 @@ def test_config_is_checked():
         GpuConfig(mid_b=64, mid_vt=2, mid_k=128).check()
     with pytest.raises(ValueError):
         GpuConfig(mid_b=48).check()
+    for bad in (dict(pers_k=60), dict(pers_k=256), dict(pers_vt=4, pers_k=8 * 32), dict(pers_warps=0),
+                dict(pers_vt=33)):
+        with pytest.raises(ValueError):
+            GpuConfig(**bad).check()
+    GpuConfig(pers_vt=0, pers_k=3).check()    # off: its shape is not looked at
+    with pytest.raises(ValueError):
+        GpuEngine("pers", config=GpuConfig(pers_vt=0), kernels=NumpyKernels(GpuConfig()))
     with pytest.raises(ValueError):
         GpuEngine("nope", kernels=NumpyKernels(GpuConfig()))
 
@@ -189,10 +234,23 @@ def exact_engines():
     return {mode: GpuEngine(mode, batch_max_steps=0, fma=False) for mode in MODES}
 
 
+def small_cuda_kernels(config):
+    """CudaKernels whose persistent kernel acts as if only SMALL_PERS_TILES tiles fit at once."""
+    from pricer.engines.gpu import CudaKernels
+    kernels = CudaKernels(config)
+    if config.pers_vt:
+        assert kernels.pers_tiles() >= SMALL_PERS_TILES
+        kernels._pers_tiles = SMALL_PERS_TILES
+    return kernels
+
+
 @pytest.fixture(scope="module")
 def small_engines():
-    return {(mode, name): GpuEngine(mode, config=cfg) for mode in MODES
-            for name, cfg in (("mid", SMALL), ("warp", SMALL_WARP))}
+    kernels = {name: small_cuda_kernels(cfg) for name, cfg in
+               (("mid", SMALL), ("warp", SMALL_WARP), ("pers", SMALL_PERS))}
+    return {(mode, name): GpuEngine(mode, config=cfg, kernels=kernels[name]) for mode in MODES
+            for name, cfg in (("mid", SMALL), ("warp", SMALL_WARP), ("pers", SMALL_PERS))
+            if mode != "pers" or cfg.pers_vt}
 
 
 @pytest.mark.gpu
@@ -210,9 +268,11 @@ def test_runtime_one_context():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("below_t1", ["mid", "warp"])
+@pytest.mark.parametrize("below_t1", ["mid", "warp", "pers"])
 def test_gpu_small_config_boundaries(mode, below_t1, small_engines, rng):
-    p = every_kind(rng, boundary_steps(SMALL if below_t1 == "mid" else SMALL_WARP))
+    if (mode, below_t1) not in small_engines:
+        pytest.skip("mode pers needs the persistent kernel")
+    p = every_kind(rng, boundary_steps(dict(mid=SMALL, warp=SMALL_WARP, pers=SMALL_PERS)[below_t1]))
     got = small_engines[mode, below_t1].price(p)
     ref = SerialEngine().price(p)
     assert_close(got, ref, p, mode)
@@ -236,7 +296,7 @@ def test_gpu_default_config_small_n(mode, engines, rng):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode", ["gpu", "hybrid", "tiled", "warp"])
+@pytest.mark.parametrize("mode", ["gpu", "hybrid", "tiled", "warp", "pers"])
 def test_gpu_fresh_random_options(mode, engines, rng):
     p = options(rng, rng.integers(1, 10_001, 24))
     assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
@@ -271,7 +331,8 @@ def test_gpu_t1_boundary_default(engines, rng):
 def test_gpu_fma_within_tolerance(rng):
     p = every_kind(rng, [1, 2, 499, 501, 3000, 10_000])
     ref = SerialEngine().price(p)
-    for mode, extra in (("gpu", {}), ("hybrid", dict(t2=100)), ("gpu", dict(mid_b=0))):
+    for mode, extra in (("gpu", {}), ("hybrid", dict(t2=100)), ("gpu", dict(pers_vt=0)),
+                        ("gpu", dict(mid_b=0, pers_vt=0)), ("pers", {})):
         got = GpuEngine(mode, fma=True, t1=2000, batch_max_steps=0, **extra).price(p)
         assert_close(got, ref, p, f"fma {mode} {extra}")
     assert_close(GpuEngine("hybrid", fma=True).price(p), ref, p, "fma batch")
@@ -282,10 +343,64 @@ def test_gpu_fma_within_tolerance(rng):
 def test_gpu_exact_mode_is_bitwise(exact_engines, rng):
     p = every_kind(rng, [1, 2, 600, 3000, 20_000])
     ref = SerialEngine().price(p)
-    for mode in ("gpu", "hybrid", "tiled", "warp", "wavefront"):
+    for mode in ("gpu", "hybrid", "tiled", "warp", "pers", "wavefront"):
         if mode == "wavefront":
             p, ref = p.take(np.arange(16)), ref[:16]
         np.testing.assert_array_equal(exact_engines[mode].price(p), ref, err_msg=mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fma", [True, False], ids=["fma", "exact"])
+def test_gpu_persistent_kernel(fma, rng):
+    """The persistent kernel (default shape) on fresh random American/European calls/puts: exact mode
+    bitwise equal to serial, fma within tolerance; N around its tile and epoch edges, from T2 and
+    from 0, tiny N, gpu/hybrid with T1 = 2000 (tiled above it); and in `pers` mode on a GPU cut
+    down to SMALL_PERS_TILES tiles, so that levels wider than it holds go through tiled first."""
+    c = GpuConfig()
+    own = c.pers_w - c.pers_k
+    steps = {1, 2, 3, 5, 64, 499, 2000, 2001, 2257, 3000, 10_000}
+    for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2, c.t2 + c.pers_k,
+                 c.t2 + own, SMALL_PERS_TILES * own):
+        steps.update({edge - 1, edge, edge + 1})
+    p = every_kind(rng, sorted(steps) + list(rng.integers(1, 10_001, 6)))
+    ref = SerialEngine().price(p)
+    cut = small_cuda_kernels(GpuConfig(fma=fma, batch_max_steps=0))
+    for label, engine in (("pers", GpuEngine("pers", fma=fma, batch_max_steps=0)),
+                          ("gpu t1=2000", GpuEngine("gpu", fma=fma, batch_max_steps=0, t1=2000)),
+                          ("hybrid t1=2000", GpuEngine("hybrid", fma=fma, batch_max_steps=0, t1=2000)),
+                          ("pers, 8 tiles fit", GpuEngine("pers", config=cut.config, kernels=cut))):
+        got = engine.price(p)
+        assert_close(got, ref, p, label)
+        if not fma:
+            np.testing.assert_array_equal(got, ref, err_msg=label)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_persistent_kernel_repeats(rng):
+    """One wide option again and again: a race between the tiles would move the price."""
+    p = options(rng, [100_000, 37_003], american=True)
+    ref = CpuEngine().price(p)
+    for fma in (True, False):
+        engine = GpuEngine("gpu", fma=fma)
+        got = [engine.price(p) for _ in range(4)]
+        for g in got:
+            np.testing.assert_array_equal(g, got[0])
+        assert_close(got[0], ref, p, f"fma={fma}")
+        if not fma:
+            np.testing.assert_array_equal(got[0], ref)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_persistent_kernel_unscaled_fma(rng, monkeypatch):
+    """fma mode where pd^pers_k is too small for the scaled arithmetic: the kernel's unscaled path."""
+    import pricer.engines.gpu as gpu
+    real = gpu.pers_pows
+    monkeypatch.setattr(gpu, "pers_pows", lambda pd, k, out: real(pd, k, out) and False)
+    p = every_kind(rng, [1, 63, 64, 65, 500, 3000])
+    assert_close(GpuEngine("pers", fma=True).price(p), SerialEngine().price(p), p, "unscaled fma")
 
 
 @pytest.mark.gpu
@@ -328,6 +443,7 @@ def test_emulated_regimes_keep_the_first_levels_bitwise(rng, mode):
     ref_levels = np.empty((len(p), LEVEL_VALUES))
     ref = SerialEngine().price(p, ref_levels)
     levels = np.full((len(p), LEVEL_VALUES), -1.0)
-    got = GpuEngine(mode, config=SMALL, kernels=NumpyKernels(SMALL)).price(p, levels)
+    config = SMALL_PERS if mode == "pers" else SMALL
+    got = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config)).price(p, levels)
     assert np.array_equal(got, ref)
     assert np.array_equal(levels, ref_levels, equal_nan=True)

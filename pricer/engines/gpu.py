@@ -2,7 +2,8 @@
 
 Regimes, per option, as the level narrows (t = steps still to take = level width - 1):
 - tiled          while t > T1: K steps fused per launch, TILED_B threads x TILED_VT nodes each;
-- warp per block while t > T2 (`hybrid`) or down to 0 (`gpu`): 32-thread blocks, shuffles only;
+- persistent     while t > T2 (`hybrid`) or down to 0 (`gpu`): one launch (below; before run 9 the
+                 mid / warp-per-block regimes, still there with pers_vt = 0);
 - CPU tail       (`hybrid`): the level (<= T2 + 1 nodes) is copied to the host and finished with
                  pricer.engines.serial.backward_inplace.
 `hybrid` also prices options with steps <= cpu_max_steps (default T2) on the CPU outright (the
@@ -10,7 +11,8 @@ Regimes, per option, as the level narrows (t = steps still to take = level width
 batch_max_steps (8191) go through the batch kernel: one block per option, all steps in one launch,
 nodes in registers, one launch per size class (BATCH_CLASSES); wider options run one by one
 through the regimes.
-The modes `wavefront`, `tiled` and `warp` run one regime all the way down (benchmarks, tests).
+The modes `wavefront`, `tiled`, `warp` and `pers` run one regime all the way down (benchmarks,
+tests; `pers` goes through tiled first while the level is too wide for all its tiles at once).
 
 Arithmetic: the power tables (S0*d^t, (u/d)^i) are built on the host by the serial engine's own
 `power_tables` and uploaded. With fma=True (default since run 5, ~20 % faster at N = 1M) hold and
@@ -19,9 +21,13 @@ relative on the device, within issue 3's 1e-11 / 1e-9). With fma=False (exact mo
 round every product and sum separately, in the serial engine's order, so prices are bitwise equal
 to the serial engine's.
 
-Regimes below T1 in `gpu`/`hybrid`: the tiled kernel in a narrow shape (mid_b x mid_vt nodes,
-mid_k steps per launch, the rest in one launch once the level fits one tile); mid_b = 0 gives the
-warp-per-block regime of runs 1-4 there instead.
+Regimes below T1 in `gpu`/`hybrid` (run 9): the persistent kernel, ONE launch from min(T1, the
+widest level whose tiles all fit on the GPU at once) down to T2 (`hybrid`) or 0 (`gpu`): warp tiles
+of 32 x pers_vt nodes in registers, each owning 32 x pers_vt - pers_k nodes of every level, halos
+of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomial.cu, pers_steps;
+mode `pers` runs it all the way). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
+x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level fits one tile), and
+with mid_b = 0 as well the warp-per-block regime of runs 1-4.
 
 Process model: one CUDA context per process, created on first use on device
 (local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
@@ -54,7 +60,11 @@ from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, backward_keeping_lev
                                    power_tables)
 from pricer.lattice import LatticeParams
 
-MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp")
+MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp", "pers")
+# doubles after an option's two power tables in the table buffers: the persistent kernel's
+# pd^s and pd^-s (s = 0..pers_k, pers_k < 1024)
+PERS_EXTRA = 2048
+PERS_SLOTS = 4            # cuda/binomial.cu PERS_D: ring slots per tile
 # batch kernel size classes (threads per block, nodes per thread): an option with steps + 1 <= B*VT
 # goes to the smallest class that holds it
 BATCH_CLASSES = ((32, 8), (64, 8), (128, 8), (256, 8), (512, 8), (1024, 8))
@@ -92,6 +102,31 @@ class GpuUnavailable(RuntimeError):
     """No usable GPU: pycuda missing, no device, or no nvcc to build the kernels."""
 
 
+class GpuError(RuntimeError):
+    """A kernel could not finish its work (the persistent kernel's wait gave up)."""
+
+
+_POWS_CACHE: dict = {}
+
+
+def pers_pows(pd: float, k: int, out: np.ndarray) -> bool:
+    """out[:k+1] = pd^s and out[k+1:2k+2] = pd^-s for s = 0..k, each rounded once from long
+    double; whether the persistent kernel may use its scaled arithmetic with them (pd^k >= 2^-600,
+    so X = V / pd^s stays far from overflow)."""
+    key = (pd, k)
+    hit = _POWS_CACHE.get(key)
+    if hit is None:
+        powers = np.cumprod(np.r_[np.longdouble(1.0), np.full(k, np.longdouble(pd))])
+        ok = bool(0.0 < pd < 1.0 and powers[-1] >= np.longdouble(2.0) ** -600)
+        hit = (np.r_[powers.astype(np.float64), (1 / powers).astype(np.float64)] if ok
+               else np.ones(2 * k + 2), ok)
+        if len(_POWS_CACHE) > 64:
+            _POWS_CACHE.clear()
+        _POWS_CACHE[key] = hit
+    out[:2 * k + 2] = hit[0]
+    return hit[1]
+
+
 def cuda_source_dir() -> Path:
     env = os.environ.get("PRICER_CUDA_DIR")
     if env:
@@ -113,7 +148,7 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    t1: int = 80_000          # tiled while t > t1
+    t1: int = 200_000         # tiled while t > t1 (run 9: 80 000 before the persistent kernel)
     t2: int = 500             # warp per block while t > t2 (hybrid), CPU below
     tiled_b: int = 256        # threads per tiled block
     tiled_vt: int = 8         # nodes per thread (tiled)
@@ -123,6 +158,10 @@ class GpuConfig:
     mid_b: int = 256          # gpu/hybrid below t1: the tiled kernel in a narrow shape (mid_b threads
     mid_vt: int = 2           # x mid_vt nodes, mid_k steps per launch, the whole rest in one launch
     mid_k: int = 256          # once the level fits one tile); mid_b = 0: warp per block instead
+    pers_vt: int = 8          # gpu/hybrid below t1 (when not 0): the persistent kernel, ONE launch down
+    pers_k: int = 64          # to t2 (hybrid) or 0 (gpu): warp tiles of 32 x pers_vt nodes exchanging
+    pers_warps: int = 4       # pers_k-node halos every pers_k steps; pers_warps warps per block;
+                              # pers_vt = 0: the mid (or warp) regime there instead
     wavefront_block: int = 256
     fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -141,6 +180,10 @@ class GpuConfig:
     def mid_w(self) -> int:
         return self.mid_b * self.mid_vt
 
+    @property
+    def pers_w(self) -> int:
+        return 32 * self.pers_vt
+
     def check(self) -> "GpuConfig":
         if not (1 <= self.tiled_k < self.tiled_w):
             raise ValueError(f"tiled_k must be in [1, {self.tiled_w - 1}], got {self.tiled_k}")
@@ -150,6 +193,11 @@ class GpuConfig:
             raise ValueError(f"mid_k must be in [1, {self.mid_w - 1}], got {self.mid_k}")
         if self.mid_b % 32 or not (0 <= self.mid_b <= 1024) or self.mid_vt < 1:
             raise ValueError("mid_b must be 0 or a multiple of 32 in [32, 1024], mid_vt >= 1")
+        if self.pers_vt and not (1 <= self.pers_vt <= 32 and self.pers_k % self.pers_vt == 0
+                                 and 2 <= self.pers_k < self.pers_w and 1 <= self.pers_warps <= 32):
+            raise ValueError("persistent kernel: pers_vt in [1, 32] (or 0: off), pers_k a multiple of "
+                             f"pers_vt in [2, {self.pers_w - 1}], pers_warps in [1, 32]; got "
+                             f"{self.pers_vt}/{self.pers_k}/{self.pers_warps}")
         if self.batch_max_steps >= BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]:
             raise ValueError(f"batch_max_steps must be < {BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]}")
         if self.t1 < 0 or self.t2 < 0:
@@ -159,8 +207,12 @@ class GpuConfig:
         return self
 
     def defines(self) -> list[str]:
-        return [f"-DPRICER_FMA={int(self.fma)}", f"-DTILED_B={self.tiled_b}",
-                f"-DTILED_VT={self.tiled_vt}", f"-DWARP_VT={self.warp_vt}"]
+        d = [f"-DPRICER_FMA={int(self.fma)}", f"-DTILED_B={self.tiled_b}",
+             f"-DTILED_VT={self.tiled_vt}", f"-DWARP_VT={self.warp_vt}"]
+        if self.pers_vt:
+            d += [f"-DPERS_VT={self.pers_vt}", f"-DPERS_K={self.pers_k}",
+                  f"-DPERS_WARPS={self.pers_warps}"]
+        return d
 
     def mid_defines(self) -> list[str]:
         """The module whose tiled_steps runs the mid regime (TILED_B/VT = mid_b/mid_vt)."""
@@ -326,9 +378,90 @@ class CudaKernels:
         if config.mid_b:
             self._mid = self.rt.module(config.mid_defines()).get_function("tiled_steps")
             self._mid.prepare("PPPPiiddddi")
+        self._pers = None
+        if config.pers_vt:
+            self._pers = mod.get_function("pers_steps")
+            # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
+            # strike, sign, american, scaled, gen
+            self._pers.prepare("PPPPPPPPiiiddddiiI")
+        self._pers_ring = None      # (ring, progress, status) device arrays, sized for pers_tiles
+        self._pers_gen = 0
+        self._pers_tiles = None
         self._capacity = 0
         self._bufs = None
         self._batch_fns: dict = {}
+
+    # The persistent kernel: how many of its tiles (warps) fit on the GPU at once.  Its blocks wait
+    # on each other, so every block must be resident: count blocks per SM from the kernel's
+    # registers (allocated per warp in units of 256, per SM sub-partition), threads, shared memory
+    # and the blocks-per-SM limit, times the SMs.
+    def pers_tiles(self) -> int:
+        if self._pers_tiles is None:
+            cuda, fn, warps = self.rt.cuda, self._pers, self.config.pers_warps
+            attr = cuda.device_attribute
+            dev = self.rt.device
+            sms = dev.get_attribute(attr.MULTIPROCESSOR_COUNT)
+            regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
+            threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
+            blocks_sm = 16
+            if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
+                blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
+            warp_regs = -(-max(fn.num_regs, 1) * 32 // 256) * 256
+            warps_sm = 4 * ((regs_sm // 4) // warp_regs)
+            per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
+            shared = fn.shared_size_bytes
+            if shared:
+                per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
+            self._pers_tiles = max(per_sm, 0) * sms * warps
+        return self._pers_tiles
+
+    def pers_top(self) -> int:
+        """The widest level (t) the persistent kernel may start on: its tiles all fit at once."""
+        c = self.config
+        return self.pers_tiles() * (c.pers_w - c.pers_k) - 1
+
+    def _pers_buffers(self):
+        cuda, rt = self.rt.cuda, self.rt
+        if self._pers_ring is None:
+            tiles = self.pers_tiles() + 1
+            ring = rt.alloc(16 * PERS_SLOTS * self.config.pers_k * tiles)
+            progress = rt.alloc(4 * tiles)
+            status = rt.alloc(4)
+            self._pers_ring = (ring, progress, status, tiles)
+            self._pers_gen = 4095           # zeroed below
+        ring, progress, status, tiles = self._pers_ring
+        self._pers_gen += 1
+        if self._pers_gen >= 4096:          # flags carry 12 bits of it: zero the words, start again
+            cuda.memset_d32(ring, 0, 4 * PERS_SLOTS * self.config.pers_k * tiles)
+            cuda.memset_d32(progress, 0, tiles)
+            cuda.memset_d32(status, 0, 1)
+            self._pers_gen = 1
+        return ring, progress, status
+
+    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled):
+        """Level t -> level stop in one launch of the persistent kernel."""
+        c = self.config
+        out_w = c.pers_w - c.pers_k
+        tiles = (t - min(c.pers_k, t - stop) + out_w) // out_w
+        if tiles > self.pers_tiles() or -(-(t - stop) // c.pers_k) >= 1 << 20:
+            raise ValueError(f"level {t} is too wide for the persistent kernel ({tiles} tiles, "
+                             f"{self.pers_tiles()} fit)")
+        ring, progress, status = self._pers_buffers()
+        blocks = -(-tiles // c.pers_warps)
+        self._pers.prepared_async_call((blocks, 1), (32 * c.pers_warps, 1, 1), self.rt.stream,
+                                       vin, vout, lb, r, pows, ring, progress, status,
+                                       np.int32(t), np.int32(stop), np.int32(tiles), pu, pd, strike,
+                                       sign, np.int32(american), np.int32(scaled),
+                                       np.uint32(self._pers_gen))
+
+    def pers_failed(self) -> bool:
+        """Whether a persistent launch gave up waiting (its outputs are NaN); clears the flag."""
+        if self._pers_ring is None:
+            return False
+        flag = np.zeros(1, dtype=np.int32)
+        self.rt.cuda.memcpy_dtoh(flag, self._pers_ring[2])
+        self.rt.cuda.memset_d32(self._pers_ring[2], 0, 1)
+        return bool(flag[0])
 
     # buffers: two level buffers and one table buffer (level_base then ratio, 2 * (N + 1) entries),
     # grown to the largest option seen
@@ -338,7 +471,8 @@ class CudaKernels:
                 for b in self._bufs:
                     self.rt.free(b)
             cap = max(nodes, 1024)
-            self._bufs = [self.rt.alloc(8 * cap), self.rt.alloc(8 * cap), self.rt.alloc(16 * cap)]
+            self._bufs = [self.rt.alloc(8 * cap), self.rt.alloc(8 * cap),
+                          self.rt.alloc(16 * cap + 8 * PERS_EXTRA)]
             self._capacity = cap
         return self._bufs
 
@@ -346,6 +480,11 @@ class CudaKernels:
     def split_tables(tab, steps: int):
         """Device addresses of level_base and ratio inside the table buffer."""
         return int(tab), int(tab) + 8 * (steps + 1)
+
+    @staticmethod
+    def pows_at(tab, steps: int):
+        """Device address of the persistent kernel's pd^s / pd^-s table (after the power tables)."""
+        return int(tab) + 16 * (steps + 1)
 
     def upload(self, dst, host: np.ndarray):
         self.rt.cuda.memcpy_htod(dst, host)
@@ -456,12 +595,16 @@ class NumpyKernels:
 
     def reserve(self, nodes):
         if self._bufs is None or self._bufs[0].size < nodes:
-            self._bufs = [np.zeros(nodes), np.zeros(nodes), np.zeros(2 * nodes)]
+            self._bufs = [np.zeros(nodes), np.zeros(nodes), np.zeros(2 * nodes + PERS_EXTRA)]
         return self._bufs
 
     @staticmethod
     def split_tables(tab, steps: int):
         return tab[:steps + 1], tab[steps + 1:2 * steps + 2]
+
+    @staticmethod
+    def pows_at(tab, steps: int):
+        return tab[2 * steps + 2:]
 
     def upload(self, dst, host):
         dst[:host.size] = host
@@ -559,6 +702,55 @@ class NumpyKernels:
             out[j] = v[0]
         return out
 
+    def pers_top(self) -> int:
+        """As CudaKernels.pers_top, for a stand-in GPU of `pers_tiles` tiles."""
+        c = self.config
+        return self.pers_tiles * (c.pers_w - c.pers_k) - 1
+
+    pers_tiles = 64
+
+    def pers_failed(self) -> bool:
+        return False
+
+    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled):
+        """cuda/binomial.cu pers_steps (exact arithmetic, as every kernel here: `scaled` is ignored): tiles of W =
+        32 * pers_vt nodes owning OUT = W - pers_k output nodes each, epochs of k <= pers_k steps,
+        each tile's halo the right neighbour's first pers_k nodes of the epoch's start level."""
+        c = self.config
+        width, vt, kk = c.pers_w, c.pers_vt, c.pers_k
+        out_w = width - kk
+        tiles = (t - min(kk, t - stop) + out_w) // out_w
+        assert tiles <= self.pers_tiles
+        a0 = np.arange(tiles) * out_w
+        g = a0[:, None] + np.arange(width)[None, :]
+        inside = g <= t
+        gi = np.where(inside, g, 0)
+        v = np.where(inside, vin[gi], 0.0)
+        rr = np.where(inside, r[gi], 0.0) if american else np.zeros_like(v)
+        mstrike = -sign * strike
+        e = 0
+        while t > stop:
+            k = min(kk, t - stop)
+            if e > 0:
+                # the halo: tile j+1's first pers_k nodes of level t where it has any (it computed
+                # the last epoch), else zeros
+                has = np.r_[a0[1:] <= t, False]
+                halo = np.zeros((tiles, kk))
+                halo[:-1] = v[1:, :kk]
+                v[:, out_w:] = np.where(has[:, None], halo, 0.0)
+            for s in range(1, k + 1):
+                up = np.empty_like(v)
+                up[:, :-1] = v[:, 1:]
+                up[:, -1] = v[:, width - vt]          # lane 31's shuffle returns its own v[0]
+                v = self._node(pu, pd, up, v, sign * lb[t - s], rr, mstrike, american)
+            t -= k
+            e += 1
+        keep = (np.arange(width)[None, :] < out_w) & (g <= stop)
+        written = g[keep]
+        if written.size != stop + 1 or not np.array_equal(np.sort(written), np.arange(stop + 1)):
+            raise AssertionError(f"tiles write {written.size} nodes for a level of {stop + 1}")
+        vout[written] = v[keep]
+
     def tiled(self, vin, vout, lb, r, t, k, *args):
         c = self.config
         self._tiles(vin, vout, lb, r, t, k, *args, c.tiled_w, c.tiled_vt, warp=False)
@@ -600,12 +792,14 @@ class GpuEngine:
             self.config, self.calibration = effective_config(device_name, overrides, defaults)
         else:
             self.config = replace(config, **overrides).check()
+        if mode == "pers" and not self.config.pers_vt:
+            raise ValueError("mode 'pers' needs pers_vt > 0")
         self.kernels = kernels if kernels is not None else CudaKernels(self.config, runtime)
         self._host = None
 
     def _host_buffers(self, nodes):
         if self._host is None or self._host[0].size < nodes:
-            self._host = [np.empty(nodes), np.empty(2 * nodes)]
+            self._host = [np.empty(nodes), np.empty(2 * nodes + PERS_EXTRA)]
         return self._host
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
@@ -660,13 +854,18 @@ class GpuEngine:
         american = bool(p.american[k])
         strike, pu, pd = float(p.strike[k]), float(p.pu[k]), float(p.pd[k])
         power_tables(float(p.spot[k]), float(p.log_up[k]), float(p.log_down[k]), n, lb, ratio)
-        K.upload(tab_d, tab[:2 * n + 2])           # both tables in one copy
+        floor = 2 if levels is not None else 0    # levels 2 and 1 are kept on the host
+        use_pers = self.mode == "pers" or (self.mode in ("gpu", "hybrid") and c.pers_vt > 0)
+        size, scaled = 2 * n + 2, False
+        if use_pers:                               # pd^s, pd^-s behind the tables, same copy
+            size += 2 * (c.pers_k + 1)
+            scaled = c.fma and pers_pows(pd, c.pers_k, tab[2 * n + 2:size])
+        K.upload(tab_d, tab[:size])                # the tables in one copy
         lb_d, r_d = K.split_tables(tab_d, n)
         K.terminal(a, lb_d, r_d, n, strike, sign)
         src, dst = a, b
         t = n
         scalars = (pu, pd, strike, sign, american)
-        floor = 2 if levels is not None else 0    # levels 2 and 1 are kept on the host
 
         if self.mode == "wavefront":
             while t > floor:
@@ -674,27 +873,41 @@ class GpuEngine:
                 src, dst = dst, src
                 t -= 1
         else:
-            if self.mode in ("gpu", "hybrid", "tiled"):
-                stop = max(floor, 0 if self.mode == "tiled" else c.t1)
+            if self.mode in ("gpu", "hybrid", "tiled", "pers"):
+                # tiled while t > T1 (gpu/hybrid), to the end (tiled), or while the level is too
+                # wide for all the persistent kernel's tiles to be resident at once
+                stop = floor if self.mode == "tiled" else (0 if self.mode == "pers" else c.t1)
+                if use_pers:
+                    stop = min(stop, K.pers_top()) if self.mode != "pers" else K.pers_top()
+                stop = max(floor, stop)
                 while t > stop:
                     step = min(c.tiled_k, t - stop)
                     K.tiled(src, dst, lb_d, r_d, t, step, *scalars)
                     src, dst = dst, src
                     t -= step
             stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
-            if self.mode in ("gpu", "hybrid") and c.mid_b:
-                narrow, width, per_launch = K.mid, c.mid_w, c.mid_k
+            if use_pers:
+                if t > stop:                       # the whole rest in one launch
+                    K.pers(src, dst, lb_d, r_d, K.pows_at(tab_d, n), t, stop, *scalars, scaled)
+                    src, dst = dst, src
+                    t = stop
             else:
-                narrow, width, per_launch = K.warp, c.warp_w, c.warp_k
-            while t > stop:
-                # per_launch steps per launch; once the level fits one tile, the whole rest in one
-                step = t - stop if t + 1 <= width else min(per_launch, t - stop)
-                narrow(src, dst, lb_d, r_d, t, step, *scalars)
-                src, dst = dst, src
-                t -= step
+                if self.mode in ("gpu", "hybrid") and c.mid_b:
+                    narrow, width, per_launch = K.mid, c.mid_w, c.mid_k
+                else:
+                    narrow, width, per_launch = K.warp, c.warp_w, c.warp_k
+                while t > stop:
+                    # per_launch steps per launch; once the level fits one tile, the whole rest in one
+                    step = t - stop if t + 1 <= width else min(per_launch, t - stop)
+                    narrow(src, dst, lb_d, r_d, t, step, *scalars)
+                    src, dst = dst, src
+                    t -= step
 
         level = values[:t + 1]
         K.download(level, src)
+        if use_pers and np.isnan(level).any() and K.pers_failed():
+            raise GpuError("the persistent kernel gave up waiting for a neighbour tile (were its "
+                           "blocks not all resident?); no price returned")
         if t > 0 or levels is not None:
             backward_keeping_levels(values, t, strike, sign, american, pu, pd, lb, ratio,
                                     level_array(levels), k)
