@@ -6,8 +6,9 @@ median of the repeats, or wall time of a portfolio for the CPU crossover):
   warp VT/K: `warp` mode on one option. A candidate replaces the default only where it is faster
   by more than 3 % (PAYS).
 - T1: for bands of level widths [lo, hi] (doubling), one option of N = hi through `gpu` mode with
-  T1 = lo (tiled over the band) and with T1 = hi (warp over the band); both finish with the same
-  warp levels below lo, so the difference is the band's. Level widths do not depend on N, so the
+  T1 = lo (tiled over the band) and with T1 = hi (the regime below T1 over the band: since run 9 the
+  persistent kernel, "warp" in the log and the timings; the warp/mid regimes with pers_vt = 0);
+  both finish with the same levels below lo, so the difference is the band's. Level widths do not depend on N, so the
   bands add up: T1 is the band edge that minimises the summed (tiled - warp) of the bands above it.
 - T2: likewise for narrow bands, `hybrid` with T2 = lo (warp over the band, CPU tail below) against
   T2 = hi (the CPU tail, serial.backward_inplace, over the band as well); T2 is the edge that
