@@ -475,6 +475,9 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 #define PERS_D 4                             // ring slots per tile
 #define PERS_KC ((PERS_K + 31) / 32)         // 32-step chunks of one epoch
 #define PERS_SPIN (1 << 26)
+#ifndef PERS_PF
+#define PERS_PF 8                            // steps before an epoch's end its next halo is loaded
+#endif
 
 static_assert(PERS_K % PERS_VT == 0 && PERS_K >= PERS_VT && PERS_K < PERS_W,
               "PERS_K must be a multiple of PERS_VT in [PERS_VT, 32 * PERS_VT)");
@@ -577,6 +580,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
     uint4* const mine = ring + (size_t)tile * PERS_D * PERS_K;
     const uint4* const right = ring + (size_t)(tile + 1) * PERS_D * PERS_K;
     unsigned seen = 0;          // lane 0: the left neighbour's progress last read
+    uint4 w[PERS_VT];           // halo lanes: the next epoch's halo words (prefetched)
+    bool prefetched = false;
     bool failed = false;
     unsigned e = 0;
     while (t > t_stop) {
@@ -601,9 +606,10 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 if (halo_lane) {
                     const unsigned want = (gen << 20) | (e - 1);
                     const uint4* src = right + ((e - 1) % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
-                    uint4 w[PERS_VT];
+                    if (!prefetched) {
 #pragma unroll
-                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                        for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                    }
                     for (int spin = 0;; ++spin) {
                         bool all = true;
 #pragma unroll
@@ -634,7 +640,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         }
         PERS_CLOCK(p2);
         const double msc = -sign * strike;
-        for (int s = 0; s < k; ++s) {
+        auto step = [&](int s) {
             const double nb = __shfl_down_sync(FULL, v[0], 1);
             double sbase = 0.0, mstrike = msc;
             if (AMERICAN) {
@@ -647,6 +653,21 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 v[q] = pers_node<AMERICAN, SCALED>(a, pd, v[q + 1], v[q], sbase, r[q], mstrike);
             v[PERS_VT - 1] = pers_node<AMERICAN, SCALED>(a, pd, nb, v[PERS_VT - 1], sbase,
                                                          r[PERS_VT - 1], mstrike);
+        };
+        // The next epoch's halo (tile j+1's output of this epoch) is loaded PERS_PF steps before
+        // this epoch ends, so its L2 round trip overlaps the last steps; words that were not yet
+        // there (flags of an older epoch) are polled again at the next epoch's start.
+        const bool reads_next = tn > t_stop && a0 + PERS_OUT <= (long long)tn;
+        const int split = (reads_next && k > PERS_PF) ? k - PERS_PF : k;
+        for (int s = 0; s < split; ++s) step(s);
+        prefetched = split < k;
+        if (prefetched) {
+            if (halo_lane) {
+                const uint4* src = right + (e % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
+#pragma unroll
+                for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+            }
+            for (int s = split; s < k; ++s) step(s);
         }
         if (SCALED) {
             const double back = k == PERS_K ? pd_k : pows[k];
