@@ -61,9 +61,6 @@ from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, backward_keeping_lev
 from pricer.lattice import LatticeParams
 
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp", "pers")
-# doubles after an option's two power tables in the table buffers: the persistent kernel's
-# pd^s and pd^-s (s = 0..pers_k, pers_k < 1024)
-PERS_EXTRA = 2048
 PERS_SLOTS = 4            # cuda/binomial.cu PERS_D: ring slots per tile
 # batch kernel size classes (threads per block, nodes per thread): an option with steps + 1 <= B*VT
 # goes to the smallest class that holds it
@@ -384,7 +381,7 @@ class CudaKernels:
             # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
             # strike, sign, american, scaled, gen
             self._pers.prepare("PPPPPPPPiiiddddiiI")
-        self._pers_ring = None      # (ring, progress, status) device arrays, sized for pers_tiles
+        self._pers_ring = None      # ring, progress, status, tiles, pows, allocation (_pers_alloc)
         self._pers_gen = 0
         self._pers_tiles = None
         self._capacity = 0
@@ -396,40 +393,68 @@ class CudaKernels:
     # registers (allocated per warp in units of 256, per SM sub-partition), threads, shared memory
     # and the blocks-per-SM limit, times the SMs.
     def pers_tiles(self) -> int:
+        """0 where the runtime cannot say (no such figures, e.g. a stand-in): then the persistent
+        kernel is not used."""
         if self._pers_tiles is None:
-            cuda, fn, warps = self.rt.cuda, self._pers, self.config.pers_warps
-            attr = cuda.device_attribute
-            dev = self.rt.device
-            sms = dev.get_attribute(attr.MULTIPROCESSOR_COUNT)
-            regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
-            threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
-            blocks_sm = 16
-            if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
-                blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
-            warp_regs = -(-max(fn.num_regs, 1) * 32 // 256) * 256
-            warps_sm = 4 * ((regs_sm // 4) // warp_regs)
-            per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
-            shared = fn.shared_size_bytes
-            if shared:
-                per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
-            self._pers_tiles = max(per_sm, 0) * sms * warps
+            self._pers_tiles = 0
+            if self._pers is not None:
+                try:
+                    self._pers_tiles = self._count_pers_tiles()
+                except Exception:  # noqa: BLE001 -- a runtime without occupancy figures
+                    self._pers_tiles = 0
         return self._pers_tiles
+
+    def _count_pers_tiles(self) -> int:
+        cuda, fn, warps = self.rt.cuda, self._pers, self.config.pers_warps
+        attr = cuda.device_attribute
+        dev = self.rt.device
+        sms = dev.get_attribute(attr.MULTIPROCESSOR_COUNT)
+        regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
+        threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
+        blocks_sm = 16
+        if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
+            blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
+        warp_regs = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
+        warps_sm = 4 * ((regs_sm // 4) // warp_regs)
+        per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
+        shared = int(fn.shared_size_bytes)
+        if shared:
+            per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
+        return max(per_sm, 0) * sms * warps
 
     def pers_top(self) -> int:
         """The widest level (t) the persistent kernel may start on: its tiles all fit at once."""
         c = self.config
         return self.pers_tiles() * (c.pers_w - c.pers_k) - 1
 
-    def _pers_buffers(self):
-        cuda, rt = self.rt.cuda, self.rt
+    def _pers_alloc(self):
+        """The ring (tiles x PERS_SLOTS x pers_k 16-byte words), the progress words, the status
+        word and the pd^s / pd^-s table: one allocation, made at the first persistent launch and
+        kept (a few MiB, sized by the tiles that fit; outside memory.py's per-node estimate, inside
+        its DEVICE_ALLOWANCE)."""
         if self._pers_ring is None:
-            tiles = self.pers_tiles() + 1
-            ring = rt.alloc(16 * PERS_SLOTS * self.config.pers_k * tiles)
-            progress = rt.alloc(4 * tiles)
-            status = rt.alloc(4)
-            self._pers_ring = (ring, progress, status, tiles)
-            self._pers_gen = 4095           # zeroed below
-        ring, progress, status, tiles = self._pers_ring
+            k, tiles = self.config.pers_k, self.pers_tiles() + 1
+            ring_b, prog_b = 16 * PERS_SLOTS * k * tiles, -(-4 * tiles // 16) * 16
+            block = self.rt.alloc(ring_b + prog_b + 16 + 16 * (k + 1))
+            base = int(block)
+            self._pers_ring = (base, base + ring_b, base + ring_b + prog_b, tiles,
+                               base + ring_b + prog_b + 16, block)
+            self._pers_gen = 4095           # zeroed at the first launch
+            self._pows_key = None
+        return self._pers_ring
+
+    def pers_pows(self, host: np.ndarray):
+        """Device copy of the pd^s / pd^-s table (copied only when it changes)."""
+        pows = self._pers_alloc()[4]
+        key = host.tobytes()
+        if key != self._pows_key:
+            self.rt.cuda.memcpy_htod(pows, host)
+            self._pows_key = key
+        return pows
+
+    def _pers_buffers(self):
+        cuda = self.rt.cuda
+        ring, progress, status, tiles = self._pers_alloc()[:4]
         self._pers_gen += 1
         if self._pers_gen >= 4096:          # flags carry 12 bits of it: zero the words, start again
             cuda.memset_d32(ring, 0, 4 * PERS_SLOTS * self.config.pers_k * tiles)
@@ -471,8 +496,7 @@ class CudaKernels:
                 for b in self._bufs:
                     self.rt.free(b)
             cap = max(nodes, 1024)
-            self._bufs = [self.rt.alloc(8 * cap), self.rt.alloc(8 * cap),
-                          self.rt.alloc(16 * cap + 8 * PERS_EXTRA)]
+            self._bufs = [self.rt.alloc(8 * cap), self.rt.alloc(8 * cap), self.rt.alloc(16 * cap)]
             self._capacity = cap
         return self._bufs
 
@@ -481,10 +505,6 @@ class CudaKernels:
         """Device addresses of level_base and ratio inside the table buffer."""
         return int(tab), int(tab) + 8 * (steps + 1)
 
-    @staticmethod
-    def pows_at(tab, steps: int):
-        """Device address of the persistent kernel's pd^s / pd^-s table (after the power tables)."""
-        return int(tab) + 16 * (steps + 1)
 
     def upload(self, dst, host: np.ndarray):
         self.rt.cuda.memcpy_htod(dst, host)
@@ -595,7 +615,7 @@ class NumpyKernels:
 
     def reserve(self, nodes):
         if self._bufs is None or self._bufs[0].size < nodes:
-            self._bufs = [np.zeros(nodes), np.zeros(nodes), np.zeros(2 * nodes + PERS_EXTRA)]
+            self._bufs = [np.zeros(nodes), np.zeros(nodes), np.zeros(2 * nodes)]
         return self._bufs
 
     @staticmethod
@@ -603,8 +623,8 @@ class NumpyKernels:
         return tab[:steps + 1], tab[steps + 1:2 * steps + 2]
 
     @staticmethod
-    def pows_at(tab, steps: int):
-        return tab[2 * steps + 2:]
+    def pers_pows(host):
+        return host.copy()
 
     def upload(self, dst, host):
         dst[:host.size] = host
@@ -799,7 +819,7 @@ class GpuEngine:
 
     def _host_buffers(self, nodes):
         if self._host is None or self._host[0].size < nodes:
-            self._host = [np.empty(nodes), np.empty(2 * nodes + PERS_EXTRA)]
+            self._host = [np.empty(nodes), np.empty(2 * nodes)]
         return self._host
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
@@ -856,11 +876,16 @@ class GpuEngine:
         power_tables(float(p.spot[k]), float(p.log_up[k]), float(p.log_down[k]), n, lb, ratio)
         floor = 2 if levels is not None else 0    # levels 2 and 1 are kept on the host
         use_pers = self.mode == "pers" or (self.mode in ("gpu", "hybrid") and c.pers_vt > 0)
-        size, scaled = 2 * n + 2, False
-        if use_pers:                               # pd^s, pd^-s behind the tables, same copy
-            size += 2 * (c.pers_k + 1)
-            scaled = c.fma and pers_pows(pd, c.pers_k, tab[2 * n + 2:size])
-        K.upload(tab_d, tab[:size])                # the tables in one copy
+        if use_pers and K.pers_top() < 0:          # occupancy unknown: not the persistent kernel
+            if self.mode == "pers":
+                raise GpuError("the persistent kernel needs the GPU's occupancy figures")
+            use_pers = False
+        scaled, pows_d = False, None
+        if use_pers:                               # pd^s, pd^-s
+            pows = np.empty(2 * c.pers_k + 2)
+            scaled = c.fma and pers_pows(pd, c.pers_k, pows)
+            pows_d = K.pers_pows(pows)
+        K.upload(tab_d, tab[:2 * n + 2])           # both tables in one copy
         lb_d, r_d = K.split_tables(tab_d, n)
         K.terminal(a, lb_d, r_d, n, strike, sign)
         src, dst = a, b
@@ -888,7 +913,7 @@ class GpuEngine:
             stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
             if use_pers:
                 if t > stop:                       # the whole rest in one launch
-                    K.pers(src, dst, lb_d, r_d, K.pows_at(tab_d, n), t, stop, *scalars, scaled)
+                    K.pers(src, dst, lb_d, r_d, pows_d, t, stop, *scalars, scaled)
                     src, dst = dst, src
                     t = stop
             else:
