@@ -55,7 +55,7 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="CPU threads per rank (default: the node's cores / ranks on the node)")
     p.add_argument("--t1", type=int, default=None, metavar="N",
                    help="gpu/hybrid: tiled kernel while a level is wider than N nodes "
-                        "(default: `pricer calibrate`'s value for this GPU, else 80000)")
+                        "(default: `pricer calibrate`'s value for this GPU, else 200000)")
     p.add_argument("--t2", type=int, default=None, metavar="N",
                    help="hybrid: CPU tail below N nodes (default: calibrated, else 500)")
     # `run`: --greeks/--no-greeks override the job file either way; `price`: off unless given
