@@ -137,6 +137,39 @@ def test_emulated_kernels_equal_serial(mode, config, rng):
     np.testing.assert_array_equal(got, ref)
 
 
+class StrandedPersKernels(NumpyKernels):
+    """As a GPU whose persistent launch cannot get all its blocks resident: the launch gives up,
+    writes NaN over its outputs and raises the status flag."""
+    pers_tiles = SMALL_PERS_TILES
+    launches = 0
+
+    def pers(self, vin, vout, *args):
+        stop = args[4]    # (level_base, ratio, pows, t, stop, ...)
+        vout[:stop + 1] = np.nan
+        self.launches += 1
+        self._failed = True
+
+    def pers_failed(self) -> bool:
+        failed, self._failed = getattr(self, "_failed", False), False
+        return failed
+
+
+def test_stranded_persistent_kernel_falls_back(rng, capsys):
+    """gpu/hybrid re-price the option on the launch-per-K regimes and stop using the persistent
+    kernel (one warning); mode `pers` raises GpuError instead of returning a NaN price."""
+    from pricer.engines.gpu import GpuError
+    config = SMALL_PERS
+    p = options(rng, [config.t2 + 3 * (config.pers_w - config.pers_k), config.t2 + 5, 700])
+    for mode in ("gpu", "hybrid"):
+        kernels = StrandedPersKernels(config)
+        engine = GpuEngine(mode, config=config, kernels=kernels)
+        np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
+        assert engine.pers_off and kernels.launches == 1
+        assert capsys.readouterr().err.count("persistent GPU kernel gave up") == 1
+    with pytest.raises(GpuError, match="gave up waiting"):
+        GpuEngine("pers", config=config, kernels=StrandedPersKernels(config)).price(p)
+
+
 def test_pers_pows():
     from pricer.engines.gpu import pers_pows
     out = np.empty(2 * 64 + 2)

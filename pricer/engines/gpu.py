@@ -816,6 +816,9 @@ class GpuEngine:
             raise ValueError("mode 'pers' needs pers_vt > 0")
         self.kernels = kernels if kernels is not None else CudaKernels(self.config, runtime)
         self._host = None
+        # set once a persistent launch gave up waiting (its blocks were not all resident, e.g. a
+        # GPU shared with other processes' kernels under MPS): the launch-per-K regimes from then on
+        self.pers_off = False
 
     def _host_buffers(self, nodes):
         if self._host is None or self._host[0].size < nodes:
@@ -875,7 +878,8 @@ class GpuEngine:
         strike, pu, pd = float(p.strike[k]), float(p.pu[k]), float(p.pd[k])
         power_tables(float(p.spot[k]), float(p.log_up[k]), float(p.log_down[k]), n, lb, ratio)
         floor = 2 if levels is not None else 0    # levels 2 and 1 are kept on the host
-        use_pers = self.mode == "pers" or (self.mode in ("gpu", "hybrid") and c.pers_vt > 0)
+        use_pers = self.mode == "pers" or (self.mode in ("gpu", "hybrid") and c.pers_vt > 0
+                                           and not self.pers_off)
         if use_pers and K.pers_top() < 0:          # occupancy unknown: not the persistent kernel
             if self.mode == "pers":
                 raise GpuError("the persistent kernel needs the GPU's occupancy figures")
@@ -931,8 +935,15 @@ class GpuEngine:
         level = values[:t + 1]
         K.download(level, src)
         if use_pers and np.isnan(level).any() and K.pers_failed():
-            raise GpuError("the persistent kernel gave up waiting for a neighbour tile (were its "
-                           "blocks not all resident?); no price returned")
+            if self.mode == "pers":
+                raise GpuError("the persistent kernel gave up waiting for a neighbour tile (were "
+                               "its blocks not all resident?); no price returned")
+            print("pricer: warning: the persistent GPU kernel gave up waiting for a neighbour tile "
+                  "(its blocks were not all resident: a GPU shared with other processes' kernels?); "
+                  "this and later options use the launch-per-step-block regimes instead",
+                  file=sys.stderr, flush=True)
+            self.pers_off = True
+            return self.price_one(p, k, bufs, host, levels)
         if t > 0 or levels is not None:
             backward_keeping_levels(values, t, strike, sign, american, pu, pd, lb, ratio,
                                     level_array(levels), k)
