@@ -6,7 +6,8 @@ The estimate (bytes; n options, k outputs per option, R ranks, N the largest ste
   with a tree column), the 10-double matrix that travels to the ranks, the gathered (n, k) result
   and its copy in the file write, plus its own slice;
 - every rank: its slice of the matrix and of the results (the whole matrix with --distribute bcast),
-  plus one chunk's working set: ~30 float64 arrays per lattice priced (5 per option with --greeks,
+  with --distribute read also the whole book's id and steps columns and its own rows' columns as
+  read (2x, as rank 0's above; rank 0 then holds no other rows), plus one chunk's working set: ~30 float64 arrays per lattice priced (5 per option with --greeks,
   +1 with --richardson) and the engine's 4 arrays of N + 1 doubles per thread.
 Pricing streams through chunks (pricer/checkpoint.py), so a rank's working set does not grow with
 the portfolio beyond these per-option arrays.
@@ -45,6 +46,7 @@ TREE_BYTES = 64               # a tree name as read (object + str) and its code
 MATRIX_BYTES = 10 * 8         # one row of the matrix that travels to the ranks
 CHUNK_ARRAY_BYTES = 30 * 8    # lattice parameters and engine inputs of one lattice
 ENGINE_BYTES_PER_STEP = 4 * 8
+INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns every rank reads whole
 GIB = float(1 << 30)
 
 
@@ -82,13 +84,19 @@ def available_bytes(environ=os.environ) -> float:
 
 
 def estimate(n: int, outputs: int, ranks: int, node_ranks: int, chunk_rows: int, max_steps: int,
-             lattices: int, threads: int, tree: bool, bcast: bool) -> Estimate:
+             lattices: int, threads: int, tree: bool, bcast: bool, read: bool = False) -> Estimate:
     share = -(-n // ranks)
     working = (chunk_rows * lattices * CHUNK_ARRAY_BYTES
                + threads * ENGINE_BYTES_PER_STEP * (max_steps + 1))
+    columns = 2 * COLUMN_BYTES + (TREE_BYTES if tree else 0)
+    if read:   # every rank reads its own rows (and the id and steps columns whole)
+        other = n * INDEX_BYTES + share * (columns + MATRIX_BYTES + outputs * 8) + working
+        root = other + n * (INDEX_BYTES + 2 * outputs * 8)   # the plan's ids/steps, the results
+        return Estimate(root=float(root), other=float(other), available=available_bytes(),
+                        node_ranks=node_ranks)
     matrix = (n if bcast else share) * MATRIX_BYTES
     other = matrix + share * outputs * 8 + working
-    root = (n * (2 * COLUMN_BYTES + (TREE_BYTES if tree else 0) + MATRIX_BYTES + 2 * outputs * 8)
+    root = (n * (columns + MATRIX_BYTES + 2 * outputs * 8)
             + other)
     return Estimate(root=float(root), other=float(other), available=available_bytes(),
                     node_ranks=node_ranks)

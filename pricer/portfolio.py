@@ -266,7 +266,7 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
         data = _rows_of(ds, rows)
         if kind == "u" and data.size and data.max() > np.iinfo(np.int64).max:
             raise InputError(f"{path}: column {name} has values beyond int64")
-        return data.astype(np.int64)
+        return data.astype(np.int64, copy=False)
     if name in FLAG_COLUMNS:
         if kind not in "biu":
             raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1")
@@ -274,10 +274,10 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
         if kind != "b" and not np.isin(data, (0, 1)).all():
             raise InputError(f"{path}: column {name} holds values other than 0/1: "
                              f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}")
-        return data.astype(bool)
+        return data.astype(bool, copy=False)
     if kind not in "iuf":
         raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64")
-    return _rows_of(ds, rows).astype(np.float64)
+    return _rows_of(ds, rows).astype(np.float64, copy=False)   # a copy only to convert
 
 
 def _strictly_increasing(ids: np.ndarray) -> bool:

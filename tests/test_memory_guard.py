@@ -198,6 +198,20 @@ def test_sizes_are_the_engines():
     assert memory.gpu_batch_bytes(100, levels=True) == 16 * 101 + 56 + 8 * LEVEL_VALUES
 
 
+def test_host_estimate_with_every_rank_reading():
+    """--distribute read moves the columns as read from rank 0 to each rank's own rows, and every
+    rank holds the book's id and steps columns: per rank, 16 bytes per option of the book plus
+    the columns, matrix row and result of each of its own (docs/reliability.md, section 6)."""
+    n, ranks = 10_000_000, 4
+    scatter = memory.estimate(n, 1, ranks, ranks, 4096, 16, 1, 1, False, False)
+    read = memory.estimate(n, 1, ranks, ranks, 4096, 16, 1, 1, False, False, read=True)
+    share = n // ranks
+    working = 4096 * memory.CHUNK_ARRAY_BYTES + memory.ENGINE_BYTES_PER_STEP * 17
+    assert read.other == n * 16 + share * (2 * memory.COLUMN_BYTES + memory.MATRIX_BYTES + 8) + working
+    assert read.root == read.other + n * (16 + 16)
+    assert read.root < scatter.root and read.other > scatter.other
+
+
 @pytest.mark.parametrize("analytics", ANALYTICS, ids=["price", "greeks", "richardson", "both"])
 def test_batch_estimate_is_what_the_runner_allocates(analytics, rng):
     """The real CudaBatchRunner and hybrid regimes over counted allocations: after pricing, the
