@@ -494,24 +494,17 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
             planned = pool.submit(_plan, cfg, size, node_ranks, prepare) if rank == ROOT else None
         started = _start_engine(cfg)
         if planned is not None:
-            try:
-                plan, own = planned.result() if reading else (planned.result(), None)
-            except InputError as exc:
-                status, message = 2, str(exc)
-            except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, this one re-raises it
-                status, failure = 1, exc
+            result, status, message, failure = _attempt(planned.result)
+            if status == 0:
+                plan, own = result if reading else (result, None)
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
     # every rank's GPU memory, measured now that every engine has started, to rank 0, which fits
     # every rank's share to it or refuses the run before the verdict (memory.py, device memory)
     infos = comm.gather(memory.device_info(started.engine), root=ROOT)
     fitted = None
     if rank == ROOT and status == 0:
-        try:
-            fitted = _fit_devices(cfg, plan, started.engine, infos)
-        except InputError as exc:
-            status, message = 2, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
-            status, failure = 1, exc
+        fitted, status, message, failure = _attempt(
+            lambda: _fit_devices(cfg, plan, started.engine, infos))
     trees = _verdict(comm, status, message, own)
     if failure is not None:
         raise failure
@@ -698,17 +691,22 @@ def _node_ranks(comm) -> int:
         node.Free()
 
 
+def _attempt(action):
+    """(result, status, message, failure) of action() in _verdict's terms: status 0 and its
+    result; 2 and the message of an InputError (bad input); 1 and the exception (a bug: every rank
+    stops, this one re-raises it)."""
+    try:
+        return action(), 0, None, None
+    except InputError as exc:
+        return None, 2, str(exc), None
+    except Exception as exc:  # noqa: BLE001 - a bug: see above
+        return None, 1, None, exc
+
+
 def _outcome(comm, action) -> None:
     """Rank 0 runs `action` (the others pass None) and everyone learns how it went: an InputError
     makes every rank exit 2 with its message, a bug every rank exit 1 (rank 0 re-raises it)."""
-    status, message, failure = 0, None, None
-    if action is not None:
-        try:
-            action()
-        except InputError as exc:
-            status, message = 2, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug: every rank stops now, rank 0 re-raises it
-            status, failure = 1, exc
+    _, status, message, failure = _attempt(action) if action is not None else (None, 0, None, None)
     _verdict(comm, status, message)
     if failure is not None:
         raise failure

@@ -168,8 +168,7 @@ def read_index(path: str) -> PortfolioIndex:
                               steps=_typed_column(path, "steps", g["steps"], None),
                               has_tree=TREE_COLUMN in names)
     index = _with_file(path, read)
-    if not _strictly_increasing(index.id):
-        _check_unique(index.id, path)
+    _check_unique(index.id, path)
     _check_steps(index.id, index.steps, path)
     return index
 
@@ -280,13 +279,11 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
     return _rows_of(ds, rows).astype(np.float64, copy=False)   # a copy only to convert
 
 
-def _strictly_increasing(ids: np.ndarray) -> bool:
-    """Ids in increasing order (as generated books have them) are unique without np.unique's sort
-    or hash, a tenth of rank 0's read of a million options."""
-    return bool((ids[1:] > ids[:-1]).all())
-
-
 def _check_unique(ids: np.ndarray, source: str) -> None:
+    # ids in increasing order (as generated books have them) are unique without np.unique's sort
+    # or hash, a tenth of rank 0's read of a million options
+    if (ids[1:] > ids[:-1]).all():
+        return
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         dup = unique[counts > 1]
@@ -297,8 +294,7 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
 def validate(p: Portfolio, source: str = "portfolio") -> None:
     """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in lattice.py."""
     ids = p.id
-    if not _strictly_increasing(ids):
-        _check_unique(ids, source)
+    _check_unique(ids, source)
     for name in FLOAT_COLUMNS:
         values = getattr(p, name)
         bad = ~np.isfinite(values)
