@@ -21,7 +21,8 @@ from numba import njit
 from pricer.engines.cpu import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
 from pricer.engines.serial import (LANES, LEVEL_VALUES, PAD, PAIR_MAX_STEPS, UNDERFLOW,
                                    SerialEngine, advance, backward_keeping_levels,
-                                   backward_padded, power_tables, terminal_values)
+                                   backward_padded, exercise_limit, power_tables,
+                                   terminal_values)
 from pricer.errors import InputError
 from pricer.generate import generate
 from pricer.lattice import lattice_parameters
@@ -442,6 +443,54 @@ def test_skipped_nodes_change_no_bit(rng, tree, two_threads):
     assert bitwise_equal(np.array([price_wide]), every_node_prices(p))
 
 
+def skip_market(rng, n: int) -> dict:
+    """American puts for the exercised-node skip: deep in the money to out of it, rates from 0 (no
+    put is exercised early) through tiny ones (too small a margin to skip) to 20 %, dividends from
+    -2 % to 20 % (exercise_limit finite or infinite), N from 1 to 3 000 (the single, pair and
+    wide-level paths)."""
+    strike = rng.uniform(50.0, 150.0, n)
+    rate = rng.choice([0.0, 1e-13, 1e-7, 0.01, 0.05, 0.2], n) * rng.uniform(0.5, 1.0, n)
+    dividend = rng.choice([-0.02, 0.0, 0.0, 0.03, 0.2], n) * rng.uniform(0.5, 1.0, n)
+    steps = np.where(rng.random(n) < 0.2, rng.integers(1, 40, n), rng.integers(40, 3001, n))
+    return make_columns(spot=strike * np.exp(rng.uniform(-2.0, 1.0, n)), strike=strike,
+                        maturity=rng.uniform(0.05, 5.0, n), rate=rate, dividend=dividend,
+                        volatility=np.where(steps < 40, 0.6, rng.uniform(0.15, 0.8, n)),
+                        steps=steps, call=False, american=True)
+
+
+@pytest.mark.parametrize("tree", ["crr", "lr", "jr", "tian"])
+def test_exercised_nodes_skipped_change_no_bit(rng, tree, two_threads):
+    """An American put's nodes that serial.exercise_limit proves exercised are not computed
+    (_put_skip): prices and first levels' values must be bitwise those of the American step on
+    every node, whole books (pairs), one option per call (the single path), with levels kept."""
+    n = 48
+    params = lattice_parameters(skip_market(rng, n), tree)
+    reference = every_node_prices(params)
+    levels_alone = np.empty((n, LEVEL_VALUES))
+    alone = price_alone(params, levels_alone)   # the plain kernels (advance), which skip none
+    assert bitwise_equal(alone, reference)
+    for engine in (SERIAL, CPU):
+        assert bitwise_equal(engine.price(params), reference), engine.name
+        levels = np.empty((n, LEVEL_VALUES))
+        assert bitwise_equal(engine.price(params, levels), reference), engine.name
+        assert bitwise_equal(levels, levels_alone), engine.name
+        one_by_one = np.array([engine.price(params.take([k]))[0] for k in range(n)])
+        assert bitwise_equal(one_by_one, reference), engine.name
+
+
+def test_exercise_limit_skips_where_it_may():
+    """The limit lets the skip work where the put is exercised early (else the test above tests
+    nothing new) and forbids it where it cannot be: r <= 0, and r too small for the rounding."""
+    cols = make_columns(spot=100.0, strike=100.0, maturity=1.0, rate=[0.05, 0.05, 0.0, -0.01, 1e-14],
+                        dividend=[0.0, 0.03, 0.0, 0.0, 0.0], volatility=0.2, steps=1000)
+    p = lattice_parameters(cols)
+    limits = [exercise_limit(p.strike[k], p.steps[k], p.pu[k], p.pd[k], p.log_up[k],
+                             p.log_down[k]) for k in range(len(p))]
+    assert limits[0] > 1e6 * 100.0        # no dividend: only rounding bounds it
+    assert 100.0 < limits[1] < 1e4        # dividends: S < K (r dt) / (q dt), about 170
+    assert limits[2:] == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("call", [False, True], ids=["put", "call"])
 def test_unordered_ratio_table_takes_every_node(rng, call):
     """Skipping rests on the ratio table being non-decreasing; where it is not (it always is, barring
@@ -459,7 +508,7 @@ def test_unordered_ratio_table_takes_every_node(rng, call):
     reference = every_node(values.copy(), n, *args)
     plain, padded = values.copy(), values.copy()
     advance(plain, n + 1, n, n, *args)
-    backward_padded(padded, n, 0, *args)
+    backward_padded(padded, n, 0, *args, n, p.log_up[0], p.log_down[0])
     assert bitwise_equal(np.array([plain[0], padded[0]]), np.array([reference, reference]))
 
 

@@ -236,22 +236,25 @@ PAD = 2 * LANES
 
 
 def _vector_run(american: bool):
-    """An intrinsic run(values, ratio, start, stop, pu, pd, signed_base, minus_strike): nodes
-    start..stop of the next level in place (start a multiple of LANES), whole vectors, with
+    """An intrinsic run(values, ratio, start, stop, pu, pd, signed_base, minus_strike) -> int:
+    nodes start..stop of the next level in place (start a multiple of LANES), whole vectors, with
     advance's exact operations in each lane. Each vector's upper neighbours come from the next
     aligned vector by a lane shift (kept in a register for the next step) rather than from a load
     one node further on: such a load spans two of the previous level's stores, which the core
-    cannot forward, and at small N each level waits on the one before."""
+    cannot forward, and at small N each level waits on the one before. Returns how many of nodes
+    start, start + 1, ... (up to LANES) now hold their exercise value (American runs; 0 for an
+    empty run), from the registers: a load of the nodes just stored would wait for the vector
+    store, and the next level with it."""
     vector = ir.VectorType(ir.DoubleType(), LANES)
     lanes = ir.VectorType(ir.IntType(32), LANES)
     shift = ir.Constant(lanes, list(range(1, LANES + 1)))
+    lane0 = ir.Constant(ir.IntType(32), 0)
 
     def load(builder, pointer):
         return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=8)
 
     def splat(builder, scalar):
-        one = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar,
-                                     ir.Constant(ir.IntType(32), 0))
+        one = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar, lane0)
         return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
                                       ir.Constant(lanes, [0] * LANES))
 
@@ -266,29 +269,63 @@ def _vector_run(american: bool):
             zero = ir.Constant(vector, [0.0] * LANES)
             signed_base, minus_strike = splat(builder, signed_base), splat(builder, minus_strike)
             low_slot = cgutils.alloca_once(builder, vector)
+            took_slot = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(64), 0))
+            step = ir.Constant(start.type, LANES)
+
+            def node_vector(i):
+                """Nodes i..i+LANES of the next level; their exercise >= hold (American)."""
+                at = builder.gep(data, [i])
+                low = builder.load(low_slot)
+                high = load(builder, builder.gep(at, [step]))
+                up = builder.shuffle_vector(low, high, shift)
+                hold = builder.fadd(builder.fmul(pu, up), builder.fmul(pd, low))
+                hold = builder.select(builder.fcmp_ordered(">=", hold, floor), hold, zero)
+                took = None
+                if american:
+                    exercise = builder.fadd(
+                        builder.fmul(signed_base, load(builder, builder.gep(rdata, [i]))),
+                        minus_strike)
+                    took = builder.fcmp_ordered(">=", exercise, hold)
+                    hold = builder.select(builder.fcmp_ordered(">", exercise, hold), exercise,
+                                          hold)
+                builder.store(hold, builder.bitcast(at, vector.as_pointer()), align=8)
+                builder.store(high, low_slot)
+                return took
+
             with builder.if_then(builder.icmp_signed("<", start, stop)):
                 builder.store(load(builder, builder.gep(data, [start])), low_slot)
-                step = ir.Constant(start.type, LANES)
-                with cgutils.for_range_slice(builder, start, stop, step) as (i, _):
-                    at = builder.gep(data, [i])
-                    low = builder.load(low_slot)
-                    high = load(builder, builder.gep(at, [step]))
-                    up = builder.shuffle_vector(low, high, shift)
-                    hold = builder.fadd(builder.fmul(pu, up), builder.fmul(pd, low))
-                    hold = builder.select(builder.fcmp_ordered(">=", hold, floor), hold, zero)
-                    if american:
-                        exercise = builder.fadd(
-                            builder.fmul(signed_base, load(builder, builder.gep(rdata, [i]))),
-                            minus_strike)
-                        hold = builder.select(builder.fcmp_ordered(">", exercise, hold), exercise,
-                                              hold)
-                    builder.store(hold, builder.bitcast(at, vector.as_pointer()), align=8)
-                    builder.store(high, low_slot)
-            return context.get_dummy_value()
+                took = node_vector(start)   # peeled: its lanes answer the question
+                if american:
+                    mask = builder.bitcast(took, ir.IntType(LANES))
+                    cttz = builder.module.declare_intrinsic("llvm.cttz",
+                                                            [mask.type, ir.IntType(1)])
+                    lanes_taken = builder.call(cttz, [builder.not_(mask), cgutils.false_bit])
+                    builder.store(builder.zext(lanes_taken, ir.IntType(64)), took_slot)
+                with cgutils.for_range_slice(builder, builder.add(start, step), stop, step) as (i, _):
+                    node_vector(i)
+            return builder.load(took_slot)
 
-        return types.void(values, ratio, start, stop, pu, pd, signed_base, minus_strike), codegen
+        return types.int64(values, ratio, start, stop, pu, pd, signed_base, minus_strike), codegen
 
     return run
+
+
+@intrinsic
+def _exercise_run(typingctx, values, ratio, start, stop, signed_base, minus_strike):
+    """Nodes start..stop (multiples of LANES) get their exercise values, whole vectors: a put's
+    skipped nodes, needed again (see _put_skip). An intrinsic, like the runs: a numba loop here
+    would keep the arrays' reference counts in the level loop (an atomic add per array and level)."""
+    def codegen(context, builder, signature, args):
+        values, ratio, start, stop, signed_base, minus_strike = args
+        data = context.make_array(signature.args[0])(context, builder, values).data
+        rdata = context.make_array(signature.args[1])(context, builder, ratio).data
+        with cgutils.for_range_slice(builder, start, stop, ir.Constant(start.type, 1)) as (i, _):
+            exercise = builder.fadd(builder.fmul(signed_base, builder.load(builder.gep(rdata, [i]))),
+                                    minus_strike)
+            builder.store(exercise, builder.gep(data, [i]))
+        return context.get_dummy_value()
+
+    return types.void(values, ratio, start, stop, signed_base, minus_strike), codegen
 
 
 _american_run = _vector_run(True)
@@ -299,65 +336,151 @@ _european_run = _vector_run(False)
 # or the runs of a put or of a call (advance's, rounded out to whole vectors)
 _FULL, _PUT, _CALL = 0, 1, 2
 
+# Unit roundoff of float64, and the factor by which exercise_limit widens every rounding-error bound
+# it uses (a safety margin on a margin: the skipped nodes' limit moves by ~1e-15 relative).
+_ROUNDOFF = 2.0 ** -53
+_SLACK = 4.0
+
 
 @njit(cache=True, nogil=True)
-def _padded_start(values, ratio, t_from, sign, american):
-    """(way, edge, zeros) of a lattice at level t_from for _padded_level."""
+def exercise_limit(strike, steps, pu, pd, log_up, log_down):
+    """A put's node (t, i) whose two successors were exercised (their value is their exercise value,
+    bit for bit) is exercised itself — exercise value > hold value as computed, whatever the
+    rounding — if level_base[t]*ratio[i] < the limit returned (0: no node is known to be).
+
+    Why: with V(t+1, j) = K - S(t+1, j) for j = i, i + 1, exercise - hold = K(1 - pu - pd) -
+    S(t, i)(1 - pu u - pd d) in exact arithmetic, where S(t+1, i) = S(t, i) d and S(t+1, i+1) =
+    S(t, i) u. The tables only hold S within eta relative (the rounding of their exponents, which
+    grows with N) and every operation rounds; bounding those errors by (num, den) below, each
+    widened _SLACK-fold, the difference is positive for S(t, i) < num/den. Without dividends den
+    is only those errors, and every put node whose successors were exercised is (num ~ K r dt)."""
+    up, down = math.exp(log_up), math.exp(log_down)
+    discount = pu + pd
+    growth = pu * up + pd * down                       # e^-q dt, up to rounding
+    eta = (steps * (abs(log_down) + abs(log_up - log_down)) + 12.0) * 2.0 * _ROUNDOFF
+    err = _SLACK * _ROUNDOFF
+    num = strike * ((1.0 - discount) - err * (2.0 + 4.0 * discount))
+    den = (1.0 - growth) + _SLACK * eta * growth + err * (4.0 + 3.0 * up * discount + 2.0 * growth)
+    if not num > 0.0:
+        return 0.0
+    if not den > 0.0:
+        return math.inf
+    return num / den * (1.0 - err)
+
+
+@njit(cache=True, nogil=True)
+def _exercised_prefix(values, count, signed_base, minus_strike, ratio):
+    """How many nodes of a level, from node 0 up, hold their exercise value bit for bit."""
+    known = 0
+    while known < count and values[known] == signed_base * ratio[known] + minus_strike:
+        known += 1
+    return known
+
+
+@njit(cache=True, nogil=True)
+def _padded_start(values, ratio, level_base, t_from, sign, american, strike, steps, pu, pd,
+                  log_up, log_down):
+    """(way, edge, zeros, skip, limit) of a lattice at level t_from for _padded_level: skip is a
+    put's (0, known, known + 1), known the number of its first nodes that hold their exercise value
+    (so that its first level skips as _put_skip would with level t_from + 1's count), limit
+    exercise_limit's (0 for a call or a European option)."""
     if american and not ratio_monotone(ratio, t_from + 1):
-        return _FULL, 0, 0
+        return _FULL, 0, 0, (0, 0, 0), 0.0
     zeros = zero_boundary(values, t_from + 1, sign < 0)
-    return (_PUT if sign < 0 else _CALL), zeros, zeros
+    if sign > 0 or not american:
+        return _CALL if sign > 0 else _PUT, zeros, zeros, (0, 0, 0), 0.0
+    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down)
+    known = _exercised_prefix(values, t_from + 1, -level_base[t_from], strike, ratio)
+    return _PUT, zeros, zeros, (0, known, known + 1), limit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _padded_level(values, ratio, t, way, american, edge, zeros, pu, pd, signed_base,
-                  minus_strike):
-    """Level t from level t + 1 in whole vectors; returns the new (edge, zeros)."""
+def _put_skip(ratio, lagged, limit, base, next_base):
+    """The whole vectors of a put's level t below which every node is surely exercised: the first
+    node level t computes. `lagged` is how many of level t + 2's first nodes were exercised, so
+    level t + 1's nodes [0, lagged - 1) were too where exercise_limit holds (their successors were),
+    and level t's nodes [0, lagged - 2) where it holds again. Level t + 2's count, not level
+    t + 1's: that one is known only once level t + 1's first vector is done, and the next level's
+    loads would wait for it (at N = 100 the levels are short, and overlap). base, next_base:
+    level_base[t], level_base[t + 1]."""
+    first = max(lagged - 2, 0) & -LANES
+    while first > 0 and not (next_base * ratio[first] < limit and base * ratio[first - 1] < limit):
+        first -= LANES
+    return first
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _padded_level(values, ratio, t, way, american, edge, zeros, skip, limit, pu, pd, signed_base,
+                  next_base, minus_strike):
+    """Level t from level t + 1 in whole vectors; returns the new (edge, zeros, skip). A put's
+    skip: (its nodes [0, first) are exercised and not written, see _put_skip; how many of its first
+    nodes are known to hold their exercise value on this level, and on the level before)."""
     count = t + 1
     if way == _FULL:
         _american_run(values, ratio, 0, count, pu, pd, signed_base, minus_strike)
     elif way == _PUT:
         edge = put_edge(edge, count, signed_base, minus_strike, ratio) if american else 0
         zeros = max(zeros, edge)
-        _american_run(values, ratio, 0, edge, pu, pd, signed_base, minus_strike)
-        _european_run(values, ratio, (edge + LANES - 1) & -LANES, min(zeros, count), pu, pd,
-                      signed_base, minus_strike)
+        unwritten, known, lagged = skip
+        first = 0
+        if american:
+            first = _put_skip(ratio, lagged, limit, -signed_base, next_base)
+            if first < unwritten:   # level t + 1's skipped nodes from `first` up are read now
+                _exercise_run(values, ratio, first, unwritten, -next_base, minus_strike)
+        took = _american_run(values, ratio, first, edge, pu, pd, signed_base, minus_strike)
+        _european_run(values, ratio, max((edge + LANES - 1) & -LANES, first), min(zeros, count),
+                      pu, pd, signed_base, minus_strike)
+        skip = (first, first + took, known)
     else:
         edge = call_edge(edge, count, signed_base, minus_strike, ratio) if american else count
         zeros = max(0, min(zeros - 1, edge))
         cut = edge & -LANES if american else count   # a European option has no American run
         _european_run(values, ratio, zeros & -LANES, cut, pu, pd, signed_base, minus_strike)
         _american_run(values, ratio, cut, count, pu, pd, signed_base, minus_strike)
-    return edge, zeros
+    return edge, zeros, skip
 
 
 @njit(cache=True, nogil=True)
-def backward_padded(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio):
+def backward_padded(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio,
+                    steps, log_up, log_down):
     """backward_inplace on price_range's padded work arrays, in whole vectors (_vector_run), with
     advance's runs of nodes rounded out to whole vectors: at N = 100 a level is latency-bound, and
-    LLVM's loops with their scalar remainders cost more there than the nodes they leave out."""
+    LLVM's loops with their scalar remainders cost more there than the nodes they leave out. An
+    American put's nodes that are surely exercised are not computed (_put_skip): bitwise the same
+    values, about a third fewer nodes at the money. `steps` is the option's N (for the limit)."""
     minus_strike = -sign * strike
-    way, edge, zeros = _padded_start(values, ratio, t_from, sign, american)
+    way, edge, zeros, skip, limit = _padded_start(values, ratio, level_base, t_from, sign,
+                                                  american, strike, steps, pu, pd, log_up,
+                                                  log_down)
     for t in range(t_from - 1, t_to - 1, -1):
-        edge, zeros = _padded_level(values, ratio, t, way, american, edge, zeros, pu, pd,
-                                    sign * level_base[t], minus_strike)
+        edge, zeros, skip = _padded_level(values, ratio, t, way, american, edge, zeros, skip,
+                                          limit, pu, pd, sign * level_base[t], level_base[t + 1],
+                                          minus_strike)
+    _exercise_run(values, ratio, 0, skip[0], sign * level_base[t_to], minus_strike)
 
 
 @njit(cache=True, nogil=True)
 def padded_pair(a, b, t_from, t_to):
     """Two lattices a and b, both at level t_from, down to level t_to, a level of one and then of
     the other in turn, so that the core overlaps their chains (see backward_padded). Each is a tuple
-    (values, ratio, level_base, pu, pd, strike, sign, american) of price_range's work arrays."""
-    va, ra, lba, pua, pda, ka, sa, ama = a
-    vb, rb, lbb, pub, pdb, kb, sb, amb = b
+    (values, ratio, level_base, pu, pd, strike, sign, american, steps, log_up, log_down) of
+    price_range's work arrays and the option's numbers."""
+    va, ra, lba, pua, pda, ka, sa, ama, na, lua, lda = a
+    vb, rb, lbb, pub, pdb, kb, sb, amb, nb, lub, ldb = b
     minus_ka, minus_kb = -sa * ka, -sb * kb
-    way_a, edge_a, zeros_a = _padded_start(va, ra, t_from, sa, ama)
-    way_b, edge_b, zeros_b = _padded_start(vb, rb, t_from, sb, amb)
+    way_a, edge_a, zeros_a, skip_a, limit_a = _padded_start(va, ra, lba, t_from, sa, ama, ka, na,
+                                                            pua, pda, lua, lda)
+    way_b, edge_b, zeros_b, skip_b, limit_b = _padded_start(vb, rb, lbb, t_from, sb, amb, kb, nb,
+                                                            pub, pdb, lub, ldb)
     for t in range(t_from - 1, t_to - 1, -1):
-        edge_a, zeros_a = _padded_level(va, ra, t, way_a, ama, edge_a, zeros_a, pua, pda,
-                                        sa * lba[t], minus_ka)
-        edge_b, zeros_b = _padded_level(vb, rb, t, way_b, amb, edge_b, zeros_b, pub, pdb,
-                                        sb * lbb[t], minus_kb)
+        edge_a, zeros_a, skip_a = _padded_level(va, ra, t, way_a, ama, edge_a, zeros_a, skip_a,
+                                                limit_a, pua, pda, sa * lba[t], lba[t + 1],
+                                                minus_ka)
+        edge_b, zeros_b, skip_b = _padded_level(vb, rb, t, way_b, amb, edge_b, zeros_b, skip_b,
+                                                limit_b, pub, pdb, sb * lbb[t], lbb[t + 1],
+                                                minus_kb)
+    _exercise_run(va, ra, 0, skip_a[0], sa * lba[t_to], minus_ka)
+    _exercise_run(vb, rb, 0, skip_b[0], sb * lbb[t_to], minus_kb)
 
 
 @njit(cache=True, nogil=True)
@@ -395,14 +518,18 @@ def _price_pair(k, m, spot, strike, steps, call, american, log_up, log_down, pu,
     joint = max(min(steps[k], steps[m], PAIR_MAX_STEPS), floor)
     ta, tb = steps[k], steps[m]
     if ta > joint:
-        backward_padded(va, ta, joint, strike[k], sa, american[k], pu[k], pd[k], lba, ra)
+        backward_padded(va, ta, joint, strike[k], sa, american[k], pu[k], pd[k], lba, ra, steps[k],
+                        log_up[k], log_down[k])
         ta = joint
     if tb > joint:
-        backward_padded(vb, tb, joint, strike[m], sb, american[m], pu[m], pd[m], lbb, rb)
+        backward_padded(vb, tb, joint, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, steps[m],
+                        log_up[m], log_down[m])
         tb = joint
     if ta == tb and ta > floor:
-        padded_pair((va, ra, lba, pu[k], pd[k], strike[k], sa, american[k]),
-                    (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m]), ta, floor)
+        padded_pair((va, ra, lba, pu[k], pd[k], strike[k], sa, american[k], steps[k], log_up[k],
+                     log_down[k]),
+                    (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m], steps[m], log_up[m],
+                     log_down[m]), ta, floor)
         ta = tb = floor
     backward_keeping_levels(va, ta, strike[k], sa, american[k], pu[k], pd[k], lba, ra, levels, k)
     backward_keeping_levels(vb, tb, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, levels, m)
@@ -420,7 +547,7 @@ def _price_single(k, spot, strike, steps, call, american, log_up, log_down, pu, 
     floor = 2 if levels.shape[0] > 0 else 0
     if t > floor:
         backward_padded(values, t, floor, strike[k], sign, american[k], pu[k], pd[k], level_base,
-                        ratio)
+                        ratio, steps[k], log_up[k], log_down[k])
         t = floor
     backward_keeping_levels(values, t, strike[k], sign, american[k], pu[k], pd[k],
                             level_base, ratio, levels, k)
@@ -479,7 +606,8 @@ def _price_alone(spot, strike, steps, call, american, log_up, log_down, pu, pd):
     values, level_base, ratio, scratch = _work(steps + 1)
     sign = _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_up,
                     log_down)
-    backward_padded(values, steps, 0, strike, sign, american, pu, pd, level_base, ratio)
+    backward_padded(values, steps, 0, strike, sign, american, pu, pd, level_base, ratio, steps,
+                    log_up, log_down)
     return values[0]
 
 
