@@ -55,6 +55,7 @@ class LatticeParams:
         for name, view in views.items():
             view[...] = getattr(self, name)
         object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "count", n)   # len(self), as a plain attribute for the hot path
         for name, view in views.items():
             object.__setattr__(self, name, view)
 

@@ -101,9 +101,8 @@ class CpuEngine:
         # straight away (the first case checked inside the kernel call). An N = 100 option is
         # ~2 us of work; asking numba for its thread count takes ~1.3 us, and the cost model and
         # partition below several more.
-        packed = params.packed
-        out = np.empty(packed.shape[1])
-        if levels is None and price_if_one_narrow.call(packed, out):
+        out = np.empty(params.count)
+        if levels is None and price_if_one_narrow.call(params.packed, out):
             return out
         one_small = params.steps.size == 1 and params.steps[0] < LEVEL_PARALLEL_MIN_STEPS
         threads = 1 if one_small else numba.get_num_threads()
