@@ -509,6 +509,18 @@ def test_exercised_nodes_skipped_change_no_bit(rng, tree, two_threads):
         assert bitwise_equal(levels, levels_alone), engine.name
         one_by_one = np.array([engine.price(params.take([k]))[0] for k in range(n)])
         assert bitwise_equal(one_by_one, reference), engine.name
+    # the level-parallel path (serial.advance with the limit, chunk by chunk, then its tail)
+    wide = skip_market(rng, 3)
+    wide["steps"][:] = 2 * MIN_CHUNK_NODES + BLOCK_STEPS + 700
+    wide["rate"][:] = [0.05, 0.08, 0.03]
+    wide["dividend"][:] = [0.0, 0.03, 0.1]
+    wide["volatility"][:] = 0.3
+    p = lattice_parameters(wide, tree)
+    for k in range(3):
+        price_wide = _price_wide(p.spot[k], p.strike[k], p.steps[k], p.call[k], p.american[k],
+                                 p.log_up[k], p.log_down[k], p.pu[k], p.pd[k], 2,
+                                 np.empty((0, 5)), 0)
+        assert bitwise_equal(np.array([price_wide]), every_node_prices(p.take([k])))
 
 
 def test_exercise_limit_skips_where_it_may():

@@ -17,15 +17,18 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from pricer.engines.serial import (Direct, advance, backward_keeping_levels, kernel_arguments,
-                                   level_array, power_tables, price_all, price_here, price_range,
-                                   terminal_values)
+from pricer.engines.serial import (Direct, advance, backward_keeping_levels, exercise_limit,
+                                   kernel_arguments, level_array, power_tables, price_all,
+                                   price_here, price_range, terminal_values)
 from pricer.lattice import STEPS_ROW, LatticeParams
 from pricer.partition import option_cost, partition_by_cost
 
 # Options with at least this many steps (and more than a thread's share of the work) are priced one
-# at a time with all threads on each level.
-LEVEL_PARALLEL_MIN_STEPS = 2 * 2_048
+# at a time with all threads on each level. The level-parallel chunks run the unpadded kernels
+# (advance), which take ~1.8x the one-thread path's time per node: on the 2-core bench host
+# (docs/performance.md, Session 6) 2 threads first beat one at N ~ 20 000 for an at-the-money call
+# (22.0 against 24.4 ms) and ~30 000 for a put, whose one-thread path skips its exercised nodes.
+LEVEL_PARALLEL_MIN_STEPS = 32_768
 # Levels advanced per parallel block, and the fewest nodes per thread worth splitting a level for.
 BLOCK_STEPS = 64
 MIN_CHUNK_NODES = 2_048
@@ -40,11 +43,12 @@ def _price_groups(spot, strike, steps, call, american, log_up, log_down, pu, pd,
 
 
 @njit(cache=True, nogil=True)
-def _advance_chunk(src, dst, a, b, t_top, block, strike, sign, american, pu, pd, level_base, ratio):
+def _advance_chunk(src, dst, a, b, t_top, block, strike, sign, american, pu, pd, level_base, ratio,
+                   limit):
     """Nodes [a, b) of level t_top - block, from nodes [a, b + block) of level t_top."""
     local = src[a:b + block].copy()
     advance(local, b - a + block, t_top, block, strike, sign, american, pu, pd, level_base,
-            ratio[a:])
+            ratio[a:], limit)
     dst[a:b] = local[:b - a]
 
 
@@ -57,6 +61,7 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
     src = np.empty(steps + 1)
     dst = np.empty(steps + 1)
     terminal_values(src, steps, strike, sign, level_base, ratio)
+    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down) if american and not call else 0.0
     t = steps
     while True:
         width = t - BLOCK_STEPS + 1
@@ -69,10 +74,11 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
             b = min(a + size, width)
             if a < b:
                 _advance_chunk(src, dst, a, b, t, BLOCK_STEPS, strike, sign, american,
-                               pu, pd, level_base, ratio)
+                               pu, pd, level_base, ratio, limit)
         src, dst = dst, src
         t -= BLOCK_STEPS
-    backward_keeping_levels(src, t, strike, sign, american, pu, pd, level_base, ratio, levels, row)
+    backward_keeping_levels(src, t, strike, sign, american, pu, pd, level_base, ratio, levels, row,
+                            limit)
     return src[0]
 
 

@@ -165,12 +165,15 @@ def zero_boundary(values, width, put):
 
 
 @njit(cache=True, nogil=True)
-def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level_base, ratio):
+def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level_base, ratio,
+            limit=0.0):
     """Take `levels` backward steps in place from level t_from, whose first `width` nodes are in
     values[0..width); each step leaves one node fewer. ratio may be offset (ratio[j] belongs to
     values[j]), which lets a chunk of a level advance on its own. Nodes that cannot be exercised
     take the European step and +0.0 nodes are left as they are (see above); where the ratio table
-    is not monotone, every node takes the American step."""
+    is not monotone, every node takes the American step. An American put given its
+    exercise_limit (`limit`, 0: none) leaves out the nodes that are surely exercised, as
+    backward_padded does (here node by node, from a scan of the level's first nodes)."""
     minus_strike = -sign * strike
     if american and not ratio_monotone(ratio, width):
         for s in range(1, levels + 1):
@@ -179,12 +182,33 @@ def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level
     elif sign < 0:
         zeros = zero_boundary(values, width, True)
         edge = zeros
+        # nodes [0, first) of the last level are exercised and not written; its first `known`
+        # nodes hold their exercise value
+        first = 0
+        skipping = american and limit > 0.0
+        known = _exercised_prefix(values, width, -level_base[t_from], minus_strike,
+                                  ratio) if skipping else 0
         for s in range(1, levels + 1):
             count, signed_base = width - s, sign * level_base[t_from - s]
             edge = put_edge(edge, count, signed_base, minus_strike, ratio) if american else 0
             zeros = max(zeros, edge)
-            american_nodes(values, edge, pu, pd, signed_base, minus_strike, ratio)
+            if skipping:
+                below = max(known - 1, 0)   # these nodes' successors were exercised
+                while below > 0 and not -signed_base * ratio[below - 1] < limit:
+                    below -= 1
+                for j in range(below, first):   # the last level's skipped nodes read now
+                    values[j] = sign * level_base[t_from - s + 1] * ratio[j] + minus_strike
+                first = below
+                american_nodes(values[first:], edge - first, pu, pd, signed_base, minus_strike,
+                               ratio[first:])
+                known = first
+                while known < count and values[known] == signed_base * ratio[known] + minus_strike:
+                    known += 1
+            else:
+                american_nodes(values, edge, pu, pd, signed_base, minus_strike, ratio)
             european_nodes(values[edge:], min(zeros, count) - edge, pu, pd)
+        for j in range(first):
+            values[j] = sign * level_base[t_from - levels] * ratio[j] + minus_strike
     else:
         zeros = zero_boundary(values, width, False)
         edge = zeros
@@ -198,10 +222,11 @@ def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level
 
 
 @njit(cache=True, nogil=True)
-def backward_inplace(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio):
-    """From level t_from (values[0..t_from]) down to level t_to, in place."""
+def backward_inplace(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio,
+                     limit=0.0):
+    """From level t_from (values[0..t_from]) down to level t_to, in place (limit: advance's)."""
     advance(values, t_from + 1, t_from, t_from - t_to, strike, sign, american, pu, pd,
-            level_base, ratio)
+            level_base, ratio, limit)
 
 
 # Greeks need the option values of the lattice's first levels: LEVEL_VALUES numbers per option,
@@ -211,15 +236,16 @@ LEVEL_VALUES = 5
 
 @njit(cache=True, nogil=True)
 def backward_keeping_levels(values, t_from, strike, sign, american, pu, pd, level_base, ratio,
-                            levels, row):
+                            levels, row, limit=0.0):
     """backward_inplace down to level 0, keeping levels 2 and 1 in levels[row] (if it has rows).
     The same steps in the same order, so the price is bitwise the one backward_inplace gives."""
     if levels.shape[0] == 0 or t_from < 2:
         if levels.shape[0] > 0:
             levels[row, :] = np.nan
-        backward_inplace(values, t_from, 0, strike, sign, american, pu, pd, level_base, ratio)
+        backward_inplace(values, t_from, 0, strike, sign, american, pu, pd, level_base, ratio,
+                         limit)
         return
-    backward_inplace(values, t_from, 2, strike, sign, american, pu, pd, level_base, ratio)
+    backward_inplace(values, t_from, 2, strike, sign, american, pu, pd, level_base, ratio, limit)
     levels[row, 2] = values[0]
     levels[row, 3] = values[1]
     levels[row, 4] = values[2]
