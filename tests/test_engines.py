@@ -32,6 +32,9 @@ from pricer.portfolio import columns_from_matrix
 
 DATA = Path(__file__).parent / "data"
 SERIAL, CPU = SerialEngine(), CpuEngine()
+# the cpu engine sharing levels among threads from N = 4 096 (its default waits for wider options),
+# so that the level-parallel path is tested on lattices of moderate size
+CPU_WIDE = CpuEngine(level_parallel_min_steps=4_096)
 REFERENCE_STEPS = 20_000
 
 
@@ -317,12 +320,14 @@ def test_serial_and_cpu_bitwise_equal(rng, two_threads):
     params = lattice_parameters(cols)
     # with two threads the large option takes the level-parallel path, the others the per-option one
     assert numba.get_num_threads() == 2
-    assert CpuEngine.level_parallel(params.steps, 2).tolist() == [k == wide for k in range(n)]
-    serial, cpu = SERIAL.price(params), CPU.price(params)
-    assert bitwise_equal(serial, cpu), np.flatnonzero(serial != cpu)
-    # the engines price the options they are given, in that order
-    order = rng.permutation(n)
-    assert bitwise_equal(CPU.price(params.take(order)), serial[order])
+    assert CPU_WIDE.level_parallel(params.steps, 2).tolist() == [k == wide for k in range(n)]
+    assert not CPU.level_parallel(params.steps, 2).any()
+    serial = SERIAL.price(params)
+    for cpu in (CPU, CPU_WIDE):
+        assert bitwise_equal(serial, cpu.price(params)), np.flatnonzero(serial != cpu.price(params))
+        # the engines price the options they are given, in that order
+        order = rng.permutation(n)
+        assert bitwise_equal(cpu.price(params.take(order)), serial[order])
 
 
 def terminal_lattice(params, k: int):
@@ -724,13 +729,13 @@ def test_serial_matches_reference_subset(reference, rng):
 
 def test_cpu_matches_reference(reference, two_threads):
     """The whole grid through both paths of the cpu engine: as one batch (options spread over the
-    threads) and one option at a time (N = 20 000 alone is above a thread's share, so all threads
-    share each level). About 20 s on 2 cores."""
+    threads) and one option at a time through CPU_WIDE (N = 20 000 alone is above a thread's share,
+    so all threads share each level). About 20 s on 2 cores."""
     params = reference[0]
-    assert not CpuEngine.level_parallel(params.steps[:20], 2).any()
-    assert CpuEngine.level_parallel(params.steps[:1], 2).all()
+    assert not CPU_WIDE.level_parallel(params.steps[:20], 2).any()
+    assert CPU_WIDE.level_parallel(params.steps[:1], 2).all()
     check_against_reference(CPU, reference, np.arange(270))
-    check_against_reference(CPU, reference, np.arange(270), one_by_one=True)
+    check_against_reference(CPU_WIDE, reference, np.arange(270), one_by_one=True)
 
 
 def test_each_rank_sees_its_own_gpu_unless_the_launcher_chose():

@@ -186,8 +186,9 @@ def test_quantlib_parity_serial_and_cpu(rng, tree, two_threads):
     assert bitwise_equal(price(cols, tree, CPU), price(cols, tree, SERIAL))
     # the cpu engine's level-parallel path (one option wider than a thread's share) is bitwise too
     wide = {c: v[cols["steps"] == 5000][:1] for c, v in cols.items()}
-    assert CpuEngine.level_parallel(wide["steps"], 2).all()
-    assert bitwise_equal(price(wide, tree, CPU), price(wide, tree, SERIAL))
+    sharing = CpuEngine(level_parallel_min_steps=4_096)
+    assert sharing.level_parallel(wide["steps"], 2).all()
+    assert bitwise_equal(price(wide, tree, sharing), price(wide, tree, SERIAL))
 
 
 def test_textbook_crr_is_not_quantlibs_crr(rng):

@@ -83,9 +83,10 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
 
 
 @njit(cache=True, nogil=True)
-def _price_if_one_narrow(packed, out):
-    """Prices and returns True if the call is one option too narrow to share its levels."""
-    if out.size != 1 or packed[STEPS_ROW].view(np.int64)[0] >= LEVEL_PARALLEL_MIN_STEPS:
+def _price_if_one_narrow(packed, out, min_steps):
+    """Prices and returns True if the call is one option too narrow to share its levels (fewer than
+    min_steps steps)."""
+    if out.size != 1 or packed[STEPS_ROW].view(np.int64)[0] >= min_steps:
         return False
     price_all(packed, out)
     return True
@@ -93,13 +94,18 @@ def _price_if_one_narrow(packed, out):
 
 # The check and the serial kernel in one call: from Python, the check alone cost 0.2 us of an
 # N = 100 option's ~2.3 us.
-price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
+price_if_one_narrow = Direct(_price_if_one_narrow,
+                             "boolean(float64[:, ::1], float64[::1], int64)")
 
 
 class CpuEngine:
-    """All the rank's cores (numba's thread count, set per rank by distributed.py)."""
+    """All the rank's cores (numba's thread count, set per rank by distributed.py). Options of at
+    least `level_parallel_min_steps` steps may share their levels among the threads."""
 
     name = "cpu"
+
+    def __init__(self, level_parallel_min_steps: int = LEVEL_PARALLEL_MIN_STEPS):
+        self.level_parallel_min_steps = level_parallel_min_steps
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
@@ -108,9 +114,10 @@ class CpuEngine:
         # ~2 us of work; asking numba for its thread count takes ~1.3 us, and the cost model and
         # partition below several more.
         out = np.empty(params.count)
-        if levels is None and price_if_one_narrow.call(params.packed, out):
+        min_steps = self.level_parallel_min_steps
+        if levels is None and price_if_one_narrow.call(params.packed, out, min_steps):
             return out
-        one_small = params.steps.size == 1 and params.steps[0] < LEVEL_PARALLEL_MIN_STEPS
+        one_small = params.steps.size == 1 and params.steps[0] < min_steps
         threads = 1 if one_small else numba.get_num_threads()
         if threads < 2:
             return price_here(params, levels)
@@ -129,11 +136,10 @@ class CpuEngine:
                                  params.pu[k], params.pd[k], threads, lv, k)
         return out
 
-    @staticmethod
-    def level_parallel(steps: np.ndarray, threads: int) -> np.ndarray:
+    def level_parallel(self, steps: np.ndarray, threads: int) -> np.ndarray:
         """Options that get all threads on each level: wide enough to split, and larger than one
         thread's fair share of the work (so grouping them by option would leave threads idle)."""
         if threads < 2:
             return np.zeros(steps.size, bool)
         cost = option_cost(steps)
-        return (steps >= LEVEL_PARALLEL_MIN_STEPS) & (cost * threads > cost.sum())
+        return (steps >= self.level_parallel_min_steps) & (cost * threads > cost.sum())
