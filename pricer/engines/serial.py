@@ -39,7 +39,7 @@ def table_scratch_size(steps):
     return 2 * (int(math.sqrt(steps + 1)) + 1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def power_tables_into(spot, log_up, log_down, steps, level_base, ratio, scratch):
     """level_base[t] = S0*d^t (price of node (t, 0)); ratio[i] = (u/d)^i, for t, i <= steps.
 
@@ -74,7 +74,7 @@ def power_tables(spot, log_up, log_down, steps, level_base, ratio):
                       np.empty(table_scratch_size(steps)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def terminal_values(values, steps, strike, sign, level_base, ratio):
     base = level_base[steps]
     for i in range(steps + 1):
@@ -112,7 +112,7 @@ def european_nodes(values, count, pu, pd):
 # the nodes of an at-the-money lattice need no exercise, and a quarter stay zero).
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def ratio_monotone(ratio, width):
     """ratio[0..width) finite and non-decreasing (always, barring rounding at extreme inputs)."""
     ok = True
@@ -149,7 +149,7 @@ def _is_plus_zero(x):
     return x == 0.0 and math.copysign(1.0, x) > 0.0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def zero_boundary(values, width, put):
     """put: the first index of the +0.0 nodes at the top of values[0..width); call: the number of
     +0.0 nodes at the bottom."""
@@ -435,7 +435,7 @@ def exercise_limit(strike, steps, pu, pd, log_up, log_down):
     return num / den * (1.0 - err)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def _exercised_prefix(values, count, signed_base, minus_strike, ratio):
     """How many nodes of a level, from node 0 up, hold their exercise value bit for bit."""
     known = 0
@@ -444,7 +444,7 @@ def _exercised_prefix(values, count, signed_base, minus_strike, ratio):
     return known
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def _positives(values, count):
     """How many of values[0..count) are > 0 (a vector loop, where zero_boundary's scan branches on
     each node)."""
@@ -454,7 +454,7 @@ def _positives(values, count):
     return positives
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def _padded_start(values, ratio, level_base, t_from, sign, american, strike, steps, pu, pd,
                   log_up, log_down):
     """(way, edge, zeros, skip, limit, floored) of a lattice at level t_from for _padded_level
@@ -528,10 +528,11 @@ def _padded_level(values, ratio, t, way, american, edge, zeros, skip, limit, flo
     return edge, zeros, skip
 
 
-# The level loops run without numba's reference counting (_nrt=False: they allocate nothing and
-# let no array escape). With it, every array handed to the inlined per-level functions was counted
-# up and down each level, an atomic add each: a fifth of the time of 1 000 N = 100 puts (pairs 1.7
-# -> 1.06 us per put). numba refuses to compile them if they ever allocate.
+# The level loops (and the kernels that prepare a lattice) run without numba's reference counting
+# (_nrt=False: they allocate nothing and let no array escape). With it, every array handed to the
+# inlined per-level functions was counted up and down each level, an atomic add each: a fifth of
+# the time of 1 000 N = 100 puts (pairs 1.7 -> 1.06 us per put). numba refuses to compile such a
+# kernel if it ever allocates.
 @njit(cache=True, nogil=True, _nrt=False)
 def backward_padded(values, t_from, t_to, strike, sign, american, pu, pd, level_base, ratio,
                     steps, log_up, log_down):
@@ -575,7 +576,7 @@ def padded_pair(a, b, t_from, t_to):
     _exercise_run(vb, rb, 0, skip_b[0], sb * lbb[t_to], minus_kb)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_up, log_down):
     """Tables and terminal values of one option in padded work arrays (zeros past node `steps`)."""
     sign = 1.0 if call else -1.0
