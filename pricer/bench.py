@@ -20,6 +20,7 @@ output says so.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -145,12 +146,14 @@ def _warm_up(configs) -> None:
 def _contestants(case: Case, configs) -> dict:
     params = lattice_parameters(case.cols)
     nodes = float(lattice_nodes(case.cols["steps"]).sum())
-    out = {name: Contestant(threads, lambda e=engine: e.price(params), nodes)
+    # functools.partial calls engine.price itself; a lambda's own Python frame was ~3 % of an
+    # N = 100 call (0.05 of ~1.65 us), and 0.1 % of QuantLib's
+    out = {name: Contestant(threads, functools.partial(engine.price, params), nodes)
            for name, engine, threads in configs}
     options = _ql_options(case.cols, case.ql_index, case.ql_steps)
     steps = case.cols["steps"][case.ql_index] if case.ql_steps is None else case.ql_steps
     ql_nodes = float(np.sum(lattice_nodes(np.broadcast_to(steps, case.ql_index.shape))))
-    out["QuantLib"] = Contestant(1, lambda: _reprice(options), ql_nodes)
+    out["QuantLib"] = Contestant(1, functools.partial(_reprice, options), ql_nodes)
     return out
 
 
