@@ -17,9 +17,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from pricer.engines.serial import (Direct, advance, backward_keeping_levels, exercise_limit,
-                                   kernel_arguments, level_array, power_tables, price_all,
-                                   price_here, price_range, terminal_values)
+from pricer.engines.serial import (Direct, _bits, advance, backward_keeping_levels,
+                                   exercise_limit, kernel_arguments, level_array, power_tables,
+                                   price_all, price_here, price_range, terminal_values)
 from pricer.lattice import STEPS_ROW, LatticeParams
 from pricer.partition import option_cost, partition_by_cost
 
@@ -83,10 +83,10 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
 
 
 @njit(cache=True, nogil=True)
-def _price_if_one_narrow(packed, out, min_steps):
-    """Prices and returns True if the call is one option too narrow to share its levels (fewer than
-    min_steps steps)."""
-    if out.size != 1 or packed[STEPS_ROW].view(np.int64)[0] >= min_steps:
+def _price_if_one_narrow(packed, out):
+    """Prices and returns True if the call is one option too narrow to share its levels at the
+    default LEVEL_PARALLEL_MIN_STEPS."""
+    if out.size != 1 or _bits(packed[STEPS_ROW, 0]) >= LEVEL_PARALLEL_MIN_STEPS:
         return False
     price_all(packed, out)
     return True
@@ -94,8 +94,7 @@ def _price_if_one_narrow(packed, out, min_steps):
 
 # The check and the serial kernel in one call: from Python, the check alone cost 0.2 us of an
 # N = 100 option's ~2.3 us.
-price_if_one_narrow = Direct(_price_if_one_narrow,
-                             "boolean(float64[:, ::1], float64[::1], int64)")
+price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
 
 
 class CpuEngine:
@@ -106,6 +105,8 @@ class CpuEngine:
 
     def __init__(self, level_parallel_min_steps: int = LEVEL_PARALLEL_MIN_STEPS):
         self.level_parallel_min_steps = level_parallel_min_steps
+        # the one-narrow-option check inside the kernel call knows only the default
+        self._narrow_in_kernel = level_parallel_min_steps == LEVEL_PARALLEL_MIN_STEPS
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
@@ -114,10 +115,10 @@ class CpuEngine:
         # ~2 us of work; asking numba for its thread count takes ~1.3 us, and the cost model and
         # partition below several more.
         out = np.empty(params.count)
-        min_steps = self.level_parallel_min_steps
-        if levels is None and price_if_one_narrow.call(params.packed, out, min_steps):
+        if levels is None and self._narrow_in_kernel and price_if_one_narrow.call(params.packed,
+                                                                                  out):
             return out
-        one_small = params.steps.size == 1 and params.steps[0] < min_steps
+        one_small = params.steps.size == 1 and params.steps[0] < self.level_parallel_min_steps
         threads = 1 if one_small else numba.get_num_threads()
         if threads < 2:
             return price_here(params, levels)
