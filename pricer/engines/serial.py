@@ -347,6 +347,61 @@ def _vector_run(american: bool, floored: bool = True):
 
 
 @intrinsic
+def _last_levels(typingctx, values, ratio, level_base, t_from, pu, pd, sign, minus_strike,
+                 american, floored):
+    """Levels t_from - 1 .. 0 (t_from <= LANES) of a lattice whose level t_from fills values[0..
+    t_from] (every node written: no skipped ones): one vector kept in a register from level to
+    level, each node the full step (American where `american`, floored where `floored`, as the
+    runs'), so that the last levels do not wait on a store and a load each, nor on the runs' and
+    edges' bookkeeping. Lanes past a level's last node compute garbage that never flows back."""
+    def codegen(context, builder, signature, args):
+        (values, ratio, level_base, t_from, pu, pd, sign, minus_strike, american,
+         floored) = args
+        f64, i32 = ir.DoubleType(), ir.IntType(32)
+        vector = ir.VectorType(f64, LANES)
+        lanes = ir.VectorType(i32, LANES)
+        data = context.make_array(signature.args[0])(context, builder, values).data
+        rdata = context.make_array(signature.args[1])(context, builder, ratio).data
+        bdata = context.make_array(signature.args[2])(context, builder, level_base).data
+
+        def load(pointer):
+            return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=8)
+
+        def splat(scalar):
+            one = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar,
+                                         ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
+                                          ir.Constant(lanes, [0] * LANES))
+
+        shift = ir.Constant(lanes, list(range(1, LANES + 1)))
+        vpu, vpd, vms = splat(pu), splat(pd), splat(minus_strike)
+        floor = splat(ir.Constant(f64, UNDERFLOW))
+        zero = ir.Constant(vector, [0.0] * LANES)
+        node_ratio = load(rdata)
+        level = cgutils.alloca_once_value(builder, load(data))
+        # node LANES of level t_from, for the first step; on later steps the lanes it feeds are
+        # past the level's last node
+        above = load(builder.gep(data, [ir.Constant(t_from.type, LANES)]))
+        with cgutils.for_range(builder, t_from) as loop:
+            t = builder.sub(builder.sub(t_from, loop.index), ir.Constant(t_from.type, 1))
+            low = builder.load(level)
+            up = builder.shuffle_vector(low, above, shift)
+            hold = builder.fadd(builder.fmul(vpu, up), builder.fmul(vpd, low))
+            floored_hold = builder.select(builder.fcmp_ordered(">=", hold, floor), hold, zero)
+            hold = builder.select(floored, floored_hold, hold)
+            base = builder.fmul(sign, builder.load(builder.gep(bdata, [t])))
+            exercise = builder.fadd(builder.fmul(splat(base), node_ratio), vms)
+            american_value = builder.select(builder.fcmp_ordered(">", exercise, hold), exercise,
+                                            hold)
+            builder.store(builder.select(american, american_value, hold), level)
+        builder.store(builder.load(level), builder.bitcast(data, vector.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return types.void(values, ratio, level_base, t_from, pu, pd, sign, minus_strike, american,
+                      floored), codegen
+
+
+@intrinsic
 def _exercise_run(typingctx, values, ratio, start, stop, signed_base, minus_strike):
     """Nodes start..stop (multiples of LANES) get their exercise values, whole vectors: a put's
     skipped nodes, needed again (see _put_skip). An intrinsic, like the runs: a numba loop here
@@ -545,11 +600,16 @@ def backward_padded(values, t_from, t_to, strike, sign, american, pu, pd, level_
     way, edge, zeros, skip, limit, floored = _padded_start(values, ratio, level_base, t_from, sign,
                                                            american, strike, steps, pu, pd,
                                                            log_up, log_down)
-    for t in range(t_from - 1, t_to - 1, -1):
+    # the last LANES levels of a whole lattice in a register (_last_levels)
+    t_runs = LANES if t_to == 0 and t_from > LANES else t_to
+    for t in range(t_from - 1, t_runs - 1, -1):
         edge, zeros, skip = _padded_level(values, ratio, t, way, american, edge, zeros, skip,
                                           limit, floored, pu, pd, sign * level_base[t],
                                           level_base[t + 1], minus_strike)
-    _exercise_run(values, ratio, 0, skip[0], sign * level_base[t_to], minus_strike)
+    _exercise_run(values, ratio, 0, skip[0], sign * level_base[t_runs], minus_strike)
+    if t_runs > t_to:
+        _last_levels(values, ratio, level_base, t_runs, pu, pd, sign, minus_strike, american,
+                     floored)
 
 
 @njit(cache=True, nogil=True, _nrt=False)
