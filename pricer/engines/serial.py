@@ -403,9 +403,9 @@ def _last_levels(typingctx, values, ratio, level_base, t_from, pu, pd, sign, min
 
 @intrinsic
 def _exercise_run(typingctx, values, ratio, start, stop, signed_base, minus_strike):
-    """Nodes start..stop (multiples of LANES) get their exercise values, whole vectors: a put's
-    skipped nodes, needed again (see _put_skip). An intrinsic, like the runs: a numba loop here
-    would keep the arrays' reference counts in the level loop (an atomic add per array and level)."""
+    """Nodes start..stop get their exercise values (advance's exact operations): a put's skipped
+    nodes, needed again (see _put_skip). An intrinsic, like the runs: a numba loop here kept the
+    arrays' reference counts in the level loop (an atomic add per array and level)."""
     def codegen(context, builder, signature, args):
         values, ratio, start, stop, signed_base, minus_strike = args
         data = context.make_array(signature.args[0])(context, builder, values).data
@@ -441,6 +441,7 @@ def floor_needed(strike, steps, pu, pd):
 
 @njit(cache=True, nogil=True, inline="always")
 def _run(floored, values, ratio, start, stop, pu, pd, signed_base, minus_strike):
+    """The American run, with or without the floor (floor_needed)."""
     if floored:
         return _american_run(values, ratio, start, stop, pu, pd, signed_base, minus_strike)
     return _american_run_unfloored(values, ratio, start, stop, pu, pd, signed_base, minus_strike)
@@ -448,6 +449,7 @@ def _run(floored, values, ratio, start, stop, pu, pd, signed_base, minus_strike)
 
 @njit(cache=True, nogil=True, inline="always")
 def _run_european(floored, values, ratio, start, stop, pu, pd):
+    """The European run, with or without the floor (floor_needed)."""
     if floored:
         _european_run(values, ratio, start, stop, pu, pd, 0.0, 0.0)
     else:
@@ -512,12 +514,11 @@ def _positives(values, count):
 @njit(cache=True, nogil=True, _nrt=False)
 def _padded_start(values, ratio, level_base, t_from, sign, american, strike, steps, pu, pd,
                   log_up, log_down):
-    """(way, edge, zeros, skip, limit, floored) of a lattice at level t_from for _padded_level
-    (floored: floor_needed's): skip is a
-    put's (0, known, known + 1), known the number of its first nodes that hold their exercise value
-    (so that its first level skips as _put_skip would with level t_from + 1's count), limit
-    exercise_limit's (0 for a call or a European option). At t_from == steps, values must be
-    terminal_values' payoffs."""
+    """(way, edge, zeros, skip, limit, floored) of a lattice at level t_from for _padded_level.
+    skip is an American put's (0, known, known + 1), known the number of its first nodes that hold
+    their exercise value (so that its first level skips as _put_skip would with level t_from + 1's
+    count); limit is exercise_limit's (0 for a call or a European option); floored floor_needed's.
+    At t_from == steps, values must be terminal_values' payoffs."""
     floored = floor_needed(strike, steps, pu, pd)
     if american and not ratio_monotone(ratio, t_from + 1):
         return _FULL, 0, 0, (0, 0, 0), 0.0, floored
