@@ -946,7 +946,7 @@ class GpuEngine:
             return self.price_one(p, k, bufs, host, levels)
         if t > 0 or levels is not None:
             backward_keeping_levels(values, t, strike, sign, american, pu, pd, lb, ratio,
-                                    level_array(levels), k)
+                                    level_array(levels), k, 0.0)
         return float(values[0])
 
 

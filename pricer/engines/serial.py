@@ -239,20 +239,22 @@ def backward_keeping_levels(values, t_from, strike, sign, american, pu, pd, leve
                             levels, row, limit=0.0):
     """backward_inplace down to level 0, keeping levels 2 and 1 in levels[row] (if it has rows).
     The same steps in the same order, so the price is bitwise the one backward_inplace gives."""
+    # levels as int64 values, not literals: each literal compiled its own copy of advance
+    zero, one, two = np.int64(0), np.int64(1), np.int64(2)
     if levels.shape[0] == 0 or t_from < 2:
         if levels.shape[0] > 0:
             levels[row, :] = np.nan
-        backward_inplace(values, t_from, 0, strike, sign, american, pu, pd, level_base, ratio,
+        backward_inplace(values, t_from, zero, strike, sign, american, pu, pd, level_base, ratio,
                          limit)
         return
-    backward_inplace(values, t_from, 2, strike, sign, american, pu, pd, level_base, ratio, limit)
+    backward_inplace(values, t_from, two, strike, sign, american, pu, pd, level_base, ratio, limit)
     levels[row, 2] = values[0]
     levels[row, 3] = values[1]
     levels[row, 4] = values[2]
-    backward_inplace(values, 2, 1, strike, sign, american, pu, pd, level_base, ratio)
+    backward_inplace(values, two, one, strike, sign, american, pu, pd, level_base, ratio, limit)
     levels[row, 0] = values[0]
     levels[row, 1] = values[1]
-    backward_inplace(values, 1, 0, strike, sign, american, pu, pd, level_base, ratio)
+    backward_inplace(values, one, zero, strike, sign, american, pu, pd, level_base, ratio, limit)
 
 
 # Levels up to this index are advanced two lattices at a time (padded_pair); wider levels one
@@ -699,8 +701,10 @@ def _price_pair(k, m, spot, strike, steps, call, american, log_up, log_down, pu,
                     (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m], steps[m], log_up[m],
                      log_down[m]), ta, floor)
         ta = tb = floor
-    backward_keeping_levels(va, ta, strike[k], sa, american[k], pu[k], pd[k], lba, ra, levels, k)
-    backward_keeping_levels(vb, tb, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, levels, m)
+    backward_keeping_levels(va, ta, strike[k], sa, american[k], pu[k], pd[k], lba, ra, levels, k,
+                            0.0)
+    backward_keeping_levels(vb, tb, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, levels, m,
+                            0.0)
     out[k] = va[0]
     out[m] = vb[0]
 
@@ -718,7 +722,7 @@ def _price_single(k, spot, strike, steps, call, american, log_up, log_down, pu, 
                         ratio, steps[k], log_up[k], log_down[k])
         t = floor
     backward_keeping_levels(values, t, strike[k], sign, american[k], pu[k], pd[k],
-                            level_base, ratio, levels, k)
+                            level_base, ratio, levels, k, 0.0)
     out[k] = values[0]
 
 
@@ -744,7 +748,7 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
         width = max(width, steps[_option(order, j)] + 1)
     first = _work(width)
     second = _work(width) if count > 1 else first
-    j = 0
+    j = np.int64(0)   # not a literal 0: that compiled a second copy of _price_pair
     while j + 1 < count:
         _price_pair(_option(order, j), _option(order, j + 1), spot, strike, steps, call, american,
                     log_up, log_down, pu, pd, out, levels, first, second)
@@ -781,8 +785,9 @@ def _price_in(buf, spot, strike, steps, call, american, log_up, log_down, pu, pd
     values, level_base, ratio, scratch = _work_views(buf, steps + 1)
     sign = _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_up,
                     log_down)
-    backward_padded(values, steps, 0, strike, sign, american, pu, pd, level_base, ratio, steps,
-                    log_up, log_down)
+    # np.int64(0), not 0: a literal 0 compiled a second copy of backward_padded (~2 s, once)
+    backward_padded(values, steps, np.int64(0), strike, sign, american, pu, pd, level_base, ratio,
+                    steps, log_up, log_down)
     return values[0]
 
 
