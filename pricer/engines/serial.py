@@ -186,7 +186,7 @@ def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level
         # nodes hold their exercise value
         first = 0
         skipping = american and limit > 0.0
-        known = _exercised_prefix(values, width, -level_base[t_from], minus_strike,
+        known = _exercised_prefix(values, 0, width, -level_base[t_from], minus_strike,
                                   ratio) if skipping else 0
         for s in range(1, levels + 1):
             count, signed_base = width - s, sign * level_base[t_from - s]
@@ -196,19 +196,17 @@ def advance(values, width, t_from, levels, strike, sign, american, pu, pd, level
                 below = max(known - 1, 0)   # these nodes' successors were exercised
                 while below > 0 and not -signed_base * ratio[below - 1] < limit:
                     below -= 1
-                for j in range(below, first):   # the last level's skipped nodes read now
-                    values[j] = sign * level_base[t_from - s + 1] * ratio[j] + minus_strike
+                # the last level's skipped nodes read now
+                _exercise_run(values, ratio, below, first, sign * level_base[t_from - s + 1],
+                              minus_strike)
                 first = below
                 american_nodes(values[first:], edge - first, pu, pd, signed_base, minus_strike,
                                ratio[first:])
-                known = first
-                while known < count and values[known] == signed_base * ratio[known] + minus_strike:
-                    known += 1
+                known = _exercised_prefix(values, first, count, signed_base, minus_strike, ratio)
             else:
                 american_nodes(values, edge, pu, pd, signed_base, minus_strike, ratio)
             european_nodes(values[edge:], min(zeros, count) - edge, pu, pd)
-        for j in range(first):
-            values[j] = sign * level_base[t_from - levels] * ratio[j] + minus_strike
+        _exercise_run(values, ratio, 0, first, sign * level_base[t_from - levels], minus_strike)
     else:
         zeros = zero_boundary(values, width, False)
         edge = zeros
@@ -495,9 +493,10 @@ def exercise_limit(strike, steps, pu, pd, log_up, log_down):
 
 
 @njit(cache=True, nogil=True, _nrt=False)
-def _exercised_prefix(values, count, signed_base, minus_strike, ratio):
-    """How many nodes of a level, from node 0 up, hold their exercise value bit for bit."""
-    known = 0
+def _exercised_prefix(values, start, count, signed_base, minus_strike, ratio):
+    """The first node from `start` up (to `count`) that does not hold its exercise value bit for
+    bit: with start 0, how many of a level's first nodes do."""
+    known = start
     while known < count and values[known] == signed_base * ratio[known] + minus_strike:
         known += 1
     return known
@@ -535,7 +534,7 @@ def _padded_start(values, ratio, level_base, t_from, sign, american, strike, ste
     if t_from == steps:   # the payoffs: the nodes below the +0.0 ones hold their exercise value
         known = zeros
     else:
-        known = _exercised_prefix(values, t_from + 1, -level_base[t_from], strike, ratio)
+        known = _exercised_prefix(values, 0, t_from + 1, -level_base[t_from], strike, ratio)
     return _PUT, zeros, zeros, (0, known, known + 1), limit, floored
 
 
@@ -651,10 +650,15 @@ def _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_
 
 
 @njit(cache=True, nogil=True, _nrt=False)
+def _array_size(width):
+    """Length of each padded work array (values, level_base, ratio) for up to width - 1 steps."""
+    return (width + PAD + LANES - 1) & -LANES
+
+
+@njit(cache=True, nogil=True, _nrt=False)
 def _work_size(width):
     """Length of the buffer that holds the work arrays of one option of up to width - 1 steps."""
-    size = (width + PAD + LANES - 1) & -LANES
-    return 3 * size + table_scratch_size(width - 1) + LANES
+    return 3 * _array_size(width) + table_scratch_size(width - 1) + LANES
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -663,7 +667,7 @@ def _work_views(buf, width):
     Each starts on a 64-byte line (numba's allocations are only 32-byte aligned): vectors that
     cross cache lines made the N = 100 lattice 0.85 or 1.05 us by the luck of the allocation.
     Inlined into its caller, so that the views are counted (or not) as the caller's own."""
-    size = (width + PAD + LANES - 1) & -LANES
+    size = _array_size(width)
     at = (-(buf.ctypes.data >> 3)) & (LANES - 1)
     return (buf[at:at + size], buf[at + size:at + 2 * size], buf[at + 2 * size:at + 3 * size],
             buf[at + 3 * size:])
