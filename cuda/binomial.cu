@@ -740,21 +740,18 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
     __shared__ double2 steps_sm[PERS_WARPS][PERS_K];
     if (blockIdx.x * PERS_WARPS + (threadIdx.x >> 5) >= tiles) return;   // whole warps
     double2* mine = steps_sm[threadIdx.x >> 5];
+    // the four instantiations (American or not, scaled or not) take the same arguments
+#define PERS_BODY(AMERICAN, SCALED)                                                              \
+    pers_body<AMERICAN, SCALED>(vin, vout, level_base, ratio, pows, ring, progress, status, t,   \
+                                t_stop, pu, pd, strike, sign, gen, mine)
 #if PRICER_FMA
     if (scaled) {
-        if (american)
-            pers_body<true, true>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
-                                  t_stop, pu, pd, strike, sign, gen, mine);
-        else
-            pers_body<false, true>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
-                                   t_stop, pu, pd, strike, sign, gen, mine);
+        if (american) PERS_BODY(true, true);
+        else PERS_BODY(false, true);
         return;
     }
 #endif
-    if (american)
-        pers_body<true, false>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
-                               t_stop, pu, pd, strike, sign, gen, mine);
-    else
-        pers_body<false, false>(vin, vout, level_base, ratio, pows, ring, progress, status, t,
-                                t_stop, pu, pd, strike, sign, gen, mine);
+    if (american) PERS_BODY(true, false);
+    else PERS_BODY(false, false);
+#undef PERS_BODY
 }
