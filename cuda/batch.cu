@@ -74,11 +74,22 @@ __device__ __forceinline__ double signed_level_base(const Option& op, double sig
 }
 
 // What one warp carries from step to step besides its nodes.
+// An option's numbers that the steps read only every 32 steps (and the skip checks): in shared
+// memory, one copy per option, so that the largest classes keep every node in registers.
+struct OptionConsts {
+    double sign, log_down, spot;
+    double log_ratio;
+    double log_limit;                   // skip margin (exercise_bound)
+};
+
 struct StepState {
-    double pu, pd, minus_strike, sign, log_down, spot;
+    double pu, pd, minus_strike;
+    const OptionConsts* oc;
     double chunk_now, chunk_next;   // level factors of this and the next chunk of 32 steps
     int j;                          // step within the chunk
     int lane, warp;
+    int lo;                         // groups skipped below: slot s holds group lo + s (skip_check)
+    bool topx;                      // the slot above the computed ones carries its node 0's exercise value
 };
 
 __device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
@@ -111,13 +122,18 @@ __device__ __forceinline__ void send_neighbours(const double (&v)[G][VT], double
         double offer = v[g][0];
         if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
         up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
-        if (W > 1 && st.lane == 0) xch[level & 1][g * W + st.warp] = v[g][0];
+        if (W > 1 && st.lane == 0) xch[level & 1][(st.lo + g) * W + st.warp] = v[g][0];
     }
+    // a skipped suffix's lowest group: its node 0 is the next warp's neighbour (W = 1: lane 0's
+    // offer above already takes it)
+    if (W > 1 && GA < G && st.topx && st.lane == 0)
+        xch[level & 1][GA * W + st.warp] = v[GA < G ? GA : 0][0];
 }
 
-// Steps from level t_hi down to level t_lo (t_hi > t_lo >= 0) with exactly GA active groups (those
-// whose first node is a node of every output level of these steps).  GA is a compile-time number,
-// so the groups' shuffles and FP64 chains are independent straight-line code that the compiler
+// Steps from level t_hi down to level t_lo (t_hi > t_lo >= 0) computing GA groups in slots [0, GA):
+// slot g holds group st.lo + g (st.lo > 0: groups skipped below, American puts, skip_check); the
+// computed ones are active (their first node is a node of every output level of these steps).
+// GA is a compile-time number, so the groups' shuffles and FP64 chains are independent straight-line code that the compiler
 // interleaves; the levels at which GA drops are the phase boundaries (price_lattice).  On entry
 // up[g] (g < GA) holds the neighbour above group g's last node at level t_hi (lane 31 of a W > 1
 // warp: in xch, read after the barrier); on exit the same for level t_lo.  KEEP (only for the last
@@ -136,7 +152,8 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
             if (st.j == 32) {
                 st.j = 0;
                 st.chunk_now = st.chunk_next;
-                st.chunk_next = st.sign * (st.spot * exp((double)(t - 33 - st.lane) * st.log_down));
+                const OptionConsts& oc = *st.oc;
+                st.chunk_next = oc.sign * (oc.spot * exp((double)(t - 33 - st.lane) * oc.log_down));
             }
             level = __shfl_sync(FULL_MASK, st.chunk_now, st.j);
         }
@@ -144,7 +161,7 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
             __syncthreads();   // the next warp's node 0 of level t is in xch[t & 1]
             if (st.lane == 31) {
 #pragma unroll
-                for (int g = 0; g < GA; ++g) up[g] = xch[t & 1][g * W + st.warp + 1];
+                for (int g = 0; g < GA; ++g) up[g] = xch[t & 1][(st.lo + g) * W + st.warp + 1];
             }
         }
         double level_g[GA > 0 ? GA : 1], up_now[GA > 0 ? GA : 1];
@@ -153,6 +170,10 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
             level_g[g] = AMERICAN ? level * group_ratio[g] : 0.0;
             up_now[g] = up[g];
             v[g][0] = node_value<AMERICAN>(st, v[g][1], v[g][0], level_g[g], node_ratio[0]);
+        }
+        if (AMERICAN && GA < G && st.topx) {   // surely exercised: the exercise value itself
+            constexpr int X = GA < G ? GA : 0;
+            v[X][0] = fma(level * group_ratio[X], node_ratio[0], st.minus_strike);
         }
         send_neighbours<W, G, GA>(v, up, st, xch, t - 1);   // for the step from level t - 1
 #pragma unroll
@@ -177,17 +198,219 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
     }
 }
 
+// ---- Surely exercised groups are skipped (American options; BATCH_SKIP = 0 builds without it) ----
+//
+// A node whose two successors hold their exercise values takes the exercise value itself wherever
+// exercise - hold = K (1 - pu - pd) - S (1 - pu u - pd d) (put; the negative for a call) exceeds
+// every rounding of the computed values by a margin: exercise_bound says where, from pu, pd, u, d
+// and a bound eta on the relative error of a computed asset price (level factor, group and node
+// ratios, each from exp()), all widened 4-fold. Such nodes then need no computing: the kernel
+// stops computing whole groups (32 lanes x VT nodes of one warp, "units" u = g * W + warp in node
+// order) and writes their exercise values back when it needs them again. Prices are bitwise those
+// of the kernel that computes every node (BATCH_SKIP = 0; tests/test_gpu_batch.py checks it).
+//
+// Every SKIP_WINDOW steps, at level t, skip_check looks at which nodes hold their exercise value
+// (v == the exercise value the step would compute, bit for bit) and decides the next window:
+// - put (exercise region below the boundary): units [0, U) are skipped when all their nodes and the
+//   first SKIP_WINDOW nodes of unit U hold exercise values: the run of such nodes loses at most one
+//   node at its top per step, so units [0, U) stay exercised through the window;
+// - call (above): units [U, top) are skipped when all their nodes hold exercise values: node i of
+//   level t - 1 lies over nodes i and i + 1, so that suffix stays exercised (its lowest unit's node 0
+//   is computed every step as the exercise value, since the unit below reads it: `topx`);
+// and the margin must hold at the price of the nodes the window relies on (both window ends, as
+// S(t, i) is monotone in t). Groups that leave the skipped set get their exercise values at level
+// t. Below level SKIP_MIN_LEVEL nothing is skipped, so the last steps (and the Greeks' levels) run
+// as before. The check costs about as much as one step of the warp's groups every 32 steps.
+
+#ifndef BATCH_SKIP
+#define BATCH_SKIP 1
+#endif
+#define SKIP_WINDOW 32
+#define SKIP_MIN_LEVEL 96
+#define UNIT_NODES (32 * VT)
+#define MAX_UNITS 128                       // G * W <= 8 * 16
+#ifdef BATCH_COUNT   // measurement builds: group-steps computed, and those of a kernel that skips none
+__device__ unsigned long long batch_counts[2];
+#endif
+#define SKIP_NONE 0
+#define SKIP_PUT 1                          // skipped: units [0, U)
+#define SKIP_CALL 2                         // skipped: units [U, top)
+
+struct SkipState {
+    int mode;
+    int hi;                     // SKIP_CALL: groups [hi, G) of this warp skipped (put: st.lo)
+};
+
+// Exercise is sure at asset price S where S lim_b <= lim_a (put), S lim_b >= lim_a (call), i.e. at
+// node (t, i) where t log_down + i log_ratio <= log_limit (put), >= log_limit (call).
+__device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, OptionConsts& oc)
+{
+    const double E = 0x1p-52, SLACK = 0x1p-48;
+    const double log_ratio = op.log_up - op.log_down;
+    const double n = (double)op.steps;
+    // relative error of a computed asset price: arguments of exp rounded (|t log_down|, |i log_ratio|
+    // ulps), three exps of <= 1 ulp, three products
+    const double eta = E * (n * fabs(op.log_down) + 2.0 * n * fabs(log_ratio) + 16.0);
+    const double a = (1.0 - op.pu) - op.pd;                                    // 1 - discount
+    const double b = (1.0 - op.pu * exp(op.log_up)) - op.pd * exp(op.log_down); // 1 - e^{-q dt}
+    const double ALWAYS = 1e300;            // finite, so that margin_holds' slack stays finite
+    oc.log_ratio = log_ratio;
+    if (!op.call) {
+        const double lim_a = op.strike * (a - 12.0 * eta - SLACK), lim_b = b + SLACK;
+        sk.mode = lim_a > 0.0 ? SKIP_PUT : SKIP_NONE;
+        oc.log_limit = lim_b > 0.0 ? log(lim_a / (op.spot * lim_b)) : ALWAYS;
+    } else {
+        const double lim_a = op.strike * (a + SLACK), lim_b = b - 12.0 * eta - SLACK;
+        sk.mode = lim_b > 0.0 ? SKIP_CALL : SKIP_NONE;
+        oc.log_limit = lim_a > 0.0 ? log(lim_a / (op.spot * lim_b)) : -ALWAYS;
+    }
+}
+
+// whether the margin holds for node i over the window's levels [t - SKIP_WINDOW, t - 1]
+__device__ __forceinline__ bool margin_holds(const SkipState& sk, const StepState& st, int t, int i)
+{
+    const OptionConsts& oc = *st.oc;
+    const double e1 = (double)(t - 1) * oc.log_down + (double)i * oc.log_ratio;
+    const double e2 = (double)(t - SKIP_WINDOW) * oc.log_down + (double)i * oc.log_ratio;
+    // far above the roundings of e1, e2 and log_limit (a few ulps of each)
+    const double slack = 0x1p-40 * (fabs(e1) + fabs(e2) + fabs(oc.log_limit) + 1.0);
+    if (sk.mode == SKIP_PUT) return fmax(e1, e2) + slack <= oc.log_limit;
+    return fmin(e1, e2) - slack >= oc.log_limit;
+}
+
+template <int G>
+__device__ __forceinline__ double node0(const double (&v)[G][VT], int s)
+{
+    double x = v[0][0];
+#pragma unroll
+    for (int k = 1; k < G; ++k) x = k == s ? v[k][0] : x;
+    return x;
+}
+
+// The check at level t (see above): flags per unit (bit 0 every node exercised, bit 1 its first 32),
+// one decision per block, then this warp's groups skipped or brought back. `last`: bring all back.
+template <int W, int G>
+__device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], double (&group_ratio)[G],
+                                           const double (&node_ratio)[VT], StepState& st,
+                                           SkipState& sk, double (*xch)[G * W + 1],
+                                           unsigned char* flags, int t, bool last)
+{
+    const OptionConsts& oc = *st.oc;
+    const double level = oc.sign * (oc.spot * exp((double)t * oc.log_down));   // as the steps took it
+    const int units = G * W;
+    const int in_level = t / UNIT_NODES + 1;                 // units with a node at level t
+#pragma unroll
+    for (int s = 0; s < G; ++s) {                            // slot s: group st.lo + s
+        const int g = st.lo + s;
+        if (g >= G) break;
+        unsigned char f = 3;                                 // skipped or above the level: exercised
+        if (g < sk.hi && first_node(g, W, st.warp) <= t) {
+            const double level_g = level * group_ratio[s];
+            bool all = true;
+#pragma unroll
+            for (int q = 0; q < VT; ++q) {
+                const int i = first_node(g, W, st.warp) + st.lane * VT + q;
+                all &= i > t || v[s][q] == fma(level_g, node_ratio[q], st.minus_strike);
+            }
+            const unsigned took = __ballot_sync(FULL_MASK, all);
+            f = (took == FULL_MASK ? 1 : 0) | ((took & 0xffu) == 0xffu ? 2 : 0);
+        }
+        if (st.lane == 0) flags[g * W + st.warp] = f;
+    }
+    if (st.lane == 0)
+        for (int g = 0; g < st.lo; ++g) flags[g * W + st.warp] = 3;
+    if (W > 1) __syncthreads(); else __syncwarp();
+    // the first unit not wholly exercised (from below), and where the exercised suffix starts
+    int first_open = units, suffix_from = 0;
+#pragma unroll
+    for (int k = 0; k < (MAX_UNITS + 31) / 32; ++k) {
+        if (32 * k >= units) break;
+        const int u = 32 * k + st.lane;
+        const unsigned open = __ballot_sync(FULL_MASK, u < units && !(flags[u] & 1));
+        if (open) {
+            if (first_open == units) first_open = 32 * k + __ffs(open) - 1;
+            suffix_from = 32 * k + 32 - __clz(open);
+        }
+    }
+    int skip_units;                       // put: units [0, skip_units); call: [skip_units, top)
+    if (sk.mode == SKIP_PUT) {
+        skip_units = first_open < in_level && !(flags[first_open] & 2) ? first_open - 1 : first_open;
+        skip_units = last ? 0 : max(0, min(skip_units, in_level - 1));
+        while (skip_units > 0 && !margin_holds(sk, st, t, skip_units * UNIT_NODES + SKIP_WINDOW))
+            --skip_units;
+    } else {
+        skip_units = last ? units : max(suffix_from, 1);
+        while (skip_units < in_level && !margin_holds(sk, st, t, skip_units * UNIT_NODES))
+            ++skip_units;
+    }
+    if (W > 1) __syncthreads(); else __syncwarp();           // flags read before they are rewritten
+    // this warp's groups below the boundary unit; groups that stop being skipped get the exercise
+    // values of level t (they hold them: they were skipped through level t)
+    const int below = skip_units > st.warp ? min(G, (skip_units - st.warp + W - 1) / W) : 0;
+    if (sk.mode == SKIP_PUT) {
+        for (; st.lo < below; ++st.lo) {                     // slot 0 is skipped: the slots move down
+#pragma unroll
+            for (int s = 0; s + 1 < G; ++s) {
+                group_ratio[s] = group_ratio[s + 1];
+#pragma unroll
+                for (int q = 0; q < VT; ++q) v[s][q] = v[s + 1][q];
+            }
+        }
+        for (; st.lo > below; --st.lo) {                     // group lo - 1 comes back into slot 0
+#pragma unroll
+            for (int s = G - 1; s > 0; --s) {
+                group_ratio[s] = group_ratio[s - 1];
+#pragma unroll
+                for (int q = 0; q < VT; ++q) v[s][q] = v[s - 1][q];
+            }
+            group_ratio[0] = exp((double)(first_node(st.lo - 1, W, st.warp) + st.lane * VT) *
+                                 oc.log_ratio);              // as price_lattice computed it
+            const double level_g = level * group_ratio[0];
+#pragma unroll
+            for (int q = 0; q < VT; ++q) v[0][q] = fma(level_g, node_ratio[q], st.minus_strike);
+        }
+    } else {
+        const int back_lo = sk.hi;
+        sk.hi = below;
+        st.topx = sk.hi < G;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            // the lowest skipped group carries its node 0's exercise value (the steps keep it)
+            if ((g >= back_lo && g < below) || g == sk.hi) {
+                const double level_g = level * group_ratio[g];
+#pragma unroll
+                for (int q = 0; q < VT; ++q) v[g][q] = fma(level_g, node_ratio[q], st.minus_strike);
+            }
+        }
+    }
+    // neighbours for the step from level t, as send_neighbours (up[] of slots computed again must
+    // be fresh)
+    const int slots = sk.mode == SKIP_PUT ? G - st.lo : sk.hi;
+#pragma unroll
+    for (int s = 0; s < G; ++s) {
+        if (s >= slots) break;
+        double offer = v[s][0];
+        if (W == 1 && s + 1 < G && st.lane == 0) offer = v[s + 1 < G ? s + 1 : s][0];
+        up[s] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
+        if (W > 1 && st.lane == 0) xch[t & 1][(st.lo + s) * W + st.warp] = v[s][0];
+    }
+    if (W > 1 && st.topx && st.lane == 0) xch[t & 1][sk.hi * W + st.warp] = node0(v, sk.hi);
+}
+
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
-                                                int warp, int lane, double* __restrict__ kept)
+                                                unsigned char* skip_flags, OptionConsts* consts,
+                                                int warp, int lane,
+                                                double* __restrict__ kept)
 {
     const int n = op.steps;
     const double sign = op.call ? 1.0 : -1.0;
     const double log_ratio = op.log_up - op.log_down;
 
     double v[G][VT], group_ratio[G], node_ratio[VT];
+    node_ratio[0] = 1.0;                  // exp(0 * log_ratio), known to the compiler
 #pragma unroll
-    for (int q = 0; q < VT; ++q)
+    for (int q = 1; q < VT; ++q)
         node_ratio[q] = exp((double)q * log_ratio);
     const double base_n = op.spot * exp((double)n * op.log_down);
 #pragma unroll
@@ -205,12 +428,32 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     st.pu = op.pu;
     st.pd = op.pd;
     st.minus_strike = -sign * op.strike;
-    st.sign = sign;
-    st.log_down = op.log_down;
-    st.spot = op.spot;
     st.j = 0;
     st.lane = lane;
     st.warp = warp;
+    st.lo = 0;
+    st.topx = false;
+    SkipState sk;
+    sk.mode = SKIP_NONE;
+    sk.hi = G;
+    OptionConsts c;
+    c.sign = sign;
+    c.log_down = op.log_down;
+    c.spot = op.spot;
+    c.log_limit = 0.0;
+    c.log_ratio = log_ratio;
+    // only where it was measured to pay (W > 1; W = 1 was slower, session 7) and the check fits
+    // the registers without spills (not W = 16 from G = 6, nor G = 8 for sm_80's allocation)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    constexpr bool ARCH_OK = G < 8;
+#else
+    constexpr bool ARCH_OK = true;
+#endif
+    constexpr bool CAN_SKIP = BATCH_SKIP && AMERICAN && W > 1 && !(W == 16 && G >= 6) && ARCH_OK;
+    if (CAN_SKIP && n > SKIP_MIN_LEVEL + SKIP_WINDOW) exercise_bound(op, sk, c);
+    if (warp == 0 && lane == 0) *consts = c;
+    if (W > 1) __syncthreads(); else __syncwarp();   // read from the first chunk refresh on
+    st.oc = consts;
     if (kept != nullptr && n <= 2 && warp == 0 && lane == 0) {
         if (n < 2) {
 #pragma unroll
@@ -231,14 +474,31 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     double up[G];
     send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
     int t = n;
+    int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {
+        if (AMERICAN && t == next_check) {
+            const bool last = t - SKIP_WINDOW < SKIP_MIN_LEVEL;
+            skip_check<W, G>(v, up, group_ratio, node_ratio, st, sk, xch, skip_flags, t, last);
+            next_check = last ? -1 : t - SKIP_WINDOW;
+        }
         // active groups for the step from level t: first node <= t - 1
         int active = 0;
 #pragma unroll
         for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= t - 1;
-        // the phase lasts while its last active group stays active: down to level first_node
-        const int t_lo = active > 0 ? first_node(active - 1, W, warp) : 0;
-        switch (active) {
+        // the phase lasts while its last active group stays active: down to level first_node,
+        // or to the next skip check
+        const int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
+        // computed slots: the active groups less those skipped
+        const int computed = !AMERICAN ? active
+                           : sk.mode == SKIP_PUT ? max(active - st.lo, 0)
+                           : min(active, sk.hi);
+#ifdef BATCH_COUNT       // straight to memory: counters kept in registers would spill
+        if (lane == 0) {
+            atomicAdd(&batch_counts[0], (unsigned long long)computed * (t - t_lo));
+            atomicAdd(&batch_counts[1], (unsigned long long)active * (t - t_lo));
+        }
+#endif
+        switch (computed) {
         case 0: steps_with_groups<W, G, 0, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
         case 1:
             // warp 0's last phase ends at level 0: its last 3 steps keep levels 2 and 1 if asked
@@ -265,6 +525,8 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, int
                                             int count)
 {
     __shared__ double xch[2][G * W + 1];
+    __shared__ unsigned char skip_flags[OPTIONS_PER_BLOCK][G * W];
+    __shared__ OptionConsts consts[OPTIONS_PER_BLOCK];
     const int lane = threadIdx.x & 31;
     const int warp_in_block = threadIdx.x >> 5;
     const int o = W == 1 ? blockIdx.x * OPTIONS_PER_BLOCK + warp_in_block : blockIdx.x;
@@ -277,8 +539,10 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, int
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
     const Option op = load_option(rows, stride, o);
     double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
-    const double price = op.american ? price_lattice<W, G, true>(op, xch, warp, lane, kept)
-                                     : price_lattice<W, G, false>(op, xch, warp, lane, kept);
+    const int slot = W == 1 ? warp_in_block : 0;
+    const double price = op.american
+        ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept)
+        : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept);
     if (warp == 0 && lane == 0) out[o] = price;
 }
 

@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
 # the default build and the tunings the GPU engine may ask for
-VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16"],
-            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16"]]
+VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16", "-DBATCH_W=4",
+                 "-DBATCH_COUNT"],
+            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16"], ["-DBATCH_W=2", "-DBATCH_SKIP=0"]]
 
 
 def _nvcc() -> str:

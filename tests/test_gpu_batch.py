@@ -172,3 +172,57 @@ def test_mpirun_two_ranks_batch_greeks_and_richardson_cli(tmp_path):
     for name in ("vega", "rho"):   # central differences over 2e-4: price rounding x 5e3
         np.testing.assert_allclose(b[name], c[name], rtol=1e-6, atol=1e-6, err_msg=name)
     assert set(GREEKS) <= set(b)
+
+
+def skip_book(rng, n, tree="crr"):
+    """American options where whole groups of nodes are surely exercised, and where the margin is
+    thin or missing: spot 0.3-1.7 of the strike, r from 0 (no put skips) through 1e-13 (too little
+    for the rounding) to 12 %, q from -2 % (no call skips) to 20 %, N across the batch classes
+    (mostly those that skip: W > 1, N < 10 240)."""
+    from pricer.lattice import lattice_parameters
+    strike = rng.uniform(50, 150, n)
+    rate = rng.choice([0.0, 1e-13, 1e-9], n, p=[0.5, 0.25, 0.25])
+    rate = np.where(rng.random(n) < 0.2, rate, rng.uniform(0.0, 0.12, n))
+    cols = dict(spot=strike * rng.uniform(0.3, 1.7, n), strike=strike,
+                maturity=rng.uniform(0.05, 3.0, n), rate=rate,
+                dividend=rng.uniform(-0.02, 0.2, n), volatility=rng.uniform(0.05, 0.6, n),
+                steps=np.where(rng.random(n) < 0.8, rng.integers(1024, 10240, n),  # classes that skip
+                               rng.integers(129, 16384, n)),
+                call=rng.random(n) < 0.5,
+                american=np.ones(n, bool))
+    drift = np.abs(cols["rate"] - cols["dividend"])
+    cols["volatility"] = np.maximum(cols["volatility"], 2 * drift * np.sqrt(cols["maturity"]) + 0.05)
+    return lattice_parameters(cols, tree)
+
+
+@pytest.mark.parametrize("tree", ["crr", "jr", "lr"])
+def test_skipped_groups_change_no_bit(rng, tree):
+    """The batch kernels skip groups of surely exercised nodes (cuda/batch.cu, skip_check): prices
+    and the Greeks' levels bitwise those of the same kernels built without it, and the skip does
+    happen (group-step counters of a count build)."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.serial import LEVEL_VALUES
+    p = skip_book(rng, 400, tree)
+    full = BatchEngine(runner=CudaBatchRunner(skip=False))
+    counting = CudaBatchRunner(count=True)
+    skipping = BatchEngine(runner=counting)
+    levels_full = np.empty((len(p), LEVEL_VALUES))
+    levels_skip = np.empty((len(p), LEVEL_VALUES))
+    np.testing.assert_array_equal(skipping.price(p, levels_skip), full.price(p, levels_full))
+    np.testing.assert_array_equal(levels_skip, levels_full)
+    counting.group_steps(reset=True)
+    got = skipping.price(p)
+    computed, every = counting.group_steps()
+    print(f"SKIP tree={tree} group-steps computed {computed} of {every} ({computed / every:.1%})")
+    assert 0 < computed < 0.85 * every          # about 65 % measured
+    assert_close(got, CpuEngine().price(p), p, f"skip book, {tree}")
+
+
+def test_skip_on_the_bench_books_changes_no_bit():
+    """The bench's American U2 and R books (pricer bench batch), skip against no skip, bitwise."""
+    from pricer.bench_batch import params_of
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    full = BatchEngine(runner=CudaBatchRunner(skip=False))
+    for spec in (dict(dist="uniform", count=10_000, steps=1000), dict(dist="random", count=5_000)):
+        p = params_of(spec, "american", False)
+        np.testing.assert_array_equal(batch_engine().price(p), full.price(p))

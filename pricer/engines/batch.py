@@ -32,10 +32,16 @@ LAUNCH_STREAMS = 8     # streams the launches of one chunk spread over
 class CudaBatchRunner:
     """Prices options (all with steps <= MAX_STEPS) with the batch kernels on this rank's GPU."""
 
-    def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS):
+    def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS, skip: bool = True,
+                 count: bool = False):
+        """skip=False builds the kernels without the skipping of surely exercised nodes (the same
+        prices, bit for bit: the tests compare them); count=True builds them with group-step
+        counters (group_steps()), for measurements."""
         from pricer.engines.gpu import GpuRuntime
         self.rt = runtime or GpuRuntime.get()
         self.chunk_options = int(chunk_options)
+        self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
+        self._modules: dict = {}
         self._functions: dict = {}
         self._buffers = None
         self._streams = None
@@ -47,11 +53,25 @@ class CudaBatchRunner:
         """The kernel of class `cls` (its module, one per warp count W, is compiled on first use)."""
         if cls not in self._functions:
             warps, groups = CLASSES[cls]
-            module = self.rt.module([f"-DBATCH_W={warps}"], "batch.cu")
+            module = self.rt.module([f"-DBATCH_W={warps}", *self._defines], "batch.cu")
+            self._modules[warps] = module
             fn = module.get_function(f"batch_kernel_g{groups}")
             fn.prepare("PiPPi")
             self._functions[cls] = fn
         return self._functions[cls]
+
+    def group_steps(self, reset: bool = False) -> tuple[int, int]:
+        """(group-steps computed, group-steps of a kernel that skips none) since the last reset,
+        summed over the loaded kernels (count=True builds only)."""
+        computed = every = 0
+        for module in self._modules.values():
+            ptr, _ = module.get_global("batch_counts")
+            counts = np.zeros(2, dtype=np.uint64)
+            self.rt.cuda.memcpy_dtoh(counts, ptr)
+            computed, every = computed + int(counts[0]), every + int(counts[1])
+            if reset:
+                self.rt.cuda.memcpy_htod(ptr, np.zeros(2, dtype=np.uint64))
+        return computed, every
 
     def _ensure_buffers(self, size: int, with_levels: bool):
         cuda = self.rt.cuda
