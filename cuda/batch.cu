@@ -94,6 +94,21 @@ struct StepState {
 
 __device__ __forceinline__ int first_node(int g, int W, int warp) { return (g * W + warp) * 32 * VT; }
 
+// A node's exercise value, as every step computes it (skip_check compares and refills with the same
+// bits); level_g = the level factor times the node's group ratio, r its node ratio.
+__device__ __forceinline__ double exercise_value(const StepState& st, double level_g, double r)
+{
+    return fma(level_g, r, st.minus_strike);
+}
+
+// A group's nodes set to their exercise values.
+__device__ __forceinline__ void exercise_group(double (&vg)[VT], const StepState& st, double level_g,
+                                               const double (&node_ratio)[VT])
+{
+#pragma unroll
+    for (int q = 0; q < VT; ++q) vg[q] = exercise_value(st, level_g, node_ratio[q]);
+}
+
 template <bool AMERICAN>
 __device__ __forceinline__ double node_value(const StepState& st, double v_up, double v_down,
                                              double level_g, double r)
@@ -103,7 +118,7 @@ __device__ __forceinline__ double node_value(const StepState& st, double v_up, d
     // hold >= 0, so comparing the bit patterns as integers orders them as doubles (a negative
     // exercise value is a negative integer): the compare runs on the integer units and leaves the
     // FP64 pipe to the three FP64 operations of the node
-    const double exercise = fma(level_g, r, st.minus_strike);
+    const double exercise = exercise_value(st, level_g, r);
     return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
 }
 
@@ -112,18 +127,24 @@ __device__ __forceinline__ double node_value(const StepState& st, double v_up, d
 // same shuffle) or the next warp's node 0 from shared memory after the next step's barrier (W > 1,
 // published here by lane 0).  Groups >= GA are idle and keep older values, which only feed nodes
 // above the level (never read back into it).
+template <int W, int G>
+__device__ __forceinline__ void send_neighbour(const double (&v)[G][VT], double (&up)[G],
+                                               const StepState& st, double (*xch)[G * W + 1],
+                                               int level, int g)
+{
+    double offer = v[g][0];
+    if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
+    up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
+    if (W > 1 && st.lane == 0) xch[level & 1][(st.lo + g) * W + st.warp] = v[g][0];
+}
+
 template <int W, int G, int GA>
 __device__ __forceinline__ void send_neighbours(const double (&v)[G][VT], double (&up)[G],
                                                 const StepState& st, double (*xch)[G * W + 1],
                                                 int level)
 {
 #pragma unroll
-    for (int g = 0; g < GA; ++g) {
-        double offer = v[g][0];
-        if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
-        up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
-        if (W > 1 && st.lane == 0) xch[level & 1][(st.lo + g) * W + st.warp] = v[g][0];
-    }
+    for (int g = 0; g < GA; ++g) send_neighbour<W, G>(v, up, st, xch, level, g);
     // a skipped suffix's lowest group: its node 0 is the next warp's neighbour (W = 1: lane 0's
     // offer above already takes it)
     if (W > 1 && GA < G && st.topx && st.lane == 0)
@@ -173,7 +194,7 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
         }
         if (AMERICAN && GA < G && st.topx) {   // surely exercised: the exercise value itself
             constexpr int X = GA < G ? GA : 0;
-            v[X][0] = fma(level * group_ratio[X], node_ratio[0], st.minus_strike);
+            v[X][0] = exercise_value(st, level * group_ratio[X], node_ratio[0]);
         }
         send_neighbours<W, G, GA>(v, up, st, xch, t - 1);   // for the step from level t - 1
 #pragma unroll
@@ -242,11 +263,12 @@ struct SkipState {
 };
 
 // Exercise is sure at asset price S where S lim_b <= lim_a (put), S lim_b >= lim_a (call), i.e. at
-// node (t, i) where t log_down + i log_ratio <= log_limit (put), >= log_limit (call).
+// node (t, i) where t log_down + i log_ratio <= log_limit (put), >= log_limit (call). Reads
+// oc.log_ratio, sets oc.log_limit.
 __device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, OptionConsts& oc)
 {
     const double E = 0x1p-52, SLACK = 0x1p-48;
-    const double log_ratio = op.log_up - op.log_down;
+    const double log_ratio = oc.log_ratio;
     const double n = (double)op.steps;
     // relative error of a computed asset price: arguments of exp rounded (|t log_down|, |i log_ratio|
     // ulps), three exps of <= 1 ulp, three products
@@ -254,7 +276,6 @@ __device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, 
     const double a = (1.0 - op.pu) - op.pd;                                    // 1 - discount
     const double b = (1.0 - op.pu * exp(op.log_up)) - op.pd * exp(op.log_down); // 1 - e^{-q dt}
     const double ALWAYS = 1e300;            // finite, so that margin_holds' slack stays finite
-    oc.log_ratio = log_ratio;
     if (!op.call) {
         const double lim_a = op.strike * (a - 12.0 * eta - SLACK), lim_b = b + SLACK;
         sk.mode = lim_a > 0.0 ? SKIP_PUT : SKIP_NONE;
@@ -310,7 +331,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 #pragma unroll
             for (int q = 0; q < VT; ++q) {
                 const int i = first_node(g, W, st.warp) + st.lane * VT + q;
-                all &= i > t || v[s][q] == fma(level_g, node_ratio[q], st.minus_strike);
+                all &= i > t || v[s][q] == exercise_value(st, level_g, node_ratio[q]);
             }
             const unsigned took = __ballot_sync(FULL_MASK, all);
             f = (took == FULL_MASK ? 1 : 0) | ((took & 0xffu) == 0xffu ? 2 : 0);
@@ -365,9 +386,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
             }
             group_ratio[0] = exp((double)(first_node(st.lo - 1, W, st.warp) + st.lane * VT) *
                                  oc.log_ratio);              // as price_lattice computed it
-            const double level_g = level * group_ratio[0];
-#pragma unroll
-            for (int q = 0; q < VT; ++q) v[0][q] = fma(level_g, node_ratio[q], st.minus_strike);
+            exercise_group(v[0], st, level * group_ratio[0], node_ratio);
         }
     } else {
         const int back_lo = sk.hi;
@@ -376,11 +395,8 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             // the lowest skipped group carries its node 0's exercise value (the steps keep it)
-            if ((g >= back_lo && g < below) || g == sk.hi) {
-                const double level_g = level * group_ratio[g];
-#pragma unroll
-                for (int q = 0; q < VT; ++q) v[g][q] = fma(level_g, node_ratio[q], st.minus_strike);
-            }
+            if ((g >= back_lo && g < below) || g == sk.hi)
+                exercise_group(v[g], st, level * group_ratio[g], node_ratio);
         }
     }
     // neighbours for the step from level t, as send_neighbours (up[] of slots computed again must
@@ -389,10 +405,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 #pragma unroll
     for (int s = 0; s < G; ++s) {
         if (s >= slots) break;
-        double offer = v[s][0];
-        if (W == 1 && s + 1 < G && st.lane == 0) offer = v[s + 1 < G ? s + 1 : s][0];
-        up[s] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
-        if (W > 1 && st.lane == 0) xch[t & 1][(st.lo + s) * W + st.warp] = v[s][0];
+        send_neighbour<W, G>(v, up, st, xch, t, s);
     }
     if (W > 1 && st.topx && st.lane == 0) xch[t & 1][sk.hi * W + st.warp] = node0(v, sk.hi);
 }

@@ -61,11 +61,16 @@ def options(rng, steps, call=None, american=None):
                 steps=np.asarray(steps, dtype=np.int64),
                 call=(rng.random(n) < 0.5) if call is None else np.full(n, call),
                 american=(rng.random(n) < 0.6) if american is None else np.full(n, american))
-    # keep p inside (0, 1) at N = 1: it needs sigma > |r - q| sqrt(dt) (low volatility with a high
-    # rate, or a high dividend, can leave it; the dividend was missing here, and a seed found it)
+    return lattice_parameters(keep_p_inside(cols))
+
+
+def keep_p_inside(cols: dict) -> dict:
+    """Volatilities raised so that p stays inside (0, 1) at N = 1: it needs sigma > |r - q| sqrt(dt)
+    (low volatility with a high rate, or a high dividend, can leave it; the dividend was missing
+    here once, and a seed found it)."""
     drift = np.abs(cols["rate"] - cols["dividend"])
     cols["volatility"] = np.maximum(cols["volatility"], 2 * drift * np.sqrt(cols["maturity"]) + 0.05)
-    return lattice_parameters(cols)
+    return cols
 
 
 def every_kind(rng, steps):

@@ -11,7 +11,7 @@ import pytest
 from pricer.engines import gpu_available, resolve_backend
 from pricer.engines.batch_plan import CAPACITY, MAX_STEPS
 from pricer.engines.cpu import CpuEngine
-from test_gpu import GPU, every_kind, needs_gpu, options
+from test_gpu import GPU, every_kind, keep_p_inside, needs_gpu, options
 
 pytestmark = GPU
 TOLERANCE = 1e-11   # issue 4: relative, absolute scaled by the strike below 1e-8 of the strike
@@ -190,9 +190,7 @@ def skip_book(rng, n, tree="crr"):
                                rng.integers(129, 16384, n)),
                 call=rng.random(n) < 0.5,
                 american=np.ones(n, bool))
-    drift = np.abs(cols["rate"] - cols["dividend"])
-    cols["volatility"] = np.maximum(cols["volatility"], 2 * drift * np.sqrt(cols["maturity"]) + 0.05)
-    return lattice_parameters(cols, tree)
+    return lattice_parameters(keep_p_inside(cols), tree)
 
 
 @pytest.mark.parametrize("tree", ["crr", "jr", "lr"])
