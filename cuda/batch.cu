@@ -24,11 +24,14 @@
 // no flush of tiny values (subnormal FP64 is full speed on the GPU).  Prices equal the CPU engine's
 // to rounding, not bitwise.
 //
-// Input: `rows`, 8 columns of `stride` doubles (column k of option o at rows[k * stride + o]): spot,
-// strike, log_up, log_down, pu, pd, steps, flags (bit 0 call, bit 1 American); column by column so
-// that the host fills them with contiguous gathers.  Output: out[o], the price of row o, and, if `levels` is not
-// null, levels[5 o .. 5 o + 4] = V(1,0), V(1,1), V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps + 1 must not exceed
-// the kernel's capacity 32 * VT * G * W (the scheduler picks the class).
+// Input: one byte buffer per chunk of n rows (pricer/engines/batch_plan.py, input_views): 6 columns
+// of n doubles (column k of row r at k * n + r: spot, strike, log_up, log_down, pu, pd), then n int32
+// steps, n int32 `order` (the chunk's rows sorted by steps, descending), n bytes call, n bytes American.
+// A launch prices the rows order[first .. first + count - 1] (one class); each is read and priced
+// where it lies, so the host copies rows as given and gets prices back in that order.  Output:
+// out[r], the price of row r, and, if `levels` is not null, levels[5 r .. 5 r + 4] = V(1,0), V(1,1),
+// V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps + 1 must not exceed the kernel's
+// capacity 32 * VT * G * W (the scheduler picks the class).
 //
 // Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16).
 
@@ -50,21 +53,28 @@ struct Option {
     bool call, american;
 };
 
-__device__ __forceinline__ Option load_option(const double* __restrict__ rows, int stride, int o)
+__device__ __forceinline__ Option load_option(const unsigned char* __restrict__ input, int n, int row)
 {
-    const double* p = rows + o;
+    const double* col = reinterpret_cast<const double*>(input) + row;
+    const int* steps = reinterpret_cast<const int*>(input + 48 * (size_t)n);
+    const unsigned char* call = input + 56 * (size_t)n;
     Option x;
-    x.spot = p[0];
-    x.strike = p[(size_t)stride];
-    x.log_up = p[2 * (size_t)stride];
-    x.log_down = p[3 * (size_t)stride];
-    x.pu = p[4 * (size_t)stride];
-    x.pd = p[5 * (size_t)stride];
-    x.steps = (int)p[6 * (size_t)stride];
-    const int flags = (int)p[7 * (size_t)stride];
-    x.call = (flags & 1) != 0;
-    x.american = (flags & 2) != 0;
+    x.spot = col[0];
+    x.strike = col[(size_t)n];
+    x.log_up = col[2 * (size_t)n];
+    x.log_down = col[3 * (size_t)n];
+    x.pu = col[4 * (size_t)n];
+    x.pd = col[5 * (size_t)n];
+    x.steps = steps[row];
+    x.call = call[row] != 0;
+    x.american = call[(size_t)n + row] != 0;
     return x;
+}
+
+// row of the chunk at position k of its sorted order
+__device__ __forceinline__ int sorted_row(const unsigned char* __restrict__ input, int n, int k)
+{
+    return reinterpret_cast<const int*>(input + 52 * (size_t)n)[k];
 }
 
 // sign * spot * exp(level * log_down), the pre-signed price of node (level, 0)
@@ -533,7 +543,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
 }
 
 template <int W, int G>
-__device__ __forceinline__ void batch_price(const double* __restrict__ rows, int stride,
+__device__ __forceinline__ void batch_price(const unsigned char* __restrict__ input, int n, int first,
                                             double* __restrict__ out, double* __restrict__ levels,
                                             int count)
 {
@@ -550,21 +560,22 @@ __device__ __forceinline__ void batch_price(const double* __restrict__ rows, int
         __syncthreads();
     }
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
-    const Option op = load_option(rows, stride, o);
-    double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
+    const int row = sorted_row(input, n, first + o);
+    const Option op = load_option(input, n, row);
+    double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
     const int slot = W == 1 ? warp_in_block : 0;
     const double price = op.american
         ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept)
         : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept);
-    if (warp == 0 && lane == 0) out[o] = price;
+    if (warp == 0 && lane == 0) out[row] = price;
 }
 
 #define BATCH_KERNEL(G)                                                                           \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)                                   \
-        batch_kernel_g##G(const double* __restrict__ rows, int stride, double* __restrict__ out, \
-                          double* __restrict__ levels, int count)                                 \
+        batch_kernel_g##G(const unsigned char* __restrict__ input, int n, int first,             \
+                          double* __restrict__ out, double* __restrict__ levels, int count)       \
     {                                                                                             \
-        batch_price<BATCH_W, G>(rows, stride, out, levels, count);                                \
+        batch_price<BATCH_W, G>(input, n, first, out, levels, count);                             \
     }
 
 BATCH_KERNEL(1)

@@ -15,8 +15,9 @@ the portfolio beyond these per-option arrays.
 Device memory (GPU backends; every rank drives its own GPU): each rank measures its GPU's free
 memory once every rank's engine has started (the CUDA context and, for `batch`, every kernel exist
 then) and rank 0 fits every rank's share to it before its verdict (distributed.py), from what the
-engines allocate (device_need): `batch` holds two buffer sets of chunk_options rows (the kernel's
-ROW_FIELDS doubles in, the price out, with --greeks LEVEL_VALUES more); `gpu`/`hybrid` (and `batch`
+engines allocate (device_need): `batch` holds two buffer sets of one chunk's rows (at most
+chunk_options; batch_plan.chunk_size: INPUT_BYTES_PER_OPTION in, the price out, with --greeks
+LEVEL_VALUES doubles more); `gpu`/`hybrid` (and `batch`
 for options above MAX_STEPS, through hybrid) hold 32 bytes per node of the widest option's widest
 level (N + 2 nodes, at least 1024) from then on; `gpu`/`hybrid` allocate each call's batch-kernel
 arrays (16 (N + 1) + 56 bytes per option, 40 more with levels) for the call. Ranks that share a
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pricer.engines.batch_plan import MAX_STEPS, ROW_FIELDS
+from pricer.engines.batch_plan import INPUT_BYTES_PER_OPTION, MAX_STEPS, chunk_size
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.errors import InputError
 from pricer.greeks import Analytics, richardson_steps
@@ -134,9 +135,9 @@ DEVICE_LIMIT_VARIABLE = "PRICER_DEVICE_MEMORY_LIMIT"
 
 
 def batch_row_bytes(levels: bool) -> int:
-    """Device bytes of one option in one CudaBatchRunner buffer set: its ROW_FIELDS doubles in, its
-    price out, and with levels (--greeks) its first levels' LEVEL_VALUES doubles."""
-    return 8 * (len(ROW_FIELDS) + 1 + (LEVEL_VALUES if levels else 0))
+    """Device bytes of one option in one CudaBatchRunner buffer set: its input bytes, its price
+    out, and with levels (--greeks) its first levels' LEVEL_VALUES doubles."""
+    return INPUT_BYTES_PER_OPTION + 8 * (1 + (LEVEL_VALUES if levels else 0))
 
 
 def regime_bytes(steps) -> np.ndarray:
@@ -215,7 +216,7 @@ def device_need(profile: DeviceProfile, steps: np.ndarray, cuts: np.ndarray,
     if profile.backend == "batch":
         # BatchEngine.price: a call of <= cpu_max_nodes nodes runs on the CPU; wider than MAX_STEPS
         # through hybrid (the regimes); the rest through the runner's buffers. prepare() sizes them
-        # for the share's options, a call for its lattices: the larger, at most chunk_options.
+        # for the share's options, a call for its lattices: one chunk of the larger (chunk_size).
         row_nodes = sum(count * lattice_nodes(s) for s, count in kinds)
         on_gpu = np.repeat(np.add.reduceat(row_nodes, starts) > profile.cpu_max_nodes,
                            np.diff(cuts))
@@ -226,7 +227,7 @@ def device_need(profile: DeviceProfile, steps: np.ndarray, cuts: np.ndarray,
         rows = int(np.add.reduceat(np.where(on_gpu, narrow, 0), starts).max())
         if lattice_nodes(steps).sum() > profile.cpu_max_nodes:
             rows = max(rows, int((steps <= MAX_STEPS).sum()))
-        rows = min(rows, profile.chunk_options)
+        rows = chunk_size(rows, profile.chunk_options) if rows else 0
         unit = BATCH_SETS * batch_row_bytes(analytics.greeks)
         need = DeviceNeed(streamed=rows * unit, least=unit if rows else 0.0, unit=unit)
     else:

@@ -1,13 +1,15 @@
-"""The `batch` backend's schedule (pricer.engines.batch_plan), without a GPU: classes, sorting,
-chunks, launches and the order the prices go back in."""
+"""The `batch` backend's schedule (pricer.engines.batch_plan), without a GPU: classes, chunks,
+the sorted order and its launches, and the kernel's input as the host lays it out."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pricer.engines.batch_plan import (AMERICAN_FLAG, CALL_FLAG, CAPACITY, CLASSES, MAX_STEPS,
-                                       class_of, fill_columns, plan)
+from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
+                                       MAX_STEPS,
+                                       chunk_bounds, chunk_size, class_of, fill_input,
+                                       input_views, schedule)
 from pricer.lattice import lattice_parameters
 
 
@@ -27,59 +29,68 @@ def test_class_edges(steps, expected):
 
 
 def test_steps_outside_the_classes_are_refused():
-    for bad in (0, MAX_STEPS + 1):
+    for bad in (0, -3, MAX_STEPS + 1):
         with pytest.raises(ValueError):
             class_of([5, bad])
 
 
-def test_plan_sorts_by_steps_descending_and_restores_order(rng):
-    steps = rng.integers(1, MAX_STEPS + 1, 5000)
-    p = plan(steps, chunk_options=700)
-    assert sorted(p.order.tolist()) == list(range(steps.size))     # a permutation
-    sorted_steps = steps[p.order]
+def test_schedule_sorts_by_steps_descending_and_launches_cover_it_by_class(rng):
+    steps = rng.integers(1, MAX_STEPS + 1, 5000).astype(np.int32)
+    order = np.full(steps.size, -1, dtype=np.int32)
+    launches = schedule(steps, order)
+    assert sorted(order.tolist()) == list(range(steps.size))       # a permutation of the rows
+    sorted_steps = steps[order]
     assert np.all(np.diff(sorted_steps) <= 0)                      # largest lattices first
-    assert np.all(np.diff(p.classes) <= 0)                         # so classes largest first
-    np.testing.assert_array_equal(p.classes, class_of(sorted_steps))
-    ties = np.flatnonzero(np.diff(sorted_steps) == 0)              # stable: equal N keep input order
-    assert np.all(p.order[ties] < p.order[ties + 1])
-    prices = rng.random(steps.size)
-    np.testing.assert_array_equal(p.restore(prices[p.order]), prices)
+    ties = np.flatnonzero(np.diff(sorted_steps) == 0)              # stable: equal N keep their order
+    assert np.all(order[ties] < order[ties + 1])
+    assert launches[0].lo == 0 and launches[-1].hi == steps.size
+    assert all(a.hi == b.lo for a, b in zip(launches, launches[1:]))
+    for ln in launches:                                            # one class per launch
+        assert set(class_of(sorted_steps[ln.lo:ln.hi]).tolist()) == {ln.cls}
+    assert [ln.cls for ln in launches] == sorted({ln.cls for ln in launches}, reverse=True)
 
 
-def test_chunks_cover_everything_once_and_launches_cover_each_chunk(rng):
-    steps = rng.integers(1, 3000, 2345)
-    p = plan(steps, chunk_options=500)
-    assert [c.size for c in p.chunks] == [500, 500, 500, 500, 345]
-    assert p.chunks[0].lo == 0 and p.chunks[-1].hi == steps.size
-    assert all(a.hi == b.lo for a, b in zip(p.chunks, p.chunks[1:]))
-    for c in p.chunks:
-        covered = [(ln.lo, ln.hi) for ln in c.launches]
-        assert covered[0][0] == 0 and covered[-1][1] == c.size
-        assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
-        for ln in c.launches:                                       # one class per launch
-            assert set(p.classes[c.lo + ln.lo:c.lo + ln.hi].tolist()) == {ln.cls}
-        assert len({ln.cls for ln in c.launches}) == len(c.launches)
-
-
-def test_one_chunk_when_it_fits_and_empty_portfolio():
-    p = plan(np.array([5, 500, 50]), chunk_options=10)
-    assert len(p.chunks) == 1 and p.chunks[0].size == 3
-    assert plan(np.array([], dtype=np.int64)).chunks == ()
+def test_chunks_are_runs_of_rows_within_the_memory_cap():
+    assert chunk_bounds(2345, chunk_options=500) == [(0, 500), (500, 1000), (1000, 1500),
+                                                     (1500, 2000), (2000, 2345)]
+    assert chunk_bounds(3, chunk_options=10) == [(0, 3)]
+    assert chunk_bounds(0) == []
     with pytest.raises(ValueError):
-        plan(np.array([5]), chunk_options=0)
+        chunk_size(5, chunk_options=0)
 
 
-def test_columns_carry_the_lattice_numbers_and_flags(rng):
-    n = 6
+def test_a_call_within_the_memory_cap_is_one_chunk():
+    """One chunk, sorted as a whole: the largest options of the whole call start first."""
+    assert chunk_bounds(100_000) == [(0, 100_000)]
+    assert chunk_size(100_000, chunk_options=1000) == 1000
+
+
+def book(rng, n):
     cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n), maturity=np.ones(n),
                 volatility=np.full(n, 0.3), rate=np.full(n, 0.02), dividend=np.zeros(n),
-                steps=np.arange(1, n + 1) * 10, call=np.array([1, 0, 1, 0, 1, 0], bool),
-                american=np.array([1, 1, 0, 0, 1, 0], bool))
-    params = lattice_parameters(cols)
-    index = np.array([4, 0, 3])
-    columns = np.full((8, 3), np.nan)
-    fill_columns(params, index, columns)
-    for k, name in enumerate(("spot", "strike", "log_up", "log_down", "pu", "pd")):
-        np.testing.assert_array_equal(columns[k], getattr(params, name)[index])
-    np.testing.assert_array_equal(columns[6], [50, 10, 40])
-    np.testing.assert_array_equal(columns[7], [CALL_FLAG + AMERICAN_FLAG, CALL_FLAG + AMERICAN_FLAG, 0])
+                steps=rng.integers(1, MAX_STEPS + 1, n), call=rng.random(n) < 0.5,
+                american=rng.random(n) < 0.5)
+    return lattice_parameters(cols)
+
+
+@pytest.mark.parametrize("rows", [slice(3, 9), np.array([7, 0, 3, 3, 11])], ids=["slice", "index"])
+def test_input_carries_the_rows_as_given_at_the_kernels_offsets(rng, rows):
+    params = book(rng, 12)
+    picked = np.arange(12)[rows]
+    n = picked.size
+    buffer = np.zeros(n * INPUT_BYTES_PER_OPTION + 16, dtype=np.uint8)
+    views = input_views(buffer, n)
+    launches = fill_input(params, rows, views)
+    # the offsets cuda/batch.cu's load_option reads, from the raw bytes
+    raw = buffer[:n * INPUT_BYTES_PER_OPTION]
+    for k, name in enumerate(FLOAT_FIELDS):
+        np.testing.assert_array_equal(raw[8 * k * n:8 * (k + 1) * n].view(np.float64),
+                                      getattr(params, name)[picked])
+    np.testing.assert_array_equal(raw[48 * n:52 * n].view(np.int32), params.steps[picked])
+    order = raw[52 * n:56 * n].view(np.int32)
+    np.testing.assert_array_equal(raw[56 * n:57 * n], params.call[picked])
+    np.testing.assert_array_equal(raw[57 * n:58 * n], params.american[picked])
+    expect = np.empty(n, dtype=np.int32)
+    assert schedule(params.steps[picked].astype(np.int32), expect) == launches
+    np.testing.assert_array_equal(order, expect)
+    assert not buffer[n * INPUT_BYTES_PER_OPTION:].any()           # nothing written past the input

@@ -2,12 +2,13 @@
 pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go through `hybrid`.
 `auto` on a GPU machine is this engine with cpu_max_nodes set: a share that small runs on the CPU.
 
-Data movement per chunk (at most `chunk_options` options): the chunk's 8 numbers per option are
-written column by column (the kernel reads column k of option o at k * n + o) into a page-locked
-host buffer, copied to the device asynchronously, priced by one launch per class (the launches side
-by side on their own streams), and the prices (8 bytes per option) copied back asynchronously. Two
-buffers and two streams alternate, so chunk k's copies overlap chunk k-1's kernels; a portfolio of
-any size streams through 2 * chunk_options rows of device memory.
+Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
+are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
+chunk's sorted order), copied to the device asynchronously, priced by one launch per class (the
+launches side by side on their own streams; each reads its rows through the order and writes each
+price at its row), and the prices (8 bytes per option) copied back asynchronously, already in the
+order given. Two buffer sets and two streams alternate, so the host fills chunk k + 1 while chunk k
+computes; a portfolio of any size streams through 2 chunks of device memory.
 
 `last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
 summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
@@ -19,8 +20,9 @@ import time
 
 import numpy as np
 
-from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS, MAX_STEPS,
-                                       ROW_FIELDS, fill_columns, options_per_block, plan)
+from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS,
+                                       INPUT_BYTES_PER_OPTION, MAX_STEPS, chunk_bounds, chunk_size,
+                                       class_of, fill_input, input_views, options_per_block)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -56,7 +58,7 @@ class CudaBatchRunner:
             module = self.rt.module([f"-DBATCH_W={warps}", *self._defines], "batch.cu")
             self._modules[warps] = module
             fn = module.get_function(f"batch_kernel_g{groups}")
-            fn.prepare("PiPPi")
+            fn.prepare("PiiPPi")
             self._functions[cls] = fn
         return self._functions[cls]
 
@@ -79,9 +81,9 @@ class CudaBatchRunner:
                 or (with_levels and self._buffers[0]["levels_d"] is None)):
             self._release()
             self._buffers = [dict(capacity=size,
-                                  rows=cuda.pagelocked_empty(size * len(ROW_FIELDS), np.float64),
+                                  input=cuda.pagelocked_empty(size * INPUT_BYTES_PER_OPTION, np.uint8),
                                   prices=cuda.pagelocked_empty(size, np.float64),
-                                  rows_d=self.rt.alloc(8 * len(ROW_FIELDS) * size),
+                                  input_d=self.rt.alloc(INPUT_BYTES_PER_OPTION * size),
                                   prices_d=self.rt.alloc(8 * size),
                                   levels=(cuda.pagelocked_empty((size, LEVEL_VALUES), np.float64)
                                           if with_levels else None),
@@ -93,100 +95,96 @@ class CudaBatchRunner:
     def _release(self):
         if self._buffers:
             for b in self._buffers:
-                for key in ("rows_d", "prices_d", "levels_d"):
+                for key in ("input_d", "prices_d", "levels_d"):
                     if b[key] is not None:
                         self.rt.free(b[key])
         self._buffers = None
 
-    def price(self, params: LatticeParams, index: np.ndarray, levels: np.ndarray | None = None):
-        """Prices of options `index`; with `levels` ((len(index), LEVEL_VALUES)) also their first
-        levels' values (for Greeks), in the same order."""
+    def price(self, params: LatticeParams, index: np.ndarray | None = None,
+              levels: np.ndarray | None = None):
+        """Prices of options `index` (None: all of params), in that order; with `levels`
+        ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks)."""
         start = time.perf_counter()
-        schedule = plan(params.steps[index], self.chunk_options)
-        largest = max((c.size for c in schedule.chunks), default=0)
-        sorted_prices = np.empty(index.size)
-        sorted_levels = None if levels is None else np.empty((index.size, LEVEL_VALUES))
-        if largest == 0:
-            return sorted_prices
-        buffers, streams = self._ensure_buffers(largest, levels is not None)
+        count = len(params) if index is None else int(np.asarray(index).size)
+        prices = np.empty(count)
+        bounds = chunk_bounds(count, self.chunk_options)
+        if not bounds:
+            return prices
+        buffers, streams = self._ensure_buffers(bounds[0][1] - bounds[0][0], levels is not None)
         self._keep_levels = levels is not None
         cuda = self.rt.cuda
-        events, pending = [], {}
-        for k, chunk in enumerate(schedule.chunks):
+        events, pending, launches = [], {}, 0
+        for k, (lo, hi) in enumerate(bounds):
             slot = k % 2
             buf, stream = buffers[slot], streams[slot]
             if slot in pending:          # the buffer's previous chunk must be home first
-                self._collect(pending.pop(slot), sorted_prices, sorted_levels, stream)
-            n = chunk.size
-            columns = buf["rows"][:len(ROW_FIELDS) * n].reshape(len(ROW_FIELDS), n)
-            fill_columns(params, index[schedule.order[chunk.lo:chunk.hi]], columns)
+                self._collect(pending.pop(slot), prices, levels, stream)
+            n = hi - lo
+            rows = slice(lo, hi) if index is None else np.asarray(index)[lo:hi]
+            chunk_launches = fill_input(params, rows, input_views(buf["input"], n))
+            launches += len(chunk_launches)
             marks = [cuda.Event() for _ in range(4)]
             marks[0].record(stream)
-            cuda.memcpy_htod_async(buf["rows_d"], buf["rows"][:len(ROW_FIELDS) * n], stream)
+            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:INPUT_BYTES_PER_OPTION * n], stream)
             marks[1].record(stream)
-            self._launch_all(chunk, buf, stream, marks[1])
+            self._launch_all(chunk_launches, n, buf, stream, marks[1])
             marks[2].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
             if levels is not None:
                 cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
             marks[3].record(stream)
             events.append(marks)
-            pending[slot] = (chunk, buf)
+            pending[slot] = (lo, hi, buf)
         for slot, job in pending.items():
-            self._collect(job, sorted_prices, sorted_levels, streams[slot])
-        self.last_stats = self._stats(events, time.perf_counter() - start, schedule)
-        if levels is not None:
-            levels[schedule.order] = sorted_levels
-        return schedule.restore(sorted_prices)
+            self._collect(job, prices, levels, streams[slot])
+        self.last_stats = self._stats(events, time.perf_counter() - start, len(bounds), launches)
+        return prices
 
-    def _launch_all(self, chunk, buf, stream, rows_ready):
+    def _launch_all(self, chunk_launches, n: int, buf, stream, input_ready):
         """One launch per class, each on its own stream so that they run side by side (a class's
         launch lasts as long as its largest option, and few options can leave most SMs idle);
-        the largest classes come first in the plan and start first. The chunk's stream waits for
-        all of them."""
+        the largest classes come first in the schedule and start first. The chunk's stream waits
+        for all of them."""
         cuda = self.rt.cuda
-        while len(self._launch_streams) < min(len(chunk.launches), LAUNCH_STREAMS):
+        while len(self._launch_streams) < min(len(chunk_launches), LAUNCH_STREAMS):
             self._launch_streams.append(cuda.Stream())
         done = []
-        for k, launch in enumerate(chunk.launches):        # largest class first (plan's order)
+        for k, launch in enumerate(chunk_launches):        # largest class first
             side = self._launch_streams[k % LAUNCH_STREAMS]
-            side.wait_for_event(rows_ready)
-            self._launch(launch, buf, side, chunk.size)
+            side.wait_for_event(input_ready)
+            self._launch(launch, n, buf, side)
             finished = cuda.Event()
             finished.record(side)
             done.append(finished)
         for finished in done:
             stream.wait_for_event(finished)
 
-    def _launch(self, launch, buf, stream, stride: int):
-        """One class's launch over its options of the chunk (`stride` options in all)."""
+    def _launch(self, launch, n: int, buf, stream):
+        """One class's launch over positions [lo, hi) of the chunk's sorted order (n rows in all)."""
         per_block = options_per_block(launch.warps)
         count = launch.hi - launch.lo
         blocks = (count + per_block - 1) // per_block
-        rows_d = int(buf["rows_d"]) + 8 * launch.lo     # in column 0; column k is k * stride further
-        prices_d = int(buf["prices_d"]) + 8 * launch.lo
-        levels_d = int(buf["levels_d"]) + 8 * LEVEL_VALUES * launch.lo if self._keep_levels else 0
+        levels_d = int(buf["levels_d"]) if self._keep_levels else 0
         self.function(launch.cls).prepared_async_call(
-            (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, rows_d, np.int32(stride),
-            prices_d, levels_d, np.int32(count))
+            (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, int(buf["input_d"]),
+            np.int32(n), np.int32(launch.lo), int(buf["prices_d"]), levels_d, np.int32(count))
 
     @staticmethod
-    def _collect(job, sorted_prices, sorted_levels, stream):
-        chunk, buf = job
+    def _collect(job, prices, levels, stream):
+        lo, hi, buf = job
         stream.synchronize()
-        sorted_prices[chunk.lo:chunk.hi] = buf["prices"][:chunk.size]
-        if sorted_levels is not None:
-            sorted_levels[chunk.lo:chunk.hi] = buf["levels"][:chunk.size]
+        prices[lo:hi] = buf["prices"][:hi - lo]
+        if levels is not None:
+            levels[lo:hi] = buf["levels"][:hi - lo]
 
     @staticmethod
-    def _stats(events, wall, schedule) -> dict:
+    def _stats(events, wall, chunks: int, launches: int) -> dict:
         seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
         return dict(wall=wall,
                     copy_in=sum(seconds(m[0], m[1]) for m in events),
                     kernels=sum(seconds(m[1], m[2]) for m in events),
                     copy_out=sum(seconds(m[2], m[3]) for m in events),
-                    chunks=len(schedule.chunks),
-                    launches=sum(len(c.launches) for c in schedule.chunks))
+                    chunks=chunks, launches=launches)
 
 
 class BatchEngine:
@@ -218,7 +216,7 @@ class BatchEngine:
                     maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
                     volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
                     american=np.ones(count, bool))
-        self.runner.price(lattice_parameters(cols, "crr"), np.arange(count))
+        self.runner.price(lattice_parameters(cols, "crr"))
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The one-time set-up for options with these steps, done before pricing so that it can be
@@ -228,20 +226,21 @@ class BatchEngine:
             return
         narrow = steps[steps <= MAX_STEPS]
         if narrow.size:
-            schedule = plan(narrow, self.runner.chunk_options)
-            for cls in sorted({launch.cls for chunk in schedule.chunks for launch in chunk.launches}):
-                self.runner.function(cls)
-            self.runner._ensure_buffers(max(c.size for c in schedule.chunks), levels)
+            for cls in np.unique(class_of(narrow)):
+                self.runner.function(int(cls))
+            self.runner._ensure_buffers(chunk_size(narrow.size, self.runner.chunk_options), levels)
         if narrow.size < steps.size:
             self.hybrid()
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         out = np.empty(len(params))
-        if lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
+        if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
             from pricer.engines.cpu import CpuEngine
             return CpuEngine().price(params, levels)
         wide = params.steps > MAX_STEPS
+        if not wide.any():              # rows as given: the runner copies them without a gather
+            return self.runner.price(params, None, levels)
         for rows, engine in ((np.flatnonzero(~wide), None), (np.flatnonzero(wide), self.hybrid)):
             if rows.size == 0:
                 continue

@@ -1,5 +1,6 @@
-"""The `batch` backend's schedule on one rank: which kernel class prices which option, in which
-launch of which chunk. Pure numpy (no GPU), so it is tested on any machine.
+"""The `batch` backend's schedule on one rank: which rows go to the GPU together (chunks), and
+which kernel class prices which option of a chunk in which launch. Pure numpy (no GPU), so it is
+tested on any machine.
 
 Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1, else one block of
 W warps per option), G register groups of 32 lanes x VT = 4 nodes per warp; capacity 128 * W * G
@@ -9,16 +10,21 @@ holds the option, then the smallest G (fewer registers, more warps per SM). W = 
 lattice in one warp (no barrier); W > 1 meets once per step. Classes with W > 1 and G <= 4 are
 never chosen (the next smaller W holds those options) and are left out.
 
-The schedule (seed 003's ideas): options sorted by steps, descending, so classes come largest
-first and within a class the largest lattices start first (a launch's tail is short); the sorted list is cut into
-chunks of at most `chunk_options` options, which move to the GPU and back while the neighbouring
-chunk computes; each chunk runs one launch per class it contains. Prices come back in the sorted
-order and are put back in input order with `order`.
+A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
+sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
+largest lattices start first (a launch's tail is short). Each class is one launch over a run of
+`order`; the kernel reads row order[k] and writes its price at that row, so prices come back in the
+order given (no gather or scatter on the host). A call of more than `chunk_options` rows (device
+memory) goes in chunks of that many consecutive rows, each sorted on its own. Chunks smaller than
+the call to overlap the host's work with the kernels were measured and not kept (docs/performance.md,
+session 8): a chunk's largest options then start only after the previous chunk's, and on skewed
+books those set the launch's length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,9 +35,15 @@ CLASSES = tuple((w, g) for w in WARPS for g in range(1, MAX_GROUPS + 1)
                 if w == 1 or g > MAX_GROUPS // 2)
 CAPACITY = np.array([32 * NODES_PER_LANE * w * g for w, g in CLASSES], dtype=np.int64)
 MAX_STEPS = int(CAPACITY[-1]) - 1  # wider options go through `hybrid`
-ROW_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd", "steps", "flags")
-CALL_FLAG, AMERICAN_FLAG = 1, 2
-DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 72 MB of rows and prices on the device per chunk
+DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on the device per chunk
+
+# The kernel's input for a chunk of n rows, one byte buffer (cuda/batch.cu, load_option): the
+# lattice numbers column by column, then steps, the sorted order, and the two flags.
+FLOAT_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd")
+INPUT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS) + 4 + 4 + 1 + 1
+
+# class of every steps value 0..MAX_STEPS (a table lookup: searchsorted cost 0.5-1.2 ms per 100k)
+_CLASS_OF_STEPS = np.searchsorted(CAPACITY, np.arange(MAX_STEPS + 1) + 1).astype(np.int8)
 
 
 def options_per_block(warps: int) -> int:
@@ -40,16 +52,16 @@ def options_per_block(warps: int) -> int:
 
 def class_of(steps: np.ndarray) -> np.ndarray:
     """Index into CLASSES of the kernel class for each option (steps <= MAX_STEPS)."""
-    steps = np.asarray(steps, dtype=np.int64)
+    steps = np.asarray(steps)
     if steps.size and (steps.min() < 1 or steps.max() > MAX_STEPS):
         raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
-    return np.searchsorted(CAPACITY, steps + 1)
+    return _CLASS_OF_STEPS[steps]
 
 
 @dataclass(frozen=True)
 class Launch:
     cls: int        # index into CLASSES
-    lo: int         # options [lo, hi) of the chunk, in sorted order
+    lo: int         # positions [lo, hi) of the chunk's sorted order
     hi: int
 
     @property
@@ -61,58 +73,63 @@ class Launch:
         return CLASSES[self.cls][1]
 
 
-@dataclass(frozen=True)
-class Chunk:
-    lo: int         # options [lo, hi) of the sorted list
-    hi: int
-    launches: tuple = field(default=())   # Launch offsets are relative to lo
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass(frozen=True)
-class Plan:
-    order: np.ndarray          # sorted position -> index into the options given
-    classes: np.ndarray        # class of each option in sorted order
-    chunks: tuple
-
-    def restore(self, sorted_prices: np.ndarray) -> np.ndarray:
-        """Prices in the order the options were given."""
-        out = np.empty_like(sorted_prices)
-        out[self.order] = sorted_prices
-        return out
-
-
-def plan(steps: np.ndarray, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> Plan:
+def chunk_size(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> int:
+    """Rows per chunk of a call of `options` rows (the runner's buffers hold this many)."""
     if chunk_options < 1:
         raise ValueError("chunk_options must be >= 1")
-    steps = np.asarray(steps, dtype=np.int64)
+    return max(1, min(chunk_options, options))
+
+
+def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> list:
+    """[(lo, hi)] of the chunks of a call of `options` rows, in order."""
+    size = chunk_size(options, chunk_options)
+    return [(lo, min(lo + size, options)) for lo in range(0, options, size)]
+
+
+def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
+    """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
+    steps); returns its launches, one per class, largest class first."""
     classes = class_of(steps)
     # steps <= MAX_STEPS < 2**15: a stable sort of int16 keys is a radix sort (linear time)
     order = np.argsort((MAX_STEPS - steps).astype(np.int16), kind="stable")
-    sorted_classes = classes[order]
-    chunks = []
-    for lo in range(0, steps.size, chunk_options):
-        hi = min(lo + chunk_options, steps.size)
-        part = sorted_classes[lo:hi]
-        starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
-        ends = np.r_[starts[1:], part.size]
-        chunks.append(Chunk(lo, hi, tuple(Launch(int(part[a]), int(a), int(b))
-                                          for a, b in zip(starts, ends))))
-    return Plan(order=order, classes=sorted_classes, chunks=tuple(chunks))
+    order_out[:] = order
+    part = classes[order]
+    starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
+    ends = np.r_[starts[1:], part.size]
+    return tuple(Launch(int(part[a]), int(a), int(b)) for a, b in zip(starts, ends))
 
 
-def fill_columns(params, index: np.ndarray, columns: np.ndarray) -> None:
-    """columns[:, k] = the kernel's 8 numbers of option index[k] (columns: (8, len(index)) float64,
-    C-contiguous: ROW_FIELDS, the flags as CALL_FLAG + AMERICAN_FLAG). Column by column, each a
-    contiguous gather: numpy, not numba, since the batch path calls no other numba code and numba's
-    first call in a process (0.15-0.35 s to load its compiler and cache) fell on every rank's
-    start-up; rows of 8 (one strided write per field) took 3x as long on the H200's host."""
-    index = np.asarray(index, dtype=np.int64)
-    for k, name in enumerate(ROW_FIELDS[:6]):
-        np.take(getattr(params, name), index, out=columns[k])
-    columns[6] = params.steps[index]
-    np.copyto(columns[7], np.where(params.call[index], CALL_FLAG, 0.0))
-    columns[7] += np.where(params.american[index], AMERICAN_FLAG, 0.0)
+class InputViews(NamedTuple):
+    floats: np.ndarray      # (6, n) float64: FLOAT_FIELDS
+    steps: np.ndarray       # (n,) int32
+    order: np.ndarray       # (n,) int32: rows of the chunk sorted by steps, descending
+    call: np.ndarray        # (n,) bool
+    american: np.ndarray    # (n,) bool
+
+
+def input_views(buffer: np.ndarray, n: int) -> InputViews:
+    """The kernel's input for n rows as views into `buffer` (uint8, >= n * INPUT_BYTES_PER_OPTION):
+    floats at 0, steps at 48 n, order at 52 n, call at 56 n, american at 57 n (the offsets
+    cuda/batch.cu's load_option reads)."""
+    f = 8 * len(FLOAT_FIELDS) * n
+    return InputViews(floats=buffer[:f].view(np.float64).reshape(len(FLOAT_FIELDS), n),
+                      steps=buffer[f:f + 4 * n].view(np.int32),
+                      order=buffer[f + 4 * n:f + 8 * n].view(np.int32),
+                      call=buffer[f + 8 * n:f + 9 * n].view(np.bool_),
+                      american=buffer[f + 9 * n:f + 10 * n].view(np.bool_))
+
+
+def fill_input(params, rows, views: InputViews) -> tuple:
+    """The chunk's input from `rows` of params (a slice: plain copies; an index array: gathers);
+    returns its launches (schedule)."""
+    def put(dst, src):
+        if isinstance(rows, slice):
+            np.copyto(dst, src[rows], casting="unsafe")
+        else:
+            np.copyto(dst, np.take(src, rows), casting="unsafe")
+    for k, name in enumerate(FLOAT_FIELDS):
+        put(views.floats[k], getattr(params, name))
+    put(views.steps, params.steps)
+    put(views.call, params.call)
+    put(views.american, params.american)
+    return schedule(views.steps, views.order)
