@@ -4,11 +4,12 @@ pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go t
 
 Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
 are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
-chunk's sorted order), copied to the device asynchronously, priced by one launch per class (the
-launches side by side on their own streams; each reads its rows through the order and writes each
-price at its row), and the prices (8 bytes per option) copied back asynchronously, already in the
-order given. Two buffer sets and two streams alternate, so the host fills chunk k + 1 while chunk k
-computes; a portfolio of any size streams through 2 chunks of device memory.
+chunk's sorted order) and on to the device asynchronously (the lattice numbers first, while the
+host sorts); one launch per class prices them (the launches side by side on their own streams; each
+reads its rows through the order and writes each price at its row), and the prices (8 bytes per
+option) come back asynchronously, already in the order given. Two buffer sets and two streams
+alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
+through 2 chunks of device memory.
 
 `last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
 summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
@@ -21,8 +22,9 @@ import time
 import numpy as np
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS,
-                                       INPUT_BYTES_PER_OPTION, MAX_STEPS, chunk_bounds, chunk_size,
-                                       class_of, fill_input, input_views, options_per_block)
+                                       FLOAT_BYTES_PER_OPTION, INPUT_BYTES_PER_OPTION, MAX_STEPS,
+                                       chunk_bounds, chunk_size, class_of, fill_floats, fill_order,
+                                       input_views, options_per_block)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -121,18 +123,24 @@ class CudaBatchRunner:
                 self._collect(pending.pop(slot), prices, levels, stream)
             n = hi - lo
             rows = slice(lo, hi) if index is None else np.asarray(index)[lo:hi]
-            chunk_launches = fill_input(params, rows, input_views(buf["input"], n))
-            launches += len(chunk_launches)
-            marks = [cuda.Event() for _ in range(4)]
+            views, floats = input_views(buf["input"], n), FLOAT_BYTES_PER_OPTION * n
+            marks = [cuda.Event() for _ in range(6)]
+            fill_floats(params, rows, views)           # on their way while the host sorts
             marks[0].record(stream)
-            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:INPUT_BYTES_PER_OPTION * n], stream)
+            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:floats], stream)
             marks[1].record(stream)
-            self._launch_all(chunk_launches, n, buf, stream, marks[1])
+            chunk_launches = fill_order(params, rows, views)
+            launches += len(chunk_launches)
             marks[2].record(stream)
+            cuda.memcpy_htod_async(int(buf["input_d"]) + floats,
+                                   buf["input"][floats:INPUT_BYTES_PER_OPTION * n], stream)
+            marks[3].record(stream)
+            self._launch_all(chunk_launches, n, buf, stream, marks[3])
+            marks[4].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
             if levels is not None:
                 cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
-            marks[3].record(stream)
+            marks[5].record(stream)
             events.append(marks)
             pending[slot] = (lo, hi, buf)
         for slot, job in pending.items():
@@ -181,9 +189,9 @@ class CudaBatchRunner:
     def _stats(events, wall, chunks: int, launches: int) -> dict:
         seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
         return dict(wall=wall,
-                    copy_in=sum(seconds(m[0], m[1]) for m in events),
-                    kernels=sum(seconds(m[1], m[2]) for m in events),
-                    copy_out=sum(seconds(m[2], m[3]) for m in events),
+                    copy_in=sum(seconds(m[0], m[1]) + seconds(m[2], m[3]) for m in events),
+                    kernels=sum(seconds(m[3], m[4]) for m in events),
+                    copy_out=sum(seconds(m[4], m[5]) for m in events),
                     chunks=chunks, launches=launches)
 
 

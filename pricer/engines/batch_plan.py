@@ -40,7 +40,8 @@ DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on th
 # The kernel's input for a chunk of n rows, one byte buffer (cuda/batch.cu, load_option): the
 # lattice numbers column by column, then steps, the sorted order, and the two flags.
 FLOAT_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd")
-INPUT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS) + 4 + 4 + 1 + 1
+FLOAT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS)
+INPUT_BYTES_PER_OPTION = FLOAT_BYTES_PER_OPTION + 4 + 4 + 1 + 1
 
 # class of every steps value 0..MAX_STEPS (a table lookup: searchsorted cost 0.5-1.2 ms per 100k)
 _CLASS_OF_STEPS = np.searchsorted(CAPACITY, np.arange(MAX_STEPS + 1) + 1).astype(np.int8)
@@ -89,14 +90,18 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
 def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
     steps); returns its launches, one per class, largest class first."""
-    classes = class_of(steps)
+    if steps.size and (steps.min() < 1 or steps.max() > MAX_STEPS):
+        raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
     # steps <= MAX_STEPS < 2**15: a stable sort of int16 keys is a radix sort (linear time)
     order = np.argsort((MAX_STEPS - steps).astype(np.int16), kind="stable")
     order_out[:] = order
-    part = classes[order]
-    starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
-    ends = np.r_[starts[1:], part.size]
-    return tuple(Launch(int(part[a]), int(a), int(b)) for a, b in zip(starts, ends))
+    # the sorted steps descend, so each class is one run; above[c]: how many lie above class c
+    ascending = -np.take(steps, order)
+    # needles of the haystack's dtype: mixed ones made searchsorted copy the whole haystack
+    above = np.searchsorted(ascending, (-CAPACITY).astype(ascending.dtype), side="right")
+    below_or_at = np.r_[steps.size, above[:-1]]
+    return tuple(Launch(c, int(above[c]), int(below_or_at[c]))
+                 for c in range(len(CLASSES) - 1, -1, -1) if below_or_at[c] > above[c])
 
 
 class InputViews(NamedTuple):
@@ -119,17 +124,27 @@ def input_views(buffer: np.ndarray, n: int) -> InputViews:
                       american=buffer[f + 9 * n:f + 10 * n].view(np.bool_))
 
 
-def fill_input(params, rows, views: InputViews) -> tuple:
-    """The chunk's input from `rows` of params (a slice: plain copies; an index array: gathers);
-    returns its launches (schedule)."""
-    def put(dst, src):
-        if isinstance(rows, slice):
-            np.copyto(dst, src[rows], casting="unsafe")
-        else:
-            np.copyto(dst, np.take(src, rows), casting="unsafe")
+def _put(dst: np.ndarray, src: np.ndarray, rows) -> None:
+    """dst = src[rows] (a slice: a plain copy; an index array: a gather), cast to dst's type."""
+    np.copyto(dst, src[rows] if isinstance(rows, slice) else np.take(src, rows), casting="unsafe")
+
+
+def fill_floats(params, rows, views: InputViews) -> None:
+    """The lattice numbers of `rows` of params: the first 48 n bytes of the input, which the
+    runner sends while the host sorts (fill_order)."""
     for k, name in enumerate(FLOAT_FIELDS):
-        put(views.floats[k], getattr(params, name))
-    put(views.steps, params.steps)
-    put(views.call, params.call)
-    put(views.american, params.american)
+        _put(views.floats[k], getattr(params, name), rows)
+
+
+def fill_order(params, rows, views: InputViews) -> tuple:
+    """Steps, flags and the sorted order of `rows` of params; returns the launches (schedule)."""
+    _put(views.steps, params.steps, rows)
+    _put(views.call, params.call, rows)
+    _put(views.american, params.american, rows)
     return schedule(views.steps, views.order)
+
+
+def fill_input(params, rows, views: InputViews) -> tuple:
+    """The chunk's whole input from `rows` of params; returns its launches."""
+    fill_floats(params, rows, views)
+    return fill_order(params, rows, views)
