@@ -50,6 +50,15 @@ def test_schedule_sorts_by_steps_descending_and_launches_cover_it_by_class(rng):
     assert [ln.cls for ln in launches] == sorted({ln.cls for ln in launches}, reverse=True)
 
 
+def test_one_n_is_one_launch_in_row_order():
+    steps = np.full(1000, 1000, dtype=np.int32)
+    order = np.full(steps.size, -1, dtype=np.int32)
+    launches = schedule(steps, order)
+    np.testing.assert_array_equal(order, np.arange(steps.size))
+    assert [(ln.cls, ln.lo, ln.hi) for ln in launches] == [(int(class_of([1000])[0]), 0, 1000)]
+    assert schedule(np.array([], dtype=np.int32), np.array([], dtype=np.int32)) == ()
+
+
 def test_chunks_are_runs_of_rows_within_the_memory_cap():
     assert chunk_bounds(2345, chunk_options=500) == [(0, 500), (500, 1000), (1000, 1500),
                                                      (1500, 2000), (2000, 2345)]

@@ -90,8 +90,12 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
 def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
     steps); returns its launches, one per class, largest class first."""
-    if steps.size and (steps.min() < 1 or steps.max() > MAX_STEPS):
+    least, most = (int(steps.min()), int(steps.max())) if steps.size else (1, 1)
+    if least < 1 or most > MAX_STEPS:
         raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
+    if least == most:                   # one N (U books): already sorted, one launch
+        order_out[:] = np.arange(steps.size)
+        return (Launch(int(_CLASS_OF_STEPS[most]), 0, steps.size),) if steps.size else ()
     # steps <= MAX_STEPS < 2**15: a stable sort of int16 keys is a radix sort (linear time)
     order = np.argsort((MAX_STEPS - steps).astype(np.int16), kind="stable")
     order_out[:] = order
