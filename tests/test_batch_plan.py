@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
-                                       MAX_STEPS,
-                                       chunk_bounds, chunk_size, class_of, fill_input,
-                                       input_views, schedule)
+                                       MAX_STEPS, chunk_bounds, chunk_size, class_of, fill_floats,
+                                       fill_order, input_views, schedule)
 from pricer.lattice import lattice_parameters
 
 
@@ -89,7 +88,8 @@ def test_input_carries_the_rows_as_given_at_the_kernels_offsets(rng, rows):
     n = picked.size
     buffer = np.zeros(n * INPUT_BYTES_PER_OPTION + 16, dtype=np.uint8)
     views = input_views(buffer, n)
-    launches = fill_input(params, rows, views)
+    fill_floats(params, rows, views)
+    launches = fill_order(params, rows, views)
     # the offsets cuda/batch.cu's load_option reads, from the raw bytes
     raw = buffer[:n * INPUT_BYTES_PER_OPTION]
     for k, name in enumerate(FLOAT_FIELDS):

@@ -107,12 +107,14 @@ class CudaBatchRunner:
         """Prices of options `index` (None: all of params), in that order; with `levels`
         ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks)."""
         start = time.perf_counter()
-        count = len(params) if index is None else int(np.asarray(index).size)
+        index = None if index is None else np.asarray(index)
+        count = len(params) if index is None else index.size
         prices = np.empty(count)
         bounds = chunk_bounds(count, self.chunk_options)
         if not bounds:
             return prices
-        buffers, streams = self._ensure_buffers(bounds[0][1] - bounds[0][0], levels is not None)
+        buffers, streams = self._ensure_buffers(chunk_size(count, self.chunk_options),
+                                                levels is not None)
         self._keep_levels = levels is not None
         cuda = self.rt.cuda
         events, pending, launches = [], {}, 0
@@ -122,7 +124,7 @@ class CudaBatchRunner:
             if slot in pending:          # the buffer's previous chunk must be home first
                 self._collect(pending.pop(slot), prices, levels, stream)
             n = hi - lo
-            rows = slice(lo, hi) if index is None else np.asarray(index)[lo:hi]
+            rows = slice(lo, hi) if index is None else index[lo:hi]
             views, floats = input_views(buf["input"], n), FLOAT_BYTES_PER_OPTION * n
             marks = [cuda.Event() for _ in range(6)]
             fill_floats(params, rows, views)           # on their way while the host sorts

@@ -51,11 +51,16 @@ def options_per_block(warps: int) -> int:
     return 4 if warps == 1 else 1
 
 
+def _check_range(least: int, most: int) -> None:
+    if least < 1 or most > MAX_STEPS:
+        raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
+
+
 def class_of(steps: np.ndarray) -> np.ndarray:
     """Index into CLASSES of the kernel class for each option (steps <= MAX_STEPS)."""
     steps = np.asarray(steps)
-    if steps.size and (steps.min() < 1 or steps.max() > MAX_STEPS):
-        raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
+    if steps.size:
+        _check_range(steps.min(), steps.max())
     return _CLASS_OF_STEPS[steps]
 
 
@@ -91,8 +96,7 @@ def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
     steps); returns its launches, one per class, largest class first."""
     least, most = (int(steps.min()), int(steps.max())) if steps.size else (1, 1)
-    if least < 1 or most > MAX_STEPS:
-        raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
+    _check_range(least, most)
     if least == most:                   # one N (U books): already sorted, one launch
         order_out[:] = np.arange(steps.size)
         return (Launch(int(_CLASS_OF_STEPS[most]), 0, steps.size),) if steps.size else ()
@@ -147,8 +151,3 @@ def fill_order(params, rows, views: InputViews) -> tuple:
     _put(views.american, params.american, rows)
     return schedule(views.steps, views.order)
 
-
-def fill_input(params, rows, views: InputViews) -> tuple:
-    """The chunk's whole input from `rows` of params; returns its launches."""
-    fill_floats(params, rows, views)
-    return fill_order(params, rows, views)
