@@ -30,8 +30,9 @@
 // A launch prices the rows order[first .. first + count - 1] (one class); each is read and priced
 // where it lies, so the host copies rows as given and gets prices back in that order.  Output:
 // out[r], the price of row r, and, if `levels` is not null, levels[5 r .. 5 r + 4] = V(1,0), V(1,1),
-// V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps + 1 must not exceed the kernel's
-// capacity 32 * VT * G * W (the scheduler picks the class).
+// V(2,0), V(2,1), V(2,2) (NaN for N < 2), for Greeks.  Steps must not exceed the kernel's capacity
+// 32 * VT * G * W (the scheduler picks the class): at steps = capacity the payoff's top node lies
+// above the registers, and only the first step reads it (as the top lane's neighbour).
 //
 // Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16).
 
@@ -496,6 +497,13 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     }
     double up[G];
     send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
+    constexpr int CAPACITY = 32 * VT * G * W;
+    if (n == CAPACITY && lane == 31 && warp == W - 1) {   // the top node, neighbour of the top lane
+        const double top = sign * fma(base_n, exp((double)CAPACITY * log_ratio), -op.strike);
+        const double payoff = top > 0.0 ? top : 0.0;
+        if (W == 1) up[G - 1] = payoff;
+        else xch[n & 1][G * W] = payoff;            // read after the first step's barrier
+    }
     int t = n;
     int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {

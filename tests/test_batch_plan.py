@@ -16,13 +16,13 @@ def test_classes_grow_and_every_width_has_the_smallest_fitting_class():
     assert np.all(np.diff(CAPACITY) > 0)
     steps = np.arange(1, MAX_STEPS + 1)
     cls = class_of(steps)
-    assert np.all(CAPACITY[cls] >= steps + 1)                      # holds the option
-    assert np.all((cls == 0) | (CAPACITY[np.maximum(cls - 1, 0)] < steps + 1))  # the smallest that does
+    assert np.all(CAPACITY[cls] >= steps)                          # holds the option
+    assert np.all((cls == 0) | (CAPACITY[np.maximum(cls - 1, 0)] < steps))  # the smallest that does
 
 
-@pytest.mark.parametrize("steps, expected", [(1, (1, 1)), (127, (1, 1)), (128, (1, 2)), (1023, (1, 8)),
-                                             (1024, (2, 5)), (2047, (2, 8)), (2048, (4, 5)),
-                                             (8191, (8, 8)), (8192, (16, 5)), (MAX_STEPS, (16, 8))])
+@pytest.mark.parametrize("steps, expected", [(1, (1, 1)), (128, (1, 1)), (129, (1, 2)), (1024, (1, 8)),
+                                             (1025, (2, 5)), (2048, (2, 8)), (2049, (4, 5)),
+                                             (8192, (8, 8)), (8193, (16, 5)), (MAX_STEPS, (16, 8))])
 def test_class_edges(steps, expected):
     assert CLASSES[int(class_of([steps])[0])] == expected
 
@@ -34,7 +34,8 @@ def test_steps_outside_the_classes_are_refused():
 
 
 def test_schedule_sorts_by_steps_descending_and_launches_cover_it_by_class(rng):
-    steps = rng.integers(1, MAX_STEPS + 1, 5000).astype(np.int32)
+    edges = np.r_[CAPACITY[:-1], CAPACITY[:-1] + 1, MAX_STEPS]    # the top of each class, the next's bottom
+    steps = rng.permutation(np.r_[rng.integers(1, MAX_STEPS + 1, 5000), edges]).astype(np.int32)
     order = np.full(steps.size, -1, dtype=np.int32)
     launches = schedule(steps, order)
     assert sorted(order.tolist()) == list(range(steps.size))       # a permutation of the rows

@@ -32,8 +32,10 @@ def batch_engine(**kw):
 
 
 def test_every_class_edge_every_kind(rng):
-    edges = sorted({1, 2, 3, *(CAPACITY - 2).tolist(), *(CAPACITY - 1).tolist(),
-                    *CAPACITY[:-1].tolist()})
+    # the top of every class (steps = capacity: the top node fed in as a neighbour) and the bottom
+    # of the next
+    edges = sorted({1, 2, 3, *(CAPACITY - 1).tolist(), *CAPACITY[:-1].tolist(),
+                    *(CAPACITY[:-1] + 1).tolist()})
     p = every_kind(rng, edges)
     assert_close(batch_engine().price(p), CpuEngine().price(p), p, "class edges")
 

@@ -220,7 +220,7 @@ class BatchEngine:
         ~1e8 nodes): CUDA loads a kernel at its first launch, and an idle GPU raises its clocks at
         its first work. distributed.py does this while rank 0 reads the input, so neither cost
         falls in the timed pricing."""
-        steps = np.concatenate(([1], CAPACITY[:-1])).astype(np.int64)
+        steps = np.concatenate(([1], CAPACITY[:-1] + 1)).astype(np.int64)
         count = steps.size
         cols = dict(spot=np.full(count, 100.0), strike=np.full(count, 100.0),
                     maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),

@@ -4,7 +4,9 @@ tested on any machine.
 
 Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1, else one block of
 W warps per option), G register groups of 32 lanes x VT = 4 nodes per warp; capacity 128 * W * G
-nodes, i.e. options with steps + 1 <= capacity. Work follows the lattice's triangle (idle groups
+nodes, which hold options with steps <= capacity (at steps = capacity the payoff's top node is fed
+in as the first step's neighbour: N = 1 024, 2 048, 4 096 stay in the classes whose G = 8 holds
+them, 7-35 % faster than the next W's G = 5, docs/performance.md session 9). Work follows the lattice's triangle (idle groups
 are skipped), so a class is chosen for its registers, not its work: the smallest W whose largest G
 holds the option, then the smallest G (fewer registers, more warps per SM). W = 1 keeps the whole
 lattice in one warp (no barrier); W > 1 meets once per step. Classes with W > 1 and G <= 4 are
@@ -44,7 +46,7 @@ FLOAT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS)
 INPUT_BYTES_PER_OPTION = FLOAT_BYTES_PER_OPTION + 4 + 4 + 1 + 1
 
 # class of every steps value 0..MAX_STEPS (a table lookup: searchsorted cost 0.5-1.2 ms per 100k)
-_CLASS_OF_STEPS = np.searchsorted(CAPACITY, np.arange(MAX_STEPS + 1) + 1).astype(np.int8)
+_CLASS_OF_STEPS = np.searchsorted(CAPACITY, np.arange(MAX_STEPS + 1)).astype(np.int8)
 
 
 def options_per_block(warps: int) -> int:
@@ -106,7 +108,7 @@ def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     # the sorted steps descend, so each class is one run; above[c]: how many lie above class c
     ascending = -np.take(steps, order)
     # needles of the haystack's dtype: mixed ones made searchsorted copy the whole haystack
-    above = np.searchsorted(ascending, (-CAPACITY).astype(ascending.dtype), side="right")
+    above = np.searchsorted(ascending, (-CAPACITY).astype(ascending.dtype), side="left")
     below_or_at = np.r_[steps.size, above[:-1]]
     return tuple(Launch(c, int(above[c]), int(below_or_at[c]))
                  for c in range(len(CLASSES) - 1, -1, -1) if below_or_at[c] > above[c])
