@@ -6,11 +6,12 @@ Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1,
 W warps per option), G register groups of 32 lanes x VT = 4 nodes per warp; capacity 128 * W * G
 nodes, which hold options with steps <= capacity (at steps = capacity the payoff's top node is fed
 in as the first step's neighbour: N = 1 024, 2 048, 4 096 stay in the classes whose G = 8 holds
-them, 7-35 % faster than the next W's G = 5, docs/performance.md session 9). Work follows the lattice's triangle (idle groups
-are skipped), so a class is chosen for its registers, not its work: the smallest W whose largest G
-holds the option, then the smallest G (fewer registers, more warps per SM). W = 1 keeps the whole
-lattice in one warp (no barrier); W > 1 meets once per step. Classes with W > 1 and G <= 4 are
-never chosen (the next smaller W holds those options) and are left out.
+them, 7-35 % faster than the next W's G = 5, docs/performance.md session 9). Work follows the
+lattice's triangle (idle groups are skipped), so a class is chosen for its registers, not its
+work: the smallest W whose largest G holds the option, then the smallest G (fewer registers, more
+warps per SM). W = 1 keeps the whole lattice in one warp (no barrier); W > 1 meets once per
+step. Classes with W > 1 and G <= 4 are never chosen (the next smaller W holds those options) and
+are left out.
 
 A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
 sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
