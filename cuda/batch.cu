@@ -45,7 +45,7 @@
 // and a DFMA, fma(pu / pd, X_up, X), renormalised every SCALE_EVERY levels (price_lattice).
 // X grows by at most pd^-32 <= 2^576 between renormalisations where pd >= SCALED_MIN_PD; European
 // options with a smaller pd take the American step loop with an exercise value of -inf (the same
-// bits as the unscaled European step; batch_price). Measured: U2 European kernels 10.59 -> 8.80
+// bits as the unscaled European step; batch_price). Measured: U2 European kernels 10.59 -> 8.23
 // ms; W > 1 gained nothing (U1 0.545 -> 0.551 ms, R 57.97 -> 58.64) and their G = 8 kernels
 // spilled (docs/performance.md, session 9).
 #ifndef EU_SCALED
@@ -446,18 +446,16 @@ __device__ __forceinline__ double power_of(double x, int k)
     return r;
 }
 
-// Scaled European steps (EU_SCALED): every node and neighbour times `factor`, and (W > 1) the
-// warp's node 0 of every group published again for the step from level t.
-template <int W, int G>
-__device__ __forceinline__ void rescale(double (&v)[G][VT], double (&up)[G], const StepState& st,
-                                        double (*xch)[G * W + 1], int t, double factor)
+// Scaled European steps (EU_SCALED, W = 1: every neighbour is in a register): every node and
+// neighbour times `factor`.
+template <int G>
+__device__ __forceinline__ void rescale(double (&v)[G][VT], double (&up)[G], double factor)
 {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         up[g] *= factor;
 #pragma unroll
         for (int q = 0; q < VT; ++q) v[g][q] *= factor;
-        if (W > 1 && st.lane == 0) xch[t & 1][g * W + st.warp] = v[g][0];
     }
 }
 
@@ -551,7 +549,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         if (W == 1) up[G - 1] = payoff;
         else xch[n & 1][G * W] = payoff;            // read after the first step's barrier
     }
-    int scaled_from = n, next_renorm = n - SCALE_EVERY;
+    int scaled_from = n;          // the level of the last renormalisation (0: plain values)
     int t = n;
     int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {
@@ -568,7 +566,8 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         // or to the next skip check
         int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
         // (not below level 3: the last phase keeps levels 2 and 1 for Greeks when it starts above)
-        if (SCALE && next_renorm >= 3) t_lo = max(t_lo, next_renorm);
+        const int renorm_at = scaled_from - SCALE_EVERY;
+        if (SCALE && renorm_at >= 3) t_lo = max(t_lo, renorm_at);
         // computed slots: the active groups less those skipped
         const int computed = !AMERICAN ? active
                            : sk.mode == SKIP_PUT ? max(active - st.lo, 0)
@@ -587,7 +586,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
                 const int t_keep = t < 3 ? t : 3;
                 steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_keep);
                 if (SCALE) {   // the kept levels are plain values
-                    rescale<W, G>(v, up, st, xch, t_keep, power_of(op.pd, scaled_from - t_keep));
+                    rescale<G>(v, up, power_of(op.pd, scaled_from - t_keep));
                     scaled_from = 0;
                 }
                 steps_with_groups<W, G, 1, AMERICAN, true>(v, up, group_ratio, node_ratio, st, xch, t_keep, 0, kept);
@@ -599,10 +598,9 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         PHASE(2) PHASE(3) PHASE(4) PHASE(5) PHASE(6) PHASE(7) PHASE(8)
 #undef PHASE
         }
-        if (SCALE && next_renorm >= 3 && t_lo == next_renorm) {
-            rescale<W, G>(v, up, st, xch, t_lo, st.oc->pd_every);
+        if (SCALE && t_lo >= 3 && t_lo == scaled_from - SCALE_EVERY) {
+            rescale<G>(v, up, st.oc->pd_every);
             scaled_from = t_lo;
-            next_renorm -= SCALE_EVERY;
         }
         t = t_lo;
     }
