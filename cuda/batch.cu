@@ -537,8 +537,8 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     // needs level t - 1); the next chunk is computed one chunk ahead
     st.chunk_now = st.chunk_next = 0.0;
     if (AMERICAN) {
-        st.chunk_now = sign * (op.spot * exp((double)(n - 1 - lane) * op.log_down));
-        st.chunk_next = sign * (op.spot * exp((double)(n - 33 - lane) * op.log_down));
+        st.chunk_now = signed_level_base(op, sign, n - 1 - lane);
+        st.chunk_next = signed_level_base(op, sign, n - 33 - lane);
     }
     double up[G];
     send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
