@@ -41,18 +41,6 @@
 #endif
 
 #define VT 4
-// European options of W = 1 step on scaled values X = V / pd^s: one DFMA a node instead of a DMUL
-// and a DFMA, fma(pu / pd, X_up, X), renormalised every SCALE_EVERY levels (price_lattice).
-// X grows by at most pd^-32 <= 2^576 between renormalisations where pd >= SCALED_MIN_PD; European
-// options with a smaller pd take the American step loop with an exercise value of -inf (the same
-// bits as the unscaled European step; batch_price). Measured: U2 European kernels 10.59 -> 8.23
-// ms; W > 1 gained nothing (U1 0.545 -> 0.551 ms, R 57.97 -> 58.64) and their G = 8 kernels
-// spilled (docs/performance.md, session 9).
-#ifndef EU_SCALED
-#define EU_SCALED 1
-#endif
-#define SCALE_EVERY 32
-#define SCALED_MIN_PD 0x1p-18
 #define FULL_MASK 0xffffffffu
 #define OPTIONS_PER_BLOCK (BATCH_W == 1 ? 4 : 1)
 #define BLOCK_THREADS (32 * BATCH_W * OPTIONS_PER_BLOCK)
@@ -103,12 +91,10 @@ struct OptionConsts {
     double sign, log_down, spot;
     double log_ratio;
     double log_limit;                   // skip margin (exercise_bound)
-    double pd_every;                    // pd^SCALE_EVERY (European options, EU_SCALED)
 };
 
 struct StepState {
     double pu, pd, minus_strike;
-    double a;                       // pu / pd: the European step on scaled values (EU_SCALED)
     const OptionConsts* oc;
     double chunk_now, chunk_next;   // level factors of this and the next chunk of 32 steps
     int j;                          // step within the chunk
@@ -134,11 +120,10 @@ __device__ __forceinline__ void exercise_group(double (&vg)[VT], const StepState
     for (int q = 0; q < VT; ++q) vg[q] = exercise_value(st, level_g, node_ratio[q]);
 }
 
-template <bool AMERICAN, bool SCALED = false>
+template <bool AMERICAN>
 __device__ __forceinline__ double node_value(const StepState& st, double v_up, double v_down,
                                              double level_g, double r)
 {
-    if (SCALED) return fma(st.a, v_up, v_down);   // X = V / pd^s (European options, EU_SCALED)
     const double hold = fma(st.pu, v_up, st.pd * v_down);
     if (!AMERICAN) return hold;
     // hold >= 0, so comparing the bit patterns as integers orders them as doubles (a negative
@@ -193,7 +178,6 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
                                                   double (*xch)[G * W + 1], int t_hi, int t_lo,
                                                   double* __restrict__ kept = nullptr)
 {
-    constexpr bool SCALED = EU_SCALED && !AMERICAN && !KEEP && W == 1;
     for (int t = t_hi; t > t_lo; --t, ++st.j) {
         double level = 0.0;
         if (AMERICAN) {
@@ -217,7 +201,7 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
         for (int g = 0; g < GA; ++g) {
             level_g[g] = AMERICAN ? level * group_ratio[g] : 0.0;
             up_now[g] = up[g];
-            v[g][0] = node_value<AMERICAN, SCALED>(st, v[g][1], v[g][0], level_g[g], node_ratio[0]);
+            v[g][0] = node_value<AMERICAN>(st, v[g][1], v[g][0], level_g[g], node_ratio[0]);
         }
         if (AMERICAN && GA < G && st.topx) {   // surely exercised: the exercise value itself
             constexpr int X = GA < G ? GA : 0;
@@ -229,7 +213,7 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 #pragma unroll
             for (int q = 1; q < VT; ++q) {
                 const double v_up = q + 1 < VT ? v[g][q + 1 < VT ? q + 1 : 0] : up_now[g];
-                v[g][q] = node_value<AMERICAN, SCALED>(st, v_up, v[g][q], level_g[g], node_ratio[q]);
+                v[g][q] = node_value<AMERICAN>(st, v_up, v[g][q], level_g[g], node_ratio[q]);
             }
         }
         // levels 2 and 1 for Greeks: nodes 0..2 are lane 0's group 0 of warp 0
@@ -437,28 +421,6 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     if (W > 1 && st.topx && st.lane == 0) xch[t & 1][sk.hi * W + st.warp] = node0(v, sk.hi);
 }
 
-// x^k, k >= 0, by squaring (about 2 log2(k) roundings)
-__device__ __forceinline__ double power_of(double x, int k)
-{
-    double r = 1.0;
-    for (; k > 0; k >>= 1, x *= x)
-        if (k & 1) r *= x;
-    return r;
-}
-
-// Scaled European steps (EU_SCALED, W = 1: every neighbour is in a register): every node and
-// neighbour times `factor`.
-template <int G>
-__device__ __forceinline__ void rescale(double (&v)[G][VT], double (&up)[G], double factor)
-{
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        up[g] *= factor;
-#pragma unroll
-        for (int q = 0; q < VT; ++q) v[g][q] *= factor;
-    }
-}
-
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
                                                 unsigned char* skip_flags, OptionConsts* consts,
@@ -489,9 +451,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     StepState st;
     st.pu = op.pu;
     st.pd = op.pd;
-    st.a = op.pu / op.pd;
-    // (a European option on the American loop, batch_price: exercise never wins)
-    st.minus_strike = op.american ? -sign * op.strike : -INFINITY;
+    st.minus_strike = -sign * op.strike;
     st.j = 0;
     st.lane = lane;
     st.warp = warp;
@@ -506,11 +466,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     c.spot = op.spot;
     c.log_limit = 0.0;
     c.log_ratio = log_ratio;
-    // European options: X = V / pd^s, s the steps since the last renormalisation; every
-    // SCALE_EVERY levels (the same in every warp, so that neighbours share the scale) X times
-    // pd^SCALE_EVERY
-    constexpr bool SCALE = EU_SCALED && !AMERICAN && W == 1;
-    c.pd_every = SCALE ? power_of(op.pd, SCALE_EVERY) : 1.0;
     // only where it was measured to pay (W > 1; W = 1 was slower, session 7) and the check fits
     // the registers without spills (not W = 16 from G = 6, nor G = 8 for sm_80's allocation)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -519,7 +474,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     constexpr bool ARCH_OK = true;
 #endif
     constexpr bool CAN_SKIP = BATCH_SKIP && AMERICAN && W > 1 && !(W == 16 && G >= 6) && ARCH_OK;
-    if (CAN_SKIP && op.american && n > SKIP_MIN_LEVEL + SKIP_WINDOW) exercise_bound(op, sk, c);
+    if (CAN_SKIP && n > SKIP_MIN_LEVEL + SKIP_WINDOW) exercise_bound(op, sk, c);
     if (warp == 0 && lane == 0) *consts = c;
     if (W > 1) __syncthreads(); else __syncwarp();   // read from the first chunk refresh on
     st.oc = consts;
@@ -549,7 +504,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         if (W == 1) up[G - 1] = payoff;
         else xch[n & 1][G * W] = payoff;            // read after the first step's barrier
     }
-    int scaled_from = n;          // the level of the last renormalisation (0: plain values)
     int t = n;
     int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {
@@ -564,10 +518,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= t - 1;
         // the phase lasts while its last active group stays active: down to level first_node,
         // or to the next skip check
-        int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
-        // (not below level 3: the last phase keeps levels 2 and 1 for Greeks when it starts above)
-        const int renorm_at = scaled_from - SCALE_EVERY;
-        if (SCALE && renorm_at >= 3) t_lo = max(t_lo, renorm_at);
+        const int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
         // computed slots: the active groups less those skipped
         const int computed = !AMERICAN ? active
                            : sk.mode == SKIP_PUT ? max(active - st.lo, 0)
@@ -585,10 +536,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
             if (kept != nullptr && t_lo == 0 && warp == 0) {
                 const int t_keep = t < 3 ? t : 3;
                 steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_keep);
-                if (SCALE) {   // the kept levels are plain values
-                    rescale<G>(v, up, power_of(op.pd, scaled_from - t_keep));
-                    scaled_from = 0;
-                }
                 steps_with_groups<W, G, 1, AMERICAN, true>(v, up, group_ratio, node_ratio, st, xch, t_keep, 0, kept);
             } else {
                 steps_with_groups<W, G, 1, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo);
@@ -598,13 +545,9 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         PHASE(2) PHASE(3) PHASE(4) PHASE(5) PHASE(6) PHASE(7) PHASE(8)
 #undef PHASE
         }
-        if (SCALE && t_lo >= 3 && t_lo == scaled_from - SCALE_EVERY) {
-            rescale<G>(v, up, st.oc->pd_every);
-            scaled_from = t_lo;
-        }
         t = t_lo;
     }
-    return SCALE ? v[0][0] * power_of(op.pd, scaled_from) : v[0][0];
+    return v[0][0];
 }
 
 template <int W, int G>
@@ -629,9 +572,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     const Option op = load_option(input, n, row);
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
     const int slot = W == 1 ? warp_in_block : 0;
-    // European options whose scaled steps could overflow (EU_SCALED) take the American loop
-    const bool american_loop = op.american || (EU_SCALED && W == 1 && !(op.pd >= SCALED_MIN_PD));
-    const double price = american_loop
+    const double price = op.american
         ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept)
         : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept);
     if (warp == 0 && lane == 0) out[row] = price;

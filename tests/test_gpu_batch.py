@@ -66,19 +66,6 @@ def test_one_step_options(rng):
     assert_close(batch_engine().price(p), CpuEngine().price(p), p, "N = 1")
 
 
-def test_scaled_european_steps_with_tiny_down_probabilities(rng):
-    """One-warp European options step on V / pd^s, renormalised every 32 levels, where pd >= 2^-18;
-    below, where V / pd^32 could overflow, they take the American loop with no exercise
-    (cuda/batch.cu, EU_SCALED): pd from 0.1 down to 1e-300 of the discount, N across the W = 1
-    classes, against the cpu engine."""
-    steps = rng.integers(1, 1025, 60)
-    p = options(rng, steps, american=False)
-    disc = p.pu + p.pd
-    p.pd = disc * 10.0 ** rng.choice([-1, -7, -30, -100, -300], steps.size)
-    p.pu = disc - p.pd
-    assert_close(batch_engine().price(p), CpuEngine().price(p), p, "tiny pd")
-
-
 def test_many_chunks_keep_the_input_order(rng):
     p = options(rng, rng.integers(1, 1500, 1000))
     engine = batch_engine(chunk_options=37)
