@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
-                                       MAX_STEPS, chunk_bounds, chunk_size, class_of, fill_floats,
-                                       fill_order, input_views, schedule)
+                                       KERNELS, MAX_STEPS, chunk_bounds, chunk_size, class_of,
+                                       fill_floats, fill_order, input_views, schedule)
 from pricer.lattice import lattice_parameters
 
 
@@ -57,6 +57,67 @@ def test_one_n_is_one_launch_in_row_order():
     np.testing.assert_array_equal(order, np.arange(steps.size))
     assert [(ln.cls, ln.lo, ln.hi) for ln in launches] == [(int(class_of([1000])[0]), 0, 1000)]
     assert schedule(np.array([], dtype=np.int32), np.array([], dtype=np.int32)) == ()
+
+
+def kernels_of(launches):
+    return [(KERNELS[ln.cls], ln.lo, ln.hi) for ln in launches]
+
+
+def sorted_schedule(steps, resident):
+    steps = np.asarray(steps, dtype=np.int32)
+    order = np.full(steps.size, -1, dtype=np.int32)
+    return steps, order, schedule(steps, order, resident)
+
+
+def test_a_one_class_chunk_sends_its_last_partial_wave_to_twice_the_warps():
+    """U1 on an H200: 1 024 options of N = 2 048, 792 of class (2, 8) at once: the last 232 go to
+    (4, 4), which holds them (docs/performance.md, session 10)."""
+    _, _, launches = sorted_schedule([2048] * 1024, lambda cls: 792 if KERNELS[cls] == (2, 8) else 0)
+    assert kernels_of(launches) == [((2, 8), 0, 792), ((4, 4), 792, 1024)]
+    _, _, launches = sorted_schedule([5000] * 300, lambda cls: 264 if KERNELS[cls] == (8, 5) else 0)
+    assert kernels_of(launches) == [((8, 5), 0, 264), ((16, 3), 264, 300)]
+
+
+def test_the_tail_kernel_holds_the_largest_of_its_options(rng):
+    """Steps of one class, sorted descending: the tail is the smallest options, its G that of its
+    largest; every option of a launch fits its kernel."""
+    for _ in range(20):
+        k = int(rng.integers(len(CLASSES)))
+        w, g = CLASSES[k]
+        if w in (1, 16):
+            continue
+        bottom = int(CAPACITY[k - 1]) + 1 if k > 0 else 1
+        count = int(rng.integers(150, 400))
+        steps = rng.integers(bottom, int(CAPACITY[k]) + 1, count)
+        # more than one wave, the last at most half of one
+        at_once = int(rng.integers(-(-2 * count // 3), count))
+        s, order, launches = sorted_schedule(steps, lambda cls, c=(w, g), a=at_once:
+                                             a if KERNELS[cls] == c else 0)
+        assert [KERNELS[ln.cls][0] for ln in launches] == [w, 2 * w]
+        assert launches[0].hi - launches[0].lo == at_once
+        for ln in launches:
+            assert s[order[ln.lo:ln.hi]].max() <= 128 * ln.warps * ln.groups
+        tail = s[order[launches[1].lo:]]
+        assert 128 * ln.warps * (ln.groups - 1) < tail.max()        # the smallest G that holds it
+
+
+@pytest.mark.parametrize("steps, at_once", [
+    ([2048] * 1200, 792),                   # a last wave over half: as it is
+    ([2048] * 792 * 2, 792),                # whole waves
+    ([2048] * 700, 792),                    # one wave
+    ([MAX_STEPS] * 300, 132),               # W = 16: no wider kernel
+    ([1000] * 100_000, 1584),               # W = 1: U2's tail is too short to gain
+    ([2048] * 900 + [100] * 10, 792),       # two classes: their launches fill each other's tails
+])
+def test_no_split_where_it_would_not_pay(steps, at_once):
+    s, _, launches = sorted_schedule(steps, lambda cls: at_once)
+    _, _, plain = sorted_schedule(steps, None)
+    assert launches == plain
+
+
+def test_no_split_where_the_gpu_cannot_say():
+    _, _, launches = sorted_schedule([2048] * 1024, lambda cls: 0)
+    assert kernels_of(launches) == [((2, 8), 0, 1024)]
 
 
 def test_chunks_are_runs_of_rows_within_the_memory_cap():

@@ -61,6 +61,25 @@ def test_warm_up_launches_every_class_and_leaves_prices_alone(rng):
     assert_close(engine.price(p), CpuEngine().price(p), p, "after warm_up")
 
 
+def test_a_split_last_wave_changes_no_bit(rng):
+    """A one-class chunk a quarter wave over one (batch_plan.split_last_wave): two launches, the
+    prices bitwise those of one launch, and the CPU engine's."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch_plan import class_of
+    split = BatchEngine(runner=CudaBatchRunner())
+    whole = BatchEngine(runner=CudaBatchRunner(split_waves=False))
+    for steps in (1100, 3000):                  # W = 2 to W = 4; W = 4 to W = 8
+        at_once = split.runner.resident(int(class_of([steps])[0]))
+        assert at_once > 0
+        p = options(rng, [steps] * (at_once + at_once // 4))
+        got = split.price(p)
+        assert split.runner.last_stats["launches"] == 2
+        np.testing.assert_array_equal(got, whole.price(p))
+        assert whole.runner.last_stats["launches"] == 1
+        pick = rng.choice(len(p), 40, replace=False)
+        assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), f"split, N = {steps}")
+
+
 def test_one_step_options(rng):
     p = every_kind(rng, [1] * 8)
     assert_close(batch_engine().price(p), CpuEngine().price(p), p, "N = 1")

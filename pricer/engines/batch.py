@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from pricer.engines.batch_plan import (CAPACITY, CLASSES, DEFAULT_CHUNK_OPTIONS,
+from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS,
                                        FLOAT_BYTES_PER_OPTION, INPUT_BYTES_PER_OPTION, MAX_STEPS,
                                        chunk_bounds, chunk_size, class_of, fill_floats, fill_order,
                                        input_views, options_per_block)
@@ -37,16 +37,19 @@ class CudaBatchRunner:
     """Prices options (all with steps <= MAX_STEPS) with the batch kernels on this rank's GPU."""
 
     def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS, skip: bool = True,
-                 count: bool = False):
+                 count: bool = False, split_waves: bool = True):
         """skip=False builds the kernels without the skipping of surely exercised nodes (the same
         prices, bit for bit: the tests compare them); count=True builds them with group-step
-        counters (group_steps()), for measurements."""
+        counters (group_steps()), for measurements; split_waves=False keeps a one-class chunk in
+        one launch (batch_plan.split_last_wave; the same prices, bit for bit)."""
         from pricer.engines.gpu import GpuRuntime
         self.rt = runtime or GpuRuntime.get()
         self.chunk_options = int(chunk_options)
+        self.split_waves = split_waves
         self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
         self._modules: dict = {}
         self._functions: dict = {}
+        self._resident: dict = {}
         self._buffers = None
         self._streams = None
         self._launch_streams: list = []
@@ -54,15 +57,28 @@ class CudaBatchRunner:
         self.last_stats: dict = {}
 
     def function(self, cls: int):
-        """The kernel of class `cls` (its module, one per warp count W, is compiled on first use)."""
+        """The kernel KERNELS[cls] (its module, one per warp count W, is compiled on first use)."""
         if cls not in self._functions:
-            warps, groups = CLASSES[cls]
+            warps, groups = KERNELS[cls]
             module = self.rt.module([f"-DBATCH_W={warps}", *self._defines], "batch.cu")
             self._modules[warps] = module
             fn = module.get_function(f"batch_kernel_g{groups}")
             fn.prepare("PiiPPi")
             self._functions[cls] = fn
         return self._functions[cls]
+
+    def resident(self, cls: int) -> int:
+        """Options of kernel KERNELS[cls] that the GPU holds at once (0 where it cannot say)."""
+        if cls not in self._resident:
+            from pricer.engines.gpu import resident_blocks
+            warps = KERNELS[cls][0]
+            per_block = options_per_block(warps)
+            try:
+                held = resident_blocks(self.rt, self.function(cls), warps * per_block) * per_block
+            except Exception:  # noqa: BLE001 -- a runtime without occupancy figures
+                held = 0
+            self._resident[cls] = held
+        return self._resident[cls]
 
     def group_steps(self, reset: bool = False) -> tuple[int, int]:
         """(group-steps computed, group-steps of a kernel that skips none) since the last reset,
@@ -131,7 +147,7 @@ class CudaBatchRunner:
             marks[0].record(stream)
             cuda.memcpy_htod_async(buf["input_d"], buf["input"][:floats], stream)
             marks[1].record(stream)
-            chunk_launches = fill_order(params, rows, views)
+            chunk_launches = fill_order(params, rows, views, self.resident if self.split_waves else None)
             launches += len(chunk_launches)
             marks[2].record(stream)
             cuda.memcpy_htod_async(int(buf["input_d"]) + floats,

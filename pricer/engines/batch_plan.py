@@ -13,6 +13,10 @@ warps per SM). W = 1 keeps the whole lattice in one warp (no barrier); W > 1 mee
 step. Classes with W > 1 and G <= 4 are never chosen (the next smaller W holds those options) and
 are left out.
 
+A chunk of one class (a uniform book) is one launch, or, for W = 2, 4 and 8, two where its last
+wave would leave most of the GPU idle: those options then take twice the warps each
+(split_last_wave).
+
 A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
 sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
 largest lattices start first (a launch's tail is short). Each class is one launch over a run of
@@ -36,6 +40,9 @@ WARPS = (1, 2, 4, 8, 16)
 MAX_GROUPS = 8
 CLASSES = tuple((w, g) for w in WARPS for g in range(1, MAX_GROUPS + 1)
                 if w == 1 or g > MAX_GROUPS // 2)
+# every kernel a launch may use: the classes, then those left out of them, which price only the
+# last partial wave of a one-launch chunk (split_last_wave); indices into CLASSES stay the same
+KERNELS = CLASSES + tuple((w, g) for w in WARPS[1:] for g in range(1, MAX_GROUPS // 2 + 1))
 CAPACITY = np.array([32 * NODES_PER_LANE * w * g for w, g in CLASSES], dtype=np.int64)
 MAX_STEPS = int(CAPACITY[-1]) - 1  # wider options go through `hybrid`
 DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on the device per chunk
@@ -69,17 +76,17 @@ def class_of(steps: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Launch:
-    cls: int        # index into CLASSES
+    cls: int        # index into KERNELS (a class's index into CLASSES is the same)
     lo: int         # positions [lo, hi) of the chunk's sorted order
     hi: int
 
     @property
     def warps(self) -> int:
-        return CLASSES[self.cls][0]
+        return KERNELS[self.cls][0]
 
     @property
     def groups(self) -> int:
-        return CLASSES[self.cls][1]
+        return KERNELS[self.cls][1]
 
 
 def chunk_size(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> int:
@@ -95,9 +102,41 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
     return [(lo, min(lo + size, options)) for lo in range(0, options, size)]
 
 
-def schedule(steps: np.ndarray, order_out: np.ndarray) -> tuple:
+def split_last_wave(launch: Launch, steps: np.ndarray, order: np.ndarray, resident) -> tuple:
+    """A launch over the sorted `order` of a chunk's `steps`, as it runs best when nothing runs
+    beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
+    last wave of at most half of that would run at low occupancy for as long as a full one, so its
+    options (the smallest, at the end of the sorted order) go to twice the warps per option and
+    finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 + (4, 4) x 232 took 1.10 ms of
+    kernels against 1.21 ms, docs/performance.md session 10). Only for W = 2, 4, 8: W = 16 has no
+    wider kernel, and W = 1's tail (U2: 208 of 100 000 options) is too short to gain (measured
+    0.6-0.8 % slower)."""
+    warps = launch.warps
+    held = int(resident(launch.cls)) if 1 < warps < WARPS[-1] else 0
+    count = launch.hi - launch.lo
+    tail = count % held if held > 0 else 0
+    if count <= held or tail == 0 or tail > held // 2:
+        return (launch,)
+    wide = 2 * warps
+    tail_steps = int(steps[order[launch.hi - tail]])         # the tail's largest
+    groups = -(-tail_steps // (32 * NODES_PER_LANE * wide))
+    tail_cls = KERNELS.index((wide, groups))
+    return (Launch(launch.cls, launch.lo, launch.hi - tail), Launch(tail_cls, launch.hi - tail, launch.hi))
+
+
+def schedule(steps: np.ndarray, order_out: np.ndarray, resident=None) -> tuple:
     """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
-    steps); returns its launches, one per class, largest class first."""
+    steps); returns its launches, one per class, largest class first. With `resident` (options
+    of kernel cls the GPU holds at once, a function of cls), a chunk of one class also has its
+    last partial wave split off (split_last_wave); chunks of several classes run their launches
+    side by side, which fill each other's tails."""
+    launches = _launches(steps, order_out)
+    if resident is None or len(launches) != 1:
+        return launches
+    return split_last_wave(launches[0], steps, order_out, resident)
+
+
+def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     least, most = (int(steps.min()), int(steps.max())) if steps.size else (1, 1)
     _check_range(least, most)
     if least == most:                   # one N (U books): already sorted, one launch
@@ -147,10 +186,10 @@ def fill_floats(params, rows, views: InputViews) -> None:
         _put(views.floats[k], getattr(params, name), rows)
 
 
-def fill_order(params, rows, views: InputViews) -> tuple:
+def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
     """Steps, flags and the sorted order of `rows` of params; returns the launches (schedule)."""
     _put(views.steps, params.steps, rows)
     _put(views.call, params.call, rows)
     _put(views.american, params.american, rows)
-    return schedule(views.steps, views.order)
+    return schedule(views.steps, views.order, resident)
 

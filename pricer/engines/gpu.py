@@ -253,6 +253,27 @@ def local_rank() -> int:
     return 0
 
 
+def resident_blocks(rt, fn, warps: int) -> int:
+    """Blocks of `warps` warps of kernel fn that the whole GPU holds at once: per SM, the least
+    of what its registers (allocated per warp in units of 256, per SM sub-partition), threads,
+    block slots and shared memory allow, times the SMs."""
+    attr = rt.cuda.device_attribute
+    dev = rt.device
+    sms = dev.get_attribute(attr.MULTIPROCESSOR_COUNT)
+    regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
+    threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
+    blocks_sm = 16
+    if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
+        blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
+    warp_regs = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
+    warps_sm = 4 * ((regs_sm // 4) // warp_regs)
+    per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
+    shared = int(fn.shared_size_bytes)
+    if shared:
+        per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
+    return max(per_sm, 0) * sms
+
+
 class GpuRuntime:
     """The process's CUDA context and everything allocated in it."""
 
@@ -405,22 +426,8 @@ class CudaKernels:
         return self._pers_tiles
 
     def _count_pers_tiles(self) -> int:
-        cuda, fn, warps = self.rt.cuda, self._pers, self.config.pers_warps
-        attr = cuda.device_attribute
-        dev = self.rt.device
-        sms = dev.get_attribute(attr.MULTIPROCESSOR_COUNT)
-        regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
-        threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
-        blocks_sm = 16
-        if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
-            blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
-        warp_regs = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
-        warps_sm = 4 * ((regs_sm // 4) // warp_regs)
-        per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
-        shared = int(fn.shared_size_bytes)
-        if shared:
-            per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
-        return max(per_sm, 0) * sms * warps
+        warps = self.config.pers_warps
+        return resident_blocks(self.rt, self._pers, warps) * warps
 
     def pers_top(self) -> int:
         """The widest level (t) the persistent kernel may start on: its tiles all fit at once."""
