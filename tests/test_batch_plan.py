@@ -9,7 +9,7 @@ import pytest
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
                                        KERNELS, MAX_STEPS, chunk_bounds, chunk_size, class_of,
                                        fill_floats, fill_order, input_views, schedule)
-from pricer.lattice import lattice_parameters
+from pricer.lattice import FLOAT_ROWS, lattice_parameters
 
 
 def test_classes_grow_and_every_width_has_the_smallest_fitting_class():
@@ -141,6 +141,21 @@ def book(rng, n):
                 steps=rng.integers(1, MAX_STEPS + 1, n), call=rng.random(n) < 0.5,
                 american=rng.random(n) < 0.5)
     return lattice_parameters(cols)
+
+
+def test_the_float_fields_are_the_packed_rows_in_order():
+    """fill_floats copies a run of rows as one block of LatticeParams.packed."""
+    assert {name: k for k, name in enumerate(FLOAT_FIELDS)} == FLOAT_ROWS
+
+
+def test_a_run_of_many_rows_is_copied_whole(rng):
+    params = book(rng, 40_010)
+    rows = slice(5, 40_005)                                        # blocks of 16 384 and a rest
+    n = rows.stop - rows.start
+    views = input_views(np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8), n)
+    fill_floats(params, rows, views)
+    for k, name in enumerate(FLOAT_FIELDS):
+        np.testing.assert_array_equal(views.floats[k], getattr(params, name)[rows])
 
 
 @pytest.mark.parametrize("rows", [slice(3, 9), np.array([7, 0, 3, 3, 11])], ids=["slice", "index"])

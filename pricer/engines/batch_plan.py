@@ -1,5 +1,5 @@
 """The `batch` backend's schedule on one rank: which rows go to the GPU together (chunks), and
-which kernel class prices which option of a chunk in which launch. Pure numpy (no GPU), so it is
+which kernel class prices which option of a chunk in which launch. numpy and numba (no GPU), so it is
 tested on any machine.
 
 Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1, else one block of
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit, prange
 
 NODES_PER_LANE = 4                 # VT in cuda/batch.cu
 WARPS = (1, 2, 4, 8, 16)
@@ -49,6 +50,7 @@ DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on th
 
 # The kernel's input for a chunk of n rows, one byte buffer (cuda/batch.cu, load_option): the
 # lattice numbers column by column, then steps, the sorted order, and the two flags.
+# the fields are LatticeParams.packed's first rows, in this order (fill_floats copies them as a block)
 FLOAT_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd")
 FLOAT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS)
 INPUT_BYTES_PER_OPTION = FLOAT_BYTES_PER_OPTION + 4 + 4 + 1 + 1
@@ -142,16 +144,34 @@ def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     if least == most:                   # one N (U books): already sorted, one launch
         order_out[:] = np.arange(steps.size)
         return (Launch(int(_CLASS_OF_STEPS[most]), 0, steps.size),) if steps.size else ()
-    # steps <= MAX_STEPS < 2**15: a stable sort of int16 keys is a radix sort (linear time)
-    order = np.argsort((MAX_STEPS - steps).astype(np.int16), kind="stable")
-    order_out[:] = order
-    # the sorted steps descend, so each class is one run; above[c]: how many lie above class c
-    ascending = -np.take(steps, order)
-    # needles of the haystack's dtype: mixed ones made searchsorted copy the whole haystack
-    above = np.searchsorted(ascending, (-CAPACITY).astype(ascending.dtype), side="left")
+    # a counting sort (steps <= MAX_STEPS): linear, and its counts give the classes' runs
+    greater = _sort_by_steps_descending(steps, order_out)
+    # the sorted steps descend, so each class is one run: above[c] of them lie above class c
+    above = greater[np.minimum(CAPACITY, MAX_STEPS)]
     below_or_at = np.r_[steps.size, above[:-1]]
     return tuple(Launch(c, int(above[c]), int(below_or_at[c]))
                  for c in range(len(CLASSES) - 1, -1, -1) if below_or_at[c] > above[c])
+
+
+@njit(cache=True, nogil=True)
+def _sort_by_steps_descending(steps, order_out):
+    """Rows sorted by steps, descending and stable, into order_out; returns greater[s], how many
+    rows have more than s steps (s <= MAX_STEPS). The schedule of 100 000 rows takes 0.5-0.8 ms
+    so on the GPU machine's host, where numpy's argsort, take and searchsorted took 1.6 ms
+    (session 10)."""
+    greater = np.zeros(MAX_STEPS + 1, dtype=np.int64)
+    for r in range(steps.size):
+        if steps[r] > 0:
+            greater[steps[r] - 1] += 1        # counted at s = steps - 1, summed downwards below
+    for s in range(MAX_STEPS - 1, -1, -1):
+        greater[s] += greater[s + 1]
+    # rows with steps = s go to positions greater[s] ... greater[s - 1] - 1, in row order
+    next_at = greater.copy()
+    for r in range(steps.size):
+        s = steps[r]
+        order_out[next_at[s]] = r
+        next_at[s] += 1
+    return greater
 
 
 class InputViews(NamedTuple):
@@ -181,9 +201,29 @@ def _put(dst: np.ndarray, src: np.ndarray, rows) -> None:
 
 def fill_floats(params, rows, views: InputViews) -> None:
     """The lattice numbers of `rows` of params: the first 48 n bytes of the input, which the
-    runner sends while the host sorts (fill_order)."""
+    runner sends while the host sorts (fill_order). A run of rows is one block of
+    LatticeParams.packed (its first rows are these fields, in this order), copied on all cores:
+    0.06 ms per 100 000 rows on the GPU machine's host, against 0.4 ms for numpy's copies on one
+    core (session 10)."""
+    if isinstance(rows, slice) and rows.step in (None, 1):
+        lo, hi, _ = rows.indices(len(params))
+        _copy_columns(params.packed, lo, views.floats[:, :hi - lo])
+        return
     for k, name in enumerate(FLOAT_FIELDS):
         _put(views.floats[k], getattr(params, name), rows)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _copy_columns(packed, lo, out):
+    """out[k, r] = packed[k, lo + r] for the rows of out, in blocks of 16 384 rows side by side."""
+    fields, n = out.shape
+    block = 16384
+    blocks = (n + block - 1) // block
+    for job in prange(fields * blocks):
+        k = job // blocks
+        first = (job % blocks) * block
+        for r in range(first, min(first + block, n)):
+            out[k, r] = packed[k, lo + r]
 
 
 def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
