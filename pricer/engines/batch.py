@@ -147,7 +147,8 @@ class CudaBatchRunner:
             marks[0].record(stream)
             cuda.memcpy_htod_async(buf["input_d"], buf["input"][:floats], stream)
             marks[1].record(stream)
-            chunk_launches = fill_order(params, rows, views, self.resident if self.split_waves else None)
+            resident = self.resident if self.split_waves else None
+            chunk_launches = fill_order(params, rows, views, resident)
             launches += len(chunk_launches)
             marks[2].record(stream)
             cuda.memcpy_htod_async(int(buf["input_d"]) + floats,

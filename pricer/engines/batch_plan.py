@@ -1,6 +1,6 @@
 """The `batch` backend's schedule on one rank: which rows go to the GPU together (chunks), and
-which kernel class prices which option of a chunk in which launch. numpy and numba (no GPU), so it is
-tested on any machine.
+which kernel class prices which option of a chunk in which launch. numpy and numba (no GPU), so it
+is tested on any machine.
 
 Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1, else one block of
 W warps per option), G register groups of 32 lanes x VT = 4 nodes per warp; capacity 128 * W * G
@@ -50,7 +50,7 @@ DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on th
 
 # The kernel's input for a chunk of n rows, one byte buffer (cuda/batch.cu, load_option): the
 # lattice numbers column by column, then steps, the sorted order, and the two flags.
-# the fields are LatticeParams.packed's first rows, in this order (fill_floats copies them as a block)
+# LatticeParams.packed's first rows, in this order (fill_floats copies them as one block)
 FLOAT_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd")
 FLOAT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS)
 INPUT_BYTES_PER_OPTION = FLOAT_BYTES_PER_OPTION + 4 + 4 + 1 + 1
@@ -123,7 +123,8 @@ def split_last_wave(launch: Launch, steps: np.ndarray, order: np.ndarray, reside
     tail_steps = int(steps[order[launch.hi - tail]])         # the tail's largest
     groups = -(-tail_steps // (32 * NODES_PER_LANE * wide))
     tail_cls = KERNELS.index((wide, groups))
-    return (Launch(launch.cls, launch.lo, launch.hi - tail), Launch(tail_cls, launch.hi - tail, launch.hi))
+    split = launch.hi - tail
+    return (Launch(launch.cls, launch.lo, split), Launch(tail_cls, split, launch.hi))
 
 
 def schedule(steps: np.ndarray, order_out: np.ndarray, resident=None) -> tuple:
