@@ -150,7 +150,7 @@ def test_the_float_fields_are_the_packed_rows_in_order():
 
 def test_a_run_of_many_rows_is_copied_whole(rng):
     params = book(rng, 40_010)
-    rows = slice(5, 40_005)                                        # blocks of 16 384 and a rest
+    rows = slice(5, 40_005)
     n = rows.stop - rows.start
     views = input_views(np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8), n)
     fill_floats(params, rows, views)

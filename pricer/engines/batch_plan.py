@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 NODES_PER_LANE = 4                 # VT in cuda/batch.cu
 WARPS = (1, 2, 4, 8, 16)
@@ -203,35 +203,15 @@ def _put(dst: np.ndarray, src: np.ndarray, rows) -> None:
 def fill_floats(params, rows, views: InputViews) -> None:
     """The lattice numbers of `rows` of params: the first 48 n bytes of the input, which the
     runner sends while the host sorts (fill_order). A run of rows is one block of
-    LatticeParams.packed (its first rows are these fields, in this order), copied on all cores:
-    0.06 ms per 100 000 rows on the GPU machine's host, against 0.4 ms for numpy's copies on one
-    core (session 10)."""
+    LatticeParams.packed (its first rows are these fields, in this order): one copy. (Copied on
+    all cores by numba it took 0.06 ms instead of 0.4 ms per 100 000 rows on the GPU machine's
+    host, but the slowest calls then waited 2.4-3.4 ms longer for the threads: session 10.)"""
     if isinstance(rows, slice) and rows.step in (None, 1):
         lo, hi, _ = rows.indices(len(params))
-        if hi - lo > _COPY_BLOCK:
-            _copy_columns(params.packed, lo, views.floats[:, :hi - lo])
-        else:                           # waking the threads would cost more (U1: 10 against 24 us)
-            np.copyto(views.floats[:, :hi - lo], params.packed[:len(FLOAT_FIELDS), lo:hi])
+        np.copyto(views.floats[:, :hi - lo], params.packed[:len(FLOAT_FIELDS), lo:hi])
         return
     for k, name in enumerate(FLOAT_FIELDS):
         _put(views.floats[k], getattr(params, name), rows)
-
-
-_COPY_BLOCK = 16384
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _copy_columns(packed, lo, out):
-    """out[k, r] = packed[k, lo + r] for the rows of out, in blocks of _COPY_BLOCK rows side by
-    side."""
-    fields, n = out.shape
-    block = _COPY_BLOCK
-    blocks = (n + block - 1) // block
-    for job in prange(fields * blocks):
-        k = job // blocks
-        first = (job % blocks) * block
-        for r in range(first, min(first + block, n)):
-            out[k, r] = packed[k, lo + r]
 
 
 def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
