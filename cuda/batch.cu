@@ -120,16 +120,28 @@ __device__ __forceinline__ void exercise_group(double (&vg)[VT], const StepState
     for (int q = 0; q < VT; ++q) vg[q] = exercise_value(st, level_g, node_ratio[q]);
 }
 
-template <bool AMERICAN>
+// The American max: as integers (hold >= 0, so comparing the bit patterns as integers orders them
+// as doubles; a negative exercise value is a negative integer) on the integer units, except for
+// nodes q = 1 and 3 of each lane's four, which compare as doubles (DSETP) on the FP64 pipe: the
+// two halves of the node's work then load the two pipes more evenly (integer max on every node:
+// 4 integer and 3 FP64 instructions; this mix 3 and 3.5 on average). Prices are bitwise the same
+// either way. BATCH_MAX_MIX = 0 builds the integer max on every node; the W = 16, G = 8 kernel
+// keeps it, as the mix spills there.
+#ifndef BATCH_MAX_MIX
+#define BATCH_MAX_MIX 1
+#endif
+
+template <int W, int G>
+__device__ __forceinline__ constexpr bool mixed_max() { return BATCH_MAX_MIX && !(W == 16 && G == 8); }
+
+template <bool AMERICAN, bool MIXED = false>
 __device__ __forceinline__ double node_value(const StepState& st, double v_up, double v_down,
-                                             double level_g, double r)
+                                             double level_g, double r, int q = 0)
 {
     const double hold = fma(st.pu, v_up, st.pd * v_down);
     if (!AMERICAN) return hold;
-    // hold >= 0, so comparing the bit patterns as integers orders them as doubles (a negative
-    // exercise value is a negative integer): the compare runs on the integer units and leaves the
-    // FP64 pipe to the three FP64 operations of the node
     const double exercise = exercise_value(st, level_g, r);
+    if (MIXED && (q & 1)) return exercise > hold ? exercise : hold;
     return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
 }
 
@@ -213,7 +225,8 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 #pragma unroll
             for (int q = 1; q < VT; ++q) {
                 const double v_up = q + 1 < VT ? v[g][q + 1 < VT ? q + 1 : 0] : up_now[g];
-                v[g][q] = node_value<AMERICAN>(st, v_up, v[g][q], level_g[g], node_ratio[q]);
+                v[g][q] = node_value<AMERICAN, mixed_max<W, G>()>(st, v_up, v[g][q], level_g[g],
+                                                                  node_ratio[q], q);
             }
         }
         // levels 2 and 1 for Greeks: nodes 0..2 are lane 0's group 0 of warp 0

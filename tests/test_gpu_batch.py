@@ -80,6 +80,16 @@ def test_a_split_last_wave_changes_no_bit(rng):
         assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), f"split, N = {steps}")
 
 
+def test_the_mixed_american_max_changes_no_bit(rng):
+    """cuda/batch.cu compares nodes 1 and 3 of each lane's four as doubles, the others as integers
+    (BATCH_MAX_MIX): prices bitwise those of the integer compare on every node, in every class."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    integer = CudaBatchRunner()
+    integer._defines = [*integer._defines, "-DBATCH_MAX_MIX=0"]
+    p = every_kind(rng, rng.integers(1, MAX_STEPS + 1, 60))
+    np.testing.assert_array_equal(batch_engine().price(p), BatchEngine(runner=integer).price(p))
+
+
 def test_one_step_options(rng):
     p = every_kind(rng, [1] * 8)
     assert_close(batch_engine().price(p), CpuEngine().price(p), p, "N = 1")
