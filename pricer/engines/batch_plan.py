@@ -205,7 +205,7 @@ def fill_floats(params, rows, views: InputViews) -> None:
     runner sends while the host sorts (fill_order). A run of rows is one block of
     LatticeParams.packed (its first rows are these fields, in this order): one copy. (Copied on
     all cores by numba it took 0.06 ms instead of 0.4 ms per 100 000 rows on the GPU machine's
-    host, but the slowest calls then waited 2.4-3.4 ms longer for the threads: session 10.)"""
+    host, but the slowest calls then waited 2.3-3.3 ms longer for the threads: session 10.)"""
     if isinstance(rows, slice) and rows.step in (None, 1):
         lo, hi, _ = rows.indices(len(params))
         np.copyto(views.floats[:, :hi - lo], params.packed[:len(FLOAT_FIELDS), lo:hi])
