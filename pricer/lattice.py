@@ -355,4 +355,33 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
             f"{float(cols['rate'][first])!r}, dividend {float(cols['dividend'][first])!r}, "
             f"volatility {float(cols['volatility'][first])!r}, maturity "
             f"{float(cols['maturity'][first])!r}, steps {int(cols['steps'][first])})")
+    _check_node_range(cols, name, ids, log_up, log_down)
     return dt, log_up, log_down, p
+
+
+# Every engine prices node (t, i) at S0 e^{t ln d} x e^{i ln(u/d)} (tables or registers): both
+# factors and the node prices must stay inside FP64's normal range (e^{+-708}), or the top of the
+# lattice becomes inf (a call's price with it), the bottom subnormal or 0, and prices come out
+# wrong without an error. A margin below the limits leaves room for the payoff's and the steps'
+# products.
+NODE_LOG_LIMIT = 700.0
+
+
+def _check_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down) -> None:
+    steps = np.asarray(cols["steps"], dtype=np.float64)
+    log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        spread = steps * (log_up - log_down)                 # ln of (u/d)^N, the widest node factor
+        top = log_spot + steps * np.maximum(log_up, 0.0)     # ln of the highest node price
+        bottom = log_spot + steps * np.minimum(log_down, 0.0)  # ln of the lowest
+    bad = ~((spread <= NODE_LOG_LIMIT) & (top <= NODE_LOG_LIMIT) & (bottom >= -NODE_LOG_LIMIT))
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise InputError(
+            f"the {name} lattice's node prices leave the FP64 range for option id(s) "
+            f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
+            f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
+            f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
+            f"volatility {float(cols['volatility'][first])!r}, maturity "
+            f"{float(cols['maturity'][first])!r}, spot {float(cols['spot'][first])!r}); use fewer "
+            f"steps")

@@ -308,6 +308,27 @@ def test_p_outside_unit_interval_is_rejected_by_id():
     assert len(params) == 2
 
 
+def test_lattices_whose_nodes_leave_fp64_are_refused_and_the_edge_prices_right():
+    """Node (t, i) is S0 e^{t ln d} x e^{i ln(u/d)}: past (u/d)^N ~ e^709 the top nodes were inf
+    and a call's price with them (σ = 3, T = 3: from N ~ 4 700); further, the bottom factor
+    underflowed and puts came out wrong (1.17 for 93.27 at N = 20 000), all without an error.
+    Now such lattices are refused by id, and the widest accepted one prices as Black–Scholes."""
+    ids = np.array([11, 12, 13, 14])
+    edge = make_columns(spot=100.0, strike=100.0, maturity=3.0, rate=0.02, dividend=0.0,
+                        volatility=3.0, steps=[4000, 4000, 4000, 4000], call=[True, False, True, False],
+                        american=[False, False, True, True])      # (u/d)^N = e^657
+    got = CpuEngine().price(lattice_parameters(edge, ids=ids))
+    exact = [bsm(100.0, 100.0, 3.0, 0.02, 0.0, 3.0, call) for call in (True, False)]
+    np.testing.assert_allclose(got[:2], exact, rtol=1e-4)
+    assert np.all(np.isfinite(got)) and got[2] == pytest.approx(got[0]) and got[3] >= got[1]
+    wide = dict(edge, steps=np.array([4000, 6000, 4000, 20_000]))
+    with pytest.raises(InputError) as info:
+        lattice_parameters(wide, ids=ids)
+    message = str(info.value)
+    assert "id(s) 12, 14" in message and "6000 steps" in message and "FP64 range" in message
+    assert "11" not in message.split(":")[0]
+
+
 # ---------------------------------------------------------------------- serial and cpu bit for bit
 
 def test_serial_and_cpu_bitwise_equal(rng, two_threads):

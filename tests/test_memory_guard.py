@@ -45,11 +45,15 @@ ANALYTICS = [Analytics(), Analytics(greeks=True), Analytics(richardson=True),
 def book(steps, seed: int = 3, first_id: int = 500) -> Portfolio:
     steps = np.asarray(steps, dtype=np.int64)
     n, rng = steps.size, np.random.default_rng(seed)
-    return Portfolio(id=np.arange(first_id, first_id + n, dtype=np.int64),
-                     spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
-                     maturity=rng.uniform(0.25, 2, n), rate=rng.uniform(0, 0.05, n),
-                     dividend=rng.uniform(0, 0.02, n), volatility=rng.uniform(0.2, 0.5, n),
-                     steps=steps, call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+    p = Portfolio(id=np.arange(first_id, first_id + n, dtype=np.int64),
+                  spot=rng.uniform(80, 120, n), strike=rng.uniform(80, 120, n),
+                  maturity=rng.uniform(0.25, 2, n), rate=rng.uniform(0, 0.05, n),
+                  dividend=rng.uniform(0, 0.02, n), volatility=rng.uniform(0.2, 0.5, n),
+                  steps=steps, call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+    # maturities short enough that the lattices' node prices stay in FP64's range (lattice.py
+    # refuses wider ones): (u/d)^N = e^{2 sigma sqrt(T N)} at most e^500
+    p.maturity = np.minimum(p.maturity, (250.0 / (p.volatility * np.sqrt(steps))) ** 2)
+    return p
 
 
 def columns(p: Portfolio) -> dict:
