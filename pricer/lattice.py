@@ -369,8 +369,8 @@ NODE_LOG_LIMIT = 700.0
 
 def _check_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down) -> None:
     steps = np.asarray(cols["steps"], dtype=np.float64)
-    log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
         spread = steps * (log_up - log_down)                 # ln of (u/d)^N, the widest node factor
         top = log_spot + steps * np.maximum(log_up, 0.0)     # ln of the highest node price
         bottom = log_spot + steps * np.minimum(log_down, 0.0)  # ln of the lowest
