@@ -107,9 +107,8 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
 def split_last_wave(launch: Launch, steps: np.ndarray, order: np.ndarray, resident) -> tuple:
     """A launch over the sorted `order` of a chunk's `steps`, as it runs best when nothing runs
     beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
-    last wave of at most half of that would run at low occupancy for as long as a full one, so its
-    options (the smallest, at the end of the sorted order) go to twice the warps per option and
-    finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 + (4, 4) x 232 took 1.10 ms of
+    last wave of at most half of that would leave most of the GPU idle, so its options (the
+    smallest, at the end of the sorted order) go to twice the warps per option and finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 + (4, 4) x 232 took 1.10 ms of
     kernels against 1.21 ms, docs/performance.md session 10). Only for W = 2, 4, 8: W = 16 has no
     wider kernel, and W = 1's tail (U2: 208 of 100 000 options) is too short to gain (measured
     0.6-0.8 % slower)."""
