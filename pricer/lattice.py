@@ -340,23 +340,28 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
         first = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"the {name} lattice is not arbitrage-free for option id(s) {first_ids(ids, bad)}: "
-            f"p = {float(p[first])!r} is outside (0, 1) (rate {float(cols['rate'][first])!r}, "
-            f"dividend {float(cols['dividend'][first])!r}, volatility "
-            f"{float(cols['volatility'][first])!r}, "
-            f"steps {int(cols['steps'][first])}); use more steps or check the inputs")
+            f"p = {float(p[first])!r} is outside (0, 1) "
+            f"({_inputs(cols, first, 'rate', 'dividend', 'volatility', 'steps')}); "
+            f"use more steps or check the inputs")
     bad = ~(np.isfinite(log_up) & np.isfinite(log_down) & (log_up > log_down))
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"the {name} lattice is undefined for option id(s) {first_ids(ids, bad)}: its up and "
             f"down factors are u = {float(np.exp(log_up[first]))!r}, d = "
-            f"{float(np.exp(log_down[first]))!r} (need 0 < d < u; spot "
-            f"{float(cols['spot'][first])!r}, strike {float(cols['strike'][first])!r}, rate "
-            f"{float(cols['rate'][first])!r}, dividend {float(cols['dividend'][first])!r}, "
-            f"volatility {float(cols['volatility'][first])!r}, maturity "
-            f"{float(cols['maturity'][first])!r}, steps {int(cols['steps'][first])})")
+            f"{float(np.exp(log_down[first]))!r} (need 0 < d < u; "
+            f"{_inputs(cols, first, *INPUT_NAMES)})")
     _check_node_range(cols, name, ids, log_up, log_down)
     return dt, log_up, log_down, p
+
+
+INPUT_NAMES = ("spot", "strike", "rate", "dividend", "volatility", "maturity", "steps")
+
+
+def _inputs(cols: dict, row: int, *names: str) -> str:
+    """'rate 0.05, ..., steps 100': an option's inputs, as the refusals name them."""
+    return ", ".join(f"{name} {int(cols[name][row])}" if name == "steps"
+                     else f"{name} {float(cols[name][row])!r}" for name in names)
 
 
 # Every engine prices node (t, i) at S0 e^{t ln d} x e^{i ln(u/d)} (tables or registers): both
@@ -382,6 +387,4 @@ def _check_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down) 
             f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
             f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
             f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
-            f"volatility {float(cols['volatility'][first])!r}, maturity "
-            f"{float(cols['maturity'][first])!r}, spot {float(cols['spot'][first])!r}); use fewer "
-            f"steps")
+            f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps")
