@@ -155,14 +155,13 @@ def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
 
 @njit(cache=True, nogil=True)
 def _sort_by_steps_descending(steps, order_out):
-    """Rows sorted by steps, descending and stable, into order_out; returns greater[s], how many
-    rows have more than s steps (s <= MAX_STEPS). The schedule of 100 000 rows takes 0.5-0.8 ms
-    so on the GPU machine's host, where numpy's argsort, take and searchsorted took 1.6 ms
-    (session 10)."""
+    """Rows sorted by steps (1 <= steps <= MAX_STEPS, _check_range), descending and stable, into
+    order_out; returns greater[s], how many rows have more than s steps (s <= MAX_STEPS). The
+    schedule of 100 000 rows takes 0.5-0.8 ms so on the GPU machine's host, where numpy's
+    argsort, take and searchsorted took 1.6 ms (session 10)."""
     greater = np.zeros(MAX_STEPS + 1, dtype=np.int64)
     for r in range(steps.size):
-        if steps[r] > 0:
-            greater[steps[r] - 1] += 1        # counted at s = steps - 1, summed downwards below
+        greater[steps[r] - 1] += 1            # counted at s = steps - 1, summed downwards below
     for s in range(MAX_STEPS - 1, -1, -1):
         greater[s] += greater[s + 1]
     # rows with steps = s go to positions greater[s] ... greater[s - 1] - 1, in row order
