@@ -26,13 +26,15 @@ from pricer.lattice import lattice_parameters
 
 # A small configuration whose thresholds and tile widths are cheap to straddle.
 # SMALL runs the mid regime (tiled kernel, narrow shape) below t1; SMALL_WARP warp per block there.
-# SMALL_PERS runs the persistent kernel there (tiles of 64 nodes, 48 owned, halos every 16 steps).
+# SMALL_PERS runs the persistent kernel there (tiles of 64 nodes, 48 owned, halos every 16 steps),
+# and below level 100 its narrow shape (tiles of 32 nodes, 16 owned).
 SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
                   mid_b=32, mid_vt=2, mid_k=25, pers_vt=0, fma=False, batch_max_steps=0)
 SMALL_WARP = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
                        mid_b=0, pers_vt=0, fma=False, batch_max_steps=0)
 SMALL_PERS = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                       pers_vt=2, pers_k=16, pers_warps=2, fma=False, batch_max_steps=0)
+                       pers_vt=2, pers_k=16, pers_warps=2, pers_narrow_vt=1,
+                       pers_narrow_below=100, fma=False, batch_max_steps=0)
 # tiles the stand-in GPUs of the tests hold at once (NumpyKernels.pers_tiles, and a CudaKernels cut
 # down to it), so that levels wider than that (tiled first) are cheap to reach
 SMALL_PERS_TILES = 8
@@ -117,6 +119,12 @@ def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
         for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2 + c.pers_k,
                      c.t2 + own, c.t2 + 2 * c.pers_k, pers_tiles * own):
             s.update({edge - 1, edge, edge + 1})
+    if c.narrow():  # its shape's edges, and where it takes over (below the widest level it holds)
+        n = c.narrow()
+        own = n.pers_w - n.pers_k
+        mid = min(c.pers_narrow_below, pers_tiles * own - 1)
+        for edge in (own, n.pers_w, 2 * own, mid, mid + c.pers_k, mid + own, pers_tiles * own):
+            s.update({edge - 1, edge, edge + 1})
     return sorted(x for x in s if x >= 1)
 
 
@@ -139,6 +147,7 @@ def small_numpy_kernels(config):
                                               pers_vt=0, batch_max_steps=0),
                                     GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
                                               tiled_k=100, pers_vt=3, pers_k=9, pers_warps=1,
+                                              pers_narrow_vt=1, pers_narrow_below=700,
                                               batch_max_steps=0)],
                          ids=["small", "small-warp", "small-pers", "medium", "medium-warp",
                               "medium-pers"])
@@ -150,6 +159,43 @@ def test_emulated_kernels_equal_serial(mode, config, rng):
     ref = SerialEngine().price(p)
     # same tables, same operations in the same order: bitwise
     np.testing.assert_array_equal(got, ref)
+
+
+class LoggedPersKernels(NumpyKernels):
+    """The emulation, noting each persistent launch as (tile width, from level, to level)."""
+    pers_tiles = SMALL_PERS_TILES
+
+    def __init__(self, config, log=None):
+        super().__init__(config)
+        self.log = [] if log is None else log
+
+    def narrow_kernels(self):
+        if self._narrow is None and self.config.narrow() is not None:
+            self._narrow = LoggedPersKernels(self.config.narrow(), self.log)
+        return self._narrow
+
+    def pers(self, vin, vout, lb, r, pows, t, stop, *args):
+        self.log.append((self.config.pers_w, t, stop))
+        super().pers(vin, vout, lb, r, pows, t, stop, *args)
+
+
+def test_persistent_shapes_take_turns(rng):
+    """The wide tiles down to pers_narrow_below, the narrow ones from there, each shape one launch;
+    the narrow shape alone where the option starts below; one shape with pers_narrow_vt = 0; the
+    narrow shape starts no higher than its tiles hold (8 tiles x 16 owned nodes: level 127)."""
+    c = SMALL_PERS                      # t1 300, t2 40, wide 64-node tiles, narrow 32-node below 100
+    cases = [(c, "gpu", 250, [(64, 250, 100), (32, 100, 0)]),
+             (c, "hybrid", 250, [(64, 250, 100), (32, 100, 40)]),
+             (c, "gpu", 90, [(32, 90, 0)]),
+             (c, "hybrid", 41, [(32, 41, 40)]),
+             (replace(c, pers_narrow_vt=0), "gpu", 250, [(64, 250, 0)]),
+             (replace(c, pers_narrow_below=200), "gpu", 250, [(64, 250, 127), (32, 127, 0)])]
+    for config, mode, n, want in cases:
+        kernels = LoggedPersKernels(config)
+        p = options(rng, [n])
+        got = GpuEngine(mode, config=config, kernels=kernels).price(p)
+        np.testing.assert_array_equal(got, SerialEngine().price(p))
+        assert kernels.log == want, (mode, n, config.pers_narrow_vt, config.pers_narrow_below)
 
 
 class StrandedPersKernels(NumpyKernels):
@@ -404,12 +450,16 @@ def test_gpu_persistent_kernel(fma, rng):
     """The persistent kernel (default shape) on fresh random American/European calls/puts: exact mode
     bitwise equal to serial, fma within tolerance; N around its tile and epoch edges, from T2 and
     from 0, tiny N, gpu/hybrid with T1 = 2000 (tiled above it); and in `pers` mode on a GPU cut
-    down to SMALL_PERS_TILES tiles, so that levels wider than it holds go through tiled first."""
+    down to SMALL_PERS_TILES tiles, so that levels wider than it holds go through tiled first. The
+    default shapes hand over at level 50 000, above these N, so the wide shape runs alone (one
+    shape) and with the narrow one taking over at level 1000."""
     c = GpuConfig()
     own = c.pers_w - c.pers_k
+    below = 1000
     steps = {1, 2, 3, 5, 64, 499, 2000, 2001, 2257, 3000, 10_000}
     for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2, c.t2 + c.pers_k,
-                 c.t2 + own, SMALL_PERS_TILES * own):
+                 c.t2 + own, SMALL_PERS_TILES * own, below, below + c.pers_k, below + own,
+                 below + 2 * own):
         steps.update({edge - 1, edge, edge + 1})
     p = every_kind(rng, sorted(steps) + list(rng.integers(1, 10_001, 6)))
     ref = SerialEngine().price(p)
@@ -417,7 +467,14 @@ def test_gpu_persistent_kernel(fma, rng):
     for label, engine in (("pers", GpuEngine("pers", fma=fma, batch_max_steps=0)),
                           ("gpu t1=2000", GpuEngine("gpu", fma=fma, batch_max_steps=0, t1=2000)),
                           ("hybrid t1=2000", GpuEngine("hybrid", fma=fma, batch_max_steps=0, t1=2000)),
-                          ("pers, 8 tiles fit", GpuEngine("pers", config=cut.config, kernels=cut))):
+                          ("pers, 8 tiles fit", GpuEngine("pers", config=cut.config, kernels=cut)),
+                          ("pers, one shape", GpuEngine("pers", fma=fma, batch_max_steps=0,
+                                                        pers_narrow_vt=0)),
+                          ("gpu t1=2000, narrow below 1000",
+                           GpuEngine("gpu", fma=fma, batch_max_steps=0, t1=2000,
+                                     pers_narrow_below=below)),
+                          ("hybrid, narrow below 1000",
+                           GpuEngine("hybrid", fma=fma, batch_max_steps=0, pers_narrow_below=below))):
         got = engine.price(p)
         assert_close(got, ref, p, label)
         if not fma:

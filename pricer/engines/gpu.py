@@ -25,7 +25,10 @@ Regimes below T1 in `gpu`/`hybrid` (run 9): the persistent kernel, ONE launch fr
 widest level whose tiles all fit on the GPU at once) down to T2 (`hybrid`) or 0 (`gpu`): warp tiles
 of 32 x pers_vt nodes in registers, each owning 32 x pers_vt - pers_k nodes of every level, halos
 of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomial.cu, pers_steps;
-mode `pers` runs it all the way). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
+mode `pers` runs it all the way). Below level pers_narrow_below a second launch of the same kernel
+built with pers_narrow_vt nodes per lane takes over: once the wide tiles no longer fill the SM
+sub-partitions, more and smaller tiles finish each level sooner (10k-100k: 7-21 % faster, run 11
+in docs/performance.md). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
 x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level fits one tile), and
 with mid_b = 0 as well the warp-per-block regime of runs 1-4.
 
@@ -159,6 +162,9 @@ class GpuConfig:
     pers_k: int = 64          # to t2 (hybrid) or 0 (gpu): warp tiles of 32 x pers_vt nodes exchanging
     pers_warps: int = 4       # pers_k-node halos every pers_k steps; pers_warps warps per block;
                               # pers_vt = 0: the mid (or warp) regime there instead
+    pers_narrow_vt: int = 4   # levels t <= pers_narrow_below: a second persistent launch with tiles
+    pers_narrow_below: int = 50_000   # of 32 x pers_narrow_vt nodes (same pers_k), i.e. more
+                              # tiles where the wide ones leave SM sub-partitions idle (0: one shape)
     wavefront_block: int = 256
     fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -195,6 +201,13 @@ class GpuConfig:
             raise ValueError("persistent kernel: pers_vt in [1, 32] (or 0: off), pers_k a multiple of "
                              f"pers_vt in [2, {self.pers_w - 1}], pers_warps in [1, 32]; got "
                              f"{self.pers_vt}/{self.pers_k}/{self.pers_warps}")
+        if self.pers_vt and self.pers_narrow_vt and not (
+                1 <= self.pers_narrow_vt <= 32 and self.pers_k % self.pers_narrow_vt == 0
+                and self.pers_k < 32 * self.pers_narrow_vt and self.pers_narrow_below >= 0):
+            raise ValueError("persistent kernel's narrow shape: pers_narrow_vt in [1, 32] (or 0: "
+                             "off) dividing pers_k, with pers_k < 32 * pers_narrow_vt, and "
+                             f"pers_narrow_below >= 0; got {self.pers_narrow_vt}, pers_k "
+                             f"{self.pers_k}, {self.pers_narrow_below}")
         if self.batch_max_steps >= BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]:
             raise ValueError(f"batch_max_steps must be < {BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]}")
         if self.t1 < 0 or self.t2 < 0:
@@ -210,6 +223,12 @@ class GpuConfig:
             d += [f"-DPERS_VT={self.pers_vt}", f"-DPERS_K={self.pers_k}",
                   f"-DPERS_WARPS={self.pers_warps}"]
         return d
+
+    def narrow(self) -> "GpuConfig | None":
+        """The configuration of the persistent kernel's narrow shape (None: one shape only)."""
+        if not (self.pers_vt and self.pers_narrow_vt and self.pers_narrow_below):
+            return None
+        return replace(self, pers_vt=self.pers_narrow_vt, pers_narrow_vt=0)
 
     def mid_defines(self) -> list[str]:
         """The module whose tiled_steps runs the mid regime (TILED_B/VT = mid_b/mid_vt)."""
@@ -405,6 +424,7 @@ class CudaKernels:
         self._pers_ring = None      # ring, progress, status, tiles, pows, allocation (_pers_alloc)
         self._pers_gen = 0
         self._pers_tiles = None
+        self._narrow = None         # the narrow shape's kernels (narrow_kernels)
         self._capacity = 0
         self._bufs = None
         self._batch_fns: dict = {}
@@ -433,6 +453,13 @@ class CudaKernels:
         """The widest level (t) the persistent kernel may start on: its tiles all fit at once."""
         c = self.config
         return self.pers_tiles() * (c.pers_w - c.pers_k) - 1
+
+    def narrow_kernels(self) -> "CudaKernels | None":
+        """The persistent kernel in its narrow shape (config.narrow(): its own module, ring and
+        tile count, this runtime), built at first use; None where there is none."""
+        if self._narrow is None and self.config.narrow() is not None:
+            self._narrow = CudaKernels(self.config.narrow(), self.rt)
+        return self._narrow
 
     def _pers_alloc(self):
         """The ring (tiles x PERS_SLOTS x pers_k 16-byte words), the progress words, the status
@@ -619,6 +646,15 @@ class NumpyKernels:
     def __init__(self, config: GpuConfig):
         self.config = config
         self._bufs = None
+        self._narrow = None
+
+    def narrow_kernels(self):
+        """As CudaKernels.narrow_kernels: the same emulation (and stand-in tile count) in the
+        narrow shape."""
+        if self._narrow is None and self.config.narrow() is not None:
+            self._narrow = type(self)(self.config.narrow())
+            self._narrow.pers_tiles = self.pers_tiles
+        return self._narrow
 
     def reserve(self, nodes):
         if self._bufs is None or self._bufs[0].size < nodes:
@@ -866,6 +902,17 @@ class GpuEngine:
                 out[k] = self.price_one(params, int(k), bufs, host, levels)
         return out
 
+    def _pers_phases(self, K, stop: int) -> list:
+        """The persistent launches down to level `stop`, as [(kernels, level it stops at)]: the
+        wide shape while the level is above pers_narrow_below (or above the widest level the narrow
+        shape's tiles hold at once, if that is lower), then the narrow shape, whose more and smaller
+        tiles keep more SM sub-partitions busy on narrow levels (docs/performance.md, run 11)."""
+        narrow = K.narrow_kernels()
+        if narrow is None or narrow.pers_top() < 0:
+            return [(K, stop)]
+        mid = max(stop, min(self.config.pers_narrow_below, narrow.pers_top()))
+        return [(K, mid), (narrow, stop)]
+
     def price_one(self, p: LatticeParams, k: int, bufs=None, host=None, levels=None) -> float:
         """One option through the regimes; levels[k] receives its first levels' values if given
         (the GPU then stops at level 2 at the latest and the host takes the last two steps)."""
@@ -891,11 +938,12 @@ class GpuEngine:
             if self.mode == "pers":
                 raise GpuError("the persistent kernel needs the GPU's occupancy figures")
             use_pers = False
-        scaled, pows_d = False, None
-        if use_pers:                               # pd^s, pd^-s
+        stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
+        phases = self._pers_phases(K, stop) if use_pers else []
+        scaled, pows = False, None
+        if use_pers:                               # pd^s, pd^-s (both shapes have the same pers_k)
             pows = np.empty(2 * c.pers_k + 2)
             scaled = c.fma and pers_pows(pd, c.pers_k, pows)
-            pows_d = K.pers_pows(pows)
         K.upload(tab_d, tab[:2 * n + 2])           # both tables in one copy
         lb_d, r_d = K.split_tables(tab_d, n)
         K.terminal(a, lb_d, r_d, n, strike, sign)
@@ -923,10 +971,12 @@ class GpuEngine:
                     t -= step
             stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
             if use_pers:
-                if t > stop:                       # the whole rest in one launch
-                    K.pers(src, dst, lb_d, r_d, pows_d, t, stop, *scalars, scaled)
-                    src, dst = dst, src
-                    t = stop
+                for kernels, until in phases:      # each shape's levels in one launch
+                    if t > until:
+                        kernels.pers(src, dst, lb_d, r_d, kernels.pers_pows(pows), t, until,
+                                     *scalars, scaled)
+                        src, dst = dst, src
+                        t = until
             else:
                 if self.mode in ("gpu", "hybrid") and c.mid_b:
                     narrow, width, per_launch = K.mid, c.mid_w, c.mid_k
@@ -941,7 +991,7 @@ class GpuEngine:
 
         level = values[:t + 1]
         K.download(level, src)
-        if use_pers and np.isnan(level).any() and K.pers_failed():
+        if use_pers and np.isnan(level).any() and any([k.pers_failed() for k, _ in phases]):
             if self.mode == "pers":
                 raise GpuError("the persistent kernel gave up waiting for a neighbour tile (were "
                                "its blocks not all resident?); no price returned")
