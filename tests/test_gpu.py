@@ -122,7 +122,10 @@ def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
     if c.narrow():  # its shape's edges, and where it takes over (below the widest level it holds)
         n = c.narrow()
         own = n.pers_w - n.pers_k
-        mid = min(c.pers_narrow_below, pers_tiles * own - 1)
+        below = c.pers_narrow_below
+        if below is None:               # as GpuEngine._pers_phases, on the stand-in GPU
+            below = NumpyKernels.sub_partitions_count * (c.pers_w - c.pers_k) // 2
+        mid = min(below, pers_tiles * own - 1)
         for edge in (own, n.pers_w, 2 * own, mid, mid + c.pers_k, mid + own, pers_tiles * own):
             s.update({edge - 1, edge, edge + 1})
     return sorted(x for x in s if x >= 1)
@@ -182,14 +185,16 @@ class LoggedPersKernels(NumpyKernels):
 def test_persistent_shapes_take_turns(rng):
     """The wide tiles down to pers_narrow_below, the narrow ones from there, each shape one launch;
     the narrow shape alone where the option starts below; one shape with pers_narrow_vt = 0; the
-    narrow shape starts no higher than its tiles hold (8 tiles x 16 owned nodes: level 127)."""
+    narrow shape starts no higher than its tiles hold (8 tiles x 16 owned nodes: level 127); by
+    default where the wide tiles (48 owned nodes) fill half of the stand-in's 4 sub-partitions."""
     c = SMALL_PERS                      # t1 300, t2 40, wide 64-node tiles, narrow 32-node below 100
     cases = [(c, "gpu", 250, [(64, 250, 100), (32, 100, 0)]),
              (c, "hybrid", 250, [(64, 250, 100), (32, 100, 40)]),
              (c, "gpu", 90, [(32, 90, 0)]),
              (c, "hybrid", 41, [(32, 41, 40)]),
              (replace(c, pers_narrow_vt=0), "gpu", 250, [(64, 250, 0)]),
-             (replace(c, pers_narrow_below=200), "gpu", 250, [(64, 250, 127), (32, 127, 0)])]
+             (replace(c, pers_narrow_below=200), "gpu", 250, [(64, 250, 127), (32, 127, 0)]),
+             (replace(c, pers_narrow_below=None), "gpu", 250, [(64, 250, 96), (32, 96, 0)])]
     for config, mode, n, want in cases:
         kernels = LoggedPersKernels(config)
         p = options(rng, [n])

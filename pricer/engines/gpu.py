@@ -25,10 +25,10 @@ Regimes below T1 in `gpu`/`hybrid` (run 9): the persistent kernel, ONE launch fr
 widest level whose tiles all fit on the GPU at once) down to T2 (`hybrid`) or 0 (`gpu`): warp tiles
 of 32 x pers_vt nodes in registers, each owning 32 x pers_vt - pers_k nodes of every level, halos
 of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomial.cu, pers_steps;
-mode `pers` runs it all the way). Below level pers_narrow_below a second launch of the same kernel
-built with pers_narrow_vt nodes per lane takes over: once the wide tiles no longer fill the SM
-sub-partitions, more and smaller tiles finish each level sooner (10k-100k: 7-21 % faster, run 11
-in docs/performance.md). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
+mode `pers` runs it all the way). Below level pers_narrow_below (default: where the wide tiles
+fill half the GPU's SM sub-partitions, 50 688 on 132 SMs) a second launch of the same kernel built
+with pers_narrow_vt nodes per lane takes over: more and smaller tiles finish each narrow level
+sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
 x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level fits one tile), and
 with mid_b = 0 as well the warp-per-block regime of runs 1-4.
 
@@ -163,8 +163,9 @@ class GpuConfig:
     pers_warps: int = 4       # pers_k-node halos every pers_k steps; pers_warps warps per block;
                               # pers_vt = 0: the mid (or warp) regime there instead
     pers_narrow_vt: int = 4   # levels t <= pers_narrow_below: a second persistent launch with tiles
-    pers_narrow_below: int = 50_000   # of 32 x pers_narrow_vt nodes (same pers_k), i.e. more
-                              # tiles where the wide ones leave SM sub-partitions idle (0: one shape)
+    pers_narrow_below: int | None = None  # of 32 x pers_narrow_vt nodes (same pers_k), i.e. more
+                              # tiles where the wide ones leave SM sub-partitions idle; None: where
+                              # the wide tiles fill half of them (50 688 on 132 SMs); 0: one shape
     wavefront_block: int = 256
     fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -203,10 +204,11 @@ class GpuConfig:
                              f"{self.pers_vt}/{self.pers_k}/{self.pers_warps}")
         if self.pers_vt and self.pers_narrow_vt and not (
                 1 <= self.pers_narrow_vt <= 32 and self.pers_k % self.pers_narrow_vt == 0
-                and self.pers_k < 32 * self.pers_narrow_vt and self.pers_narrow_below >= 0):
+                and self.pers_k < 32 * self.pers_narrow_vt
+                and (self.pers_narrow_below is None or self.pers_narrow_below >= 0)):
             raise ValueError("persistent kernel's narrow shape: pers_narrow_vt in [1, 32] (or 0: "
                              "off) dividing pers_k, with pers_k < 32 * pers_narrow_vt, and "
-                             f"pers_narrow_below >= 0; got {self.pers_narrow_vt}, pers_k "
+                             f"pers_narrow_below >= 0 (or None); got {self.pers_narrow_vt}, pers_k "
                              f"{self.pers_k}, {self.pers_narrow_below}")
         if self.batch_max_steps >= BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]:
             raise ValueError(f"batch_max_steps must be < {BATCH_CLASSES[-1][0] * BATCH_CLASSES[-1][1]}")
@@ -226,7 +228,7 @@ class GpuConfig:
 
     def narrow(self) -> "GpuConfig | None":
         """The configuration of the persistent kernel's narrow shape (None: one shape only)."""
-        if not (self.pers_vt and self.pers_narrow_vt and self.pers_narrow_below):
+        if not (self.pers_vt and self.pers_narrow_vt and self.pers_narrow_below != 0):
             return None
         return replace(self, pers_vt=self.pers_narrow_vt, pers_narrow_vt=0)
 
@@ -454,6 +456,10 @@ class CudaKernels:
         c = self.config
         return self.pers_tiles() * (c.pers_w - c.pers_k) - 1
 
+    def sub_partitions(self) -> int:
+        """The GPU's SM sub-partitions (warp schedulers): 4 per SM since Volta."""
+        return 4 * self.rt.device.get_attribute(self.rt.cuda.device_attribute.MULTIPROCESSOR_COUNT)
+
     def narrow_kernels(self) -> "CudaKernels | None":
         """The persistent kernel in its narrow shape (config.narrow(): its own module, ring and
         tile count, this runtime), built at first use; None where there is none."""
@@ -654,6 +660,7 @@ class NumpyKernels:
         if self._narrow is None and self.config.narrow() is not None:
             self._narrow = type(self)(self.config.narrow())
             self._narrow.pers_tiles = self.pers_tiles
+            self._narrow.sub_partitions_count = self.sub_partitions_count
         return self._narrow
 
     def reserve(self, nodes):
@@ -771,6 +778,10 @@ class NumpyKernels:
         return self.pers_tiles * (c.pers_w - c.pers_k) - 1
 
     pers_tiles = 64
+    sub_partitions_count = 4     # the stand-in GPU's SM sub-partitions
+
+    def sub_partitions(self) -> int:
+        return self.sub_partitions_count
 
     def pers_failed(self) -> bool:
         return False
@@ -910,7 +921,11 @@ class GpuEngine:
         narrow = K.narrow_kernels()
         if narrow is None or narrow.pers_top() < 0:
             return [(K, stop)]
-        mid = max(stop, min(self.config.pers_narrow_below, narrow.pers_top()))
+        c = self.config
+        below = c.pers_narrow_below
+        if below is None:   # run 11's best on 528 sub-partitions, 40 000-60 000, scaled to this GPU
+            below = K.sub_partitions() * (c.pers_w - c.pers_k) // 2
+        mid = max(stop, min(below, narrow.pers_top()))
         return [(K, mid), (narrow, stop)]
 
     def price_one(self, p: LatticeParams, k: int, bufs=None, host=None, levels=None) -> float:
