@@ -456,8 +456,9 @@ def test_gpu_persistent_kernel(fma, rng):
     bitwise equal to serial, fma within tolerance; N around its tile and epoch edges, from T2 and
     from 0, tiny N, gpu/hybrid with T1 = 2000 (tiled above it); and in `pers` mode on a GPU cut
     down to SMALL_PERS_TILES tiles, so that levels wider than it holds go through tiled first. The
-    default shapes hand over at level 50 000, above these N, so the wide shape runs alone (one
-    shape) and with the narrow one taking over at level 1000."""
+    default hand-over (~50 000 on a 132-SM GPU) lies above these N, so the default engines run the
+    narrow shape alone; the wide shape runs alone with pers_narrow_vt = 0, and both with the
+    hand-over at level 1000."""
     c = GpuConfig()
     own = c.pers_w - c.pers_k
     below = 1000

@@ -28,9 +28,10 @@ of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomia
 mode `pers` runs it all the way). Below level pers_narrow_below (default: where the wide tiles
 fill half the GPU's SM sub-partitions, 50 688 on 132 SMs) a second launch of the same kernel built
 with pers_narrow_vt nodes per lane takes over: more and smaller tiles finish each narrow level
-sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b
-x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level fits one tile), and
-with mid_b = 0 as well the warp-per-block regime of runs 1-4.
+sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). With pers_vt = 0: the tiled
+kernel in a narrow shape there (mid_b x mid_vt nodes, mid_k steps per launch, the rest in one
+launch once the level fits one tile), and with mid_b = 0 as well the warp-per-block regime of
+runs 1-4.
 
 Process model: one CUDA context per process, created on first use on device
 (local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
