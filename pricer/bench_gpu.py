@@ -207,10 +207,13 @@ def bench_gpu(args) -> int:
         return 0
     sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else (
         SIZES[:5] if args.quick else SIZES)
+    from dataclasses import fields
+    from pricer.engines.gpu import GpuConfig
+    flags = {f.name for f in fields(GpuConfig) if isinstance(f.default, bool)}
     overrides = {}
     for kv in args.set:
         key, value = kv.split("=", 1)
-        overrides[key] = bool(int(value)) if key == "fma" else int(value)
+        overrides[key] = bool(int(value)) if key in flags else int(value)
     result = run(sizes, tuple(args.kernels.split(",")), 3 if args.quick else args.repeats,
                  cpu=not args.no_cpu, overrides=overrides)
     print(markdown(result))

@@ -516,6 +516,28 @@ def test_gpu_persistent_kernel_unscaled_fma(rng, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
+def test_persistent_european_tiles_change_no_bit(scaled, rng, monkeypatch):
+    """American tiles that cannot exercise during an epoch take the European node (pers_eu_tiles):
+    prices bitwise those of the kernel that takes the American node on every tile, in both shapes,
+    with the scaled and the unscaled fma arithmetic, on calls and puts with dividends from deep in
+    to far out of the money (exact mode: test_gpu_exact_mode_is_bitwise compares with serial)."""
+    import pricer.engines.gpu as gpu
+    if not scaled:
+        real = gpu.pers_pows
+        monkeypatch.setattr(gpu, "pers_pows", lambda pd, k, out: real(pd, k, out) and False)
+    steps = [64, 500, 999, 1000, 1001, 3000, 20_000, 60_000, 120_000]
+    p = every_kind(rng, np.repeat(steps, 3))
+    p.strike[:] = p.spot * np.resize([0.5, 0.9, 1.0, 1.1, 2.0], len(p))
+    for mode, extra in (("pers", dict(pers_narrow_below=1000)), ("hybrid", {})):
+        on = GpuEngine(mode, batch_max_steps=0, **extra)
+        off = GpuEngine(mode, batch_max_steps=0, pers_eu_tiles=False, **extra)
+        assert on.config.pers_eu_tiles and not off.config.pers_eu_tiles
+        np.testing.assert_array_equal(on.price(p), off.price(p), err_msg=mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.skipif(not os.environ.get("PRICER_GPU_LARGE"), reason="N = 1e6 takes ~25 s of 16-core CPU "
                     "reference time: set PRICER_GPU_LARGE=1")
 def test_gpu_one_million_steps(engines, rng):

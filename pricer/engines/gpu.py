@@ -28,10 +28,12 @@ of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomia
 mode `pers` runs it all the way). Below level pers_narrow_below (default: where the wide tiles
 fill half the GPU's SM sub-partitions, 50 688 on 132 SMs) a second launch of the same kernel built
 with pers_narrow_vt nodes per lane takes over: more and smaller tiles finish each narrow level
-sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). With pers_vt = 0: the tiled
-kernel in a narrow shape there (mid_b x mid_vt nodes, mid_k steps per launch, the rest in one
-launch once the level fits one tile), and with mid_b = 0 as well the warp-per-block regime of
-runs 1-4.
+sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). In either shape a tile of an
+American option whose nodes cannot be worth exercising during an epoch (a put's above the strike)
+runs that epoch with the European node, bitwise the same values (pers_eu_tiles; run 12: 100k
+4 % faster). With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b x mid_vt nodes,
+mid_k steps per launch, the rest in one launch once the level fits one tile), and with mid_b = 0
+as well the warp-per-block regime of runs 1-4.
 
 Process model: one CUDA context per process, created on first use on device
 (local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
@@ -167,6 +169,8 @@ class GpuConfig:
     pers_narrow_below: int | None = None  # of 32 x pers_narrow_vt nodes (same pers_k), i.e. more
                               # tiles where the wide ones leave SM sub-partitions idle; None: where
                               # the wide tiles fill half of them (50 688 on 132 SMs); 0: one shape
+    pers_eu_tiles: bool = True  # American options: a tile that cannot exercise during an epoch runs
+                                # it with the European node (bitwise the same values, sooner)
     wavefront_block: int = 256
     fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -224,7 +228,7 @@ class GpuConfig:
              f"-DTILED_VT={self.tiled_vt}", f"-DWARP_VT={self.warp_vt}"]
         if self.pers_vt:
             d += [f"-DPERS_VT={self.pers_vt}", f"-DPERS_K={self.pers_k}",
-                  f"-DPERS_WARPS={self.pers_warps}"]
+                  f"-DPERS_WARPS={self.pers_warps}", f"-DPERS_EU_TILES={int(self.pers_eu_tiles)}"]
         return d
 
     def narrow(self) -> "GpuConfig | None":
