@@ -592,11 +592,13 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         lbn[c] = AMERICAN ? level_base[max(t - s, 0)] : 0.0;   // levels below 0: never a step's
     }
     const double pd_k = SCALED ? pows[PERS_K] : 1.0;
+#if PERS_EU_TILES
     // the tile's least and greatest node ratios over the launch (the ratio table increases with i;
     // a tile with no node at level t leaves the loop before it reads them)
     const bool has_nodes = a0 <= (long long)t;
     const double r_lo = (AMERICAN && has_nodes) ? ratio[a0] : 0.0;
     const double r_hi = (AMERICAN && has_nodes) ? ratio[min(a0 + PERS_W - 1, (long long)t)] : 0.0;
+#endif
     uint4* const mine = ring + (size_t)tile * PERS_D * PERS_K;
     const uint4* const right = ring + (size_t)(tile + 1) * PERS_D * PERS_K;
     unsigned seen = 0;          // lane 0: the left neighbour's progress last read
