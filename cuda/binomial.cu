@@ -513,8 +513,8 @@ __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 // bit the same values: there every computed exercise value is negative (the 1e-9 margin covers
 // the roundings of level_base * sign / pd^s and -sign * strike / pd^s, a few ulps, and pd^-s > 0
 // keeps the sign), hold >= +0, so the max is hold.  Such tiles (a put's above the strike, a
-// call's below) take ~35 instead of ~100 cycles a step.  Run 12 (docs/gpu-notes.md): the American
-// tiles still wait for their halos at every epoch, so the gain is 4 % at N = 100k, not more.
+// call's below) take ~35 instead of ~100 cycles a step.  Run 12 (docs/gpu-notes.md): every tile
+// still waits for its halo at every epoch, so the gain is small: N = 100k -2 %, 500k -4 %.
 #ifndef PERS_EU_TILES
 #define PERS_EU_TILES 1
 #endif
