@@ -444,6 +444,10 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 // waits until tile j-1 has published progress >= e - PERS_D + 1 (it stores that after reading).
 // gen (1..4095) changes every launch, so words of earlier launches never match; the host zeroes
 // the ring and progress words when gen wraps.  Epochs of one launch < 2^20 (host checks).
+// Where tile j-1 is a warp of the same block (PERS_SMEM, default), ring slots and progress word
+// live in the block's shared memory instead (zeroed at the launch's start); the global ones carry
+// only the hops between blocks.  Run 12 (docs/gpu-notes.md): tile 0's halo waits at N = 100k
+// 1.3 -> 1.06 ms; the tiles still wait at nearly every epoch, as the data is not yet there.
 //
 // Never hangs: the host launches only as many blocks as fit on the GPU at once (registers,
 // threads, blocks per SM), tiles that run out of nodes stop only when no neighbour needs them any
@@ -482,9 +486,21 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 static_assert(PERS_K % PERS_VT == 0 && PERS_K >= PERS_VT && PERS_K < PERS_W,
               "PERS_K must be a multiple of PERS_VT in [PERS_VT, 32 * PERS_VT)");
 
+// PERS_SMEM=1: neighbour tiles of one block (warps w and w+1) exchange halos and progress through
+// a ring in the block's shared memory, the same protocol as the global ring; only the hops between
+// blocks go through global memory (L2).  The words are then addressed generically.
+#ifndef PERS_SMEM
+#define PERS_SMEM 1
+#endif
+#if PERS_SMEM
+#define PERS_SPACE ""
+#else
+#define PERS_SPACE ".global"
+#endif
+
 __device__ __forceinline__ void ll_store(uint4* p, double v, unsigned flag)
 {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+    asm volatile("st.volatile" PERS_SPACE ".v4.u32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "r"(__double2loint(v)), "r"(flag), "r"(__double2hiint(v)), "r"(flag)
                  : "memory");
 }
@@ -492,7 +508,7 @@ __device__ __forceinline__ void ll_store(uint4* p, double v, unsigned flag)
 __device__ __forceinline__ uint4 ll_load(const uint4* p)
 {
     uint4 w;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.volatile" PERS_SPACE ".v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
     return w;
 }
@@ -500,7 +516,7 @@ __device__ __forceinline__ uint4 ll_load(const uint4* p)
 __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 {
     unsigned x;
-    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
+    asm volatile("ld.volatile" PERS_SPACE ".u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
     return x;
 }
 
@@ -555,7 +571,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                                           const double* __restrict__ level_base,
                                           const double* __restrict__ ratio,
                                           const double* __restrict__ pows, uint4* ring,
-                                          unsigned* progress, int* status, int t, int t_stop,
+                                          unsigned* progress, uint4* sring, unsigned* sprog,
+                                          int* status, int t, int t_stop,
                                           double pu, double pd, double strike, double sign,
                                           unsigned gen, double2* steps_sm)
 {
@@ -599,8 +616,21 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
     const double r_lo = (AMERICAN && has_nodes) ? ratio[a0] : 0.0;
     const double r_hi = (AMERICAN && has_nodes) ? ratio[min(a0 + PERS_W - 1, (long long)t)] : 0.0;
 #endif
-    uint4* const mine = ring + (size_t)tile * PERS_D * PERS_K;
-    const uint4* const right = ring + (size_t)(tile + 1) * PERS_D * PERS_K;
+    // this tile's ring (it publishes for tile j-1) and tile j+1's, and the progress words: in the
+    // block's shared memory where the neighbour is a warp of this block, else in global memory
+#if PERS_SMEM
+    const int warp = threadIdx.x >> 5;
+    const bool left_local = warp > 0, right_local = warp + 1 < PERS_WARPS;
+#else
+    const int warp = 0;
+    const bool left_local = false, right_local = false;
+#endif
+    uint4* const mine = left_local ? sring + warp * PERS_D * PERS_K
+                                   : ring + (size_t)tile * PERS_D * PERS_K;
+    const uint4* const right = right_local ? sring + (warp + 1) * PERS_D * PERS_K
+                                           : ring + (size_t)(tile + 1) * PERS_D * PERS_K;
+    unsigned* const my_progress = right_local ? sprog + warp : progress + tile;   // read by j+1
+    const unsigned* const left_progress = left_local ? sprog + warp - 1 : progress + tile - 1;
     unsigned seen = 0;          // lane 0: the left neighbour's progress last read
     uint4 w[PERS_VT];           // halo lanes: the next epoch's halo words (prefetched)
     bool prefetched = false;
@@ -658,8 +688,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 if (__any_sync(FULL, late)) { failed = true; break; }
                 // every halo lane holds its values (the __any_sync above orders them before this)
                 if (lane == 0)
-                    asm volatile("st.volatile.global.u32 [%0], %1;"
-                                 :: "l"(progress + tile), "r"((gen << 20) | e) : "memory");
+                    asm volatile("st.volatile" PERS_SPACE ".u32 [%0], %1;"
+                                 :: "l"(my_progress), "r"((gen << 20) | e) : "memory");
             } else if (halo_lane) {               // above level t: nothing to read, keep it finite
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q) v[q] = 0.0;
@@ -723,7 +753,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                     const unsigned need = e - PERS_D + 1;
                     for (int spin = 0; !((seen >> 20) == gen && (seen & 0xFFFFFu) >= need); ++spin) {
                         if (spin >= PERS_SPIN) { late = true; break; }
-                        seen = ld_volatile_u32(progress + tile - 1);
+                        seen = ld_volatile_u32(left_progress);
                     }
                 }
                 if (__any_sync(FULL, late)) { failed = true; break; }
@@ -775,12 +805,24 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
            int american, int scaled, unsigned gen)
 {
     __shared__ double2 steps_sm[PERS_WARPS][PERS_K];
+#if PERS_SMEM
+    // zeroed, so that no word of an earlier launch on this SM can carry this launch's flags
+    __shared__ uint4 sring[PERS_WARPS * PERS_D * PERS_K];
+    __shared__ unsigned sprog[PERS_WARPS];
+    for (int i = threadIdx.x; i < PERS_WARPS * PERS_D * PERS_K; i += blockDim.x)
+        sring[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (threadIdx.x < PERS_WARPS) sprog[threadIdx.x] = 0u;
+    __syncthreads();
+#else
+    uint4* const sring = nullptr;
+    unsigned* const sprog = nullptr;
+#endif
     if (blockIdx.x * PERS_WARPS + (threadIdx.x >> 5) >= tiles) return;   // whole warps
     double2* mine = steps_sm[threadIdx.x >> 5];
     // the four instantiations (American or not, scaled or not) take the same arguments
 #define PERS_BODY(AMERICAN, SCALED)                                                              \
-    pers_body<AMERICAN, SCALED>(vin, vout, level_base, ratio, pows, ring, progress, status, t,   \
-                                t_stop, pu, pd, strike, sign, gen, mine)
+    pers_body<AMERICAN, SCALED>(vin, vout, level_base, ratio, pows, ring, progress, sring, sprog, \
+                                status, t, t_stop, pu, pd, strike, sign, gen, mine)
 #if PRICER_FMA
     if (scaled) {
         if (american) PERS_BODY(true, true);
