@@ -24,8 +24,9 @@ to the serial engine's.
 Regimes below T1 in `gpu`/`hybrid` (run 9): the persistent kernel, ONE launch from min(T1, the
 widest level whose tiles all fit on the GPU at once) down to T2 (`hybrid`) or 0 (`gpu`): warp tiles
 of 32 x pers_vt nodes in registers, each owning 32 x pers_vt - pers_k nodes of every level, halos
-of pers_k nodes exchanged through global memory every pers_k steps (cuda/binomial.cu, pers_steps;
-mode `pers` runs it all the way). Below level pers_narrow_below (default: where the wide tiles
+of pers_k nodes exchanged every pers_k steps, through shared memory between the tiles of one
+block and through global memory between blocks (cuda/binomial.cu, pers_steps; mode `pers` runs
+it all the way). Below level pers_narrow_below (default: where the wide tiles
 fill half the GPU's SM sub-partitions, 50 688 on 132 SMs) a second launch of the same kernel built
 with pers_narrow_vt nodes per lane takes over: more and smaller tiles finish each narrow level
 sooner (5k-100k: 6-14 % faster, run 11 in docs/performance.md). In either shape a tile of an
