@@ -447,7 +447,8 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 // Where tile j-1 is a warp of the same block (PERS_SMEM, default), ring slots and progress word
 // live in the block's shared memory instead (zeroed at the launch's start); the global ones carry
 // only the hops between blocks.  Run 12 (docs/gpu-notes.md): tile 0's halo waits at N = 100k
-// 1.3 -> 1.06 ms; the tiles still wait at nearly every epoch, as the data is not yet there.
+// 1.3 -> 1.06 ms; the tiles still wait at every epoch: in lockstep the data is not there yet, and
+// where it is (a neighbour that runs ahead), the epoch start still costs ~800 cycles.
 //
 // Never hangs: the host launches only as many blocks as fit on the GPU at once (registers,
 // threads, blocks per SM), tiles that run out of nodes stop only when no neighbour needs them any
