@@ -959,8 +959,8 @@ class GpuEngine:
             if self.mode == "pers":
                 raise GpuError("the persistent kernel needs the GPU's occupancy figures")
             use_pers = False
-        stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
-        phases = self._pers_phases(K, stop) if use_pers else []
+        last = max(floor, c.t2 if self.mode == "hybrid" else 0)   # where the GPU regimes stop
+        phases = self._pers_phases(K, last) if use_pers else []
         scaled, pows = False, None
         if use_pers:                               # pd^s, pd^-s (both shapes have the same pers_k)
             pows = np.empty(2 * c.pers_k + 2)
@@ -981,16 +981,15 @@ class GpuEngine:
             if self.mode in ("gpu", "hybrid", "tiled", "pers"):
                 # tiled while t > T1 (gpu/hybrid), to the end (tiled), or while the level is too
                 # wide for all the persistent kernel's tiles to be resident at once
-                stop = floor if self.mode == "tiled" else (0 if self.mode == "pers" else c.t1)
+                tiled_to = floor if self.mode == "tiled" else (0 if self.mode == "pers" else c.t1)
                 if use_pers:
-                    stop = min(stop, K.pers_top()) if self.mode != "pers" else K.pers_top()
-                stop = max(floor, stop)
-                while t > stop:
-                    step = min(c.tiled_k, t - stop)
+                    tiled_to = min(tiled_to, K.pers_top()) if self.mode != "pers" else K.pers_top()
+                tiled_to = max(floor, tiled_to)
+                while t > tiled_to:
+                    step = min(c.tiled_k, t - tiled_to)
                     K.tiled(src, dst, lb_d, r_d, t, step, *scalars)
                     src, dst = dst, src
                     t -= step
-            stop = max(floor, c.t2 if self.mode == "hybrid" else 0)
             if use_pers:
                 for kernels, until in phases:      # each shape's levels in one launch
                     if t > until:
@@ -1003,9 +1002,9 @@ class GpuEngine:
                     narrow, width, per_launch = K.mid, c.mid_w, c.mid_k
                 else:
                     narrow, width, per_launch = K.warp, c.warp_w, c.warp_k
-                while t > stop:
+                while t > last:
                     # per_launch steps per launch; once the level fits one tile, the whole rest in one
-                    step = t - stop if t + 1 <= width else min(per_launch, t - stop)
+                    step = t - last if t + 1 <= width else min(per_launch, t - last)
                     narrow(src, dst, lb_d, r_d, t, step, *scalars)
                     src, dst = dst, src
                     t -= step
