@@ -524,6 +524,12 @@ __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 #ifndef PERS_INTMAX
 #define PERS_INTMAX 0
 #endif
+#ifndef PERS_EXPIPE
+#define PERS_EXPIPE 1
+#endif
+#ifndef PERS_UNROLL
+#define PERS_UNROLL 8
+#endif
 // PERS_EU_TILES=1: an American tile whose nodes cannot be worth exercising during an epoch (the
 // test of may_exercise, on the level_base and ratio values the steps use, over the epoch's extreme
 // levels and the tile's extreme ratios) runs that epoch's steps with the European node, bit for
@@ -632,8 +638,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                                            : ring + (size_t)(tile + 1) * PERS_D * PERS_K;
     unsigned* const my_progress = right_local ? sprog + warp : progress + tile;   // read by j+1
     const unsigned* const left_progress = left_local ? sprog + warp - 1 : progress + tile - 1;
-    unsigned seen = 0;          // lane 0: the left neighbour's progress last read
-    uint4 w[PERS_VT];           // halo lanes: the next epoch's halo words (prefetched)
+    unsigned seen = 0;          // the left neighbour's progress last read
+    uint4 w[PERS_VT] = {};      // halo lanes: the next epoch's halo words (prefetched)
     bool prefetched = false;
     bool failed = false;
     unsigned e = 0;
@@ -665,29 +671,32 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             PERS_CLOCK(p0);
             if (a0 + PERS_OUT <= (long long)t) {  // tile j+1 has nodes at level t: its epoch e-1
                 bool late = false;
-                if (halo_lane) {
-                    const unsigned want = (gen << 20) | (e - 1);
-                    const uint4* src = right + ((e - 1) % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
-                    if (!prefetched) {
+                const unsigned want = (gen << 20) | (e - 1);
+                const uint4* src = right + ((e - 1) % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
+                // the whole warp polls, one vote per round, so that it never diverges around the
+                // wait (lanes below the halo count as fresh)
+                if (halo_lane && !prefetched) {
 #pragma unroll
-                        for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
-                    }
-                    for (int spin = 0;; ++spin) {
-                        bool all = true;
+                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                }
+                for (int spin = 0;; ++spin) {
+                    bool fresh = true;
+#pragma unroll
+                    for (int q = 0; q < PERS_VT; ++q) fresh = fresh && w[q].y == want && w[q].w == want;
+                    if (__all_sync(FULL, fresh || !halo_lane)) break;
+                    if (spin >= PERS_SPIN) { late = true; break; }
+                    if (halo_lane) {
 #pragma unroll
                         for (int q = 0; q < PERS_VT; ++q)
-                            if (w[q].y != want || w[q].w != want) {
-                                all = false;
-                                w[q] = ll_load(src + q);
-                            }
-                        if (all) break;
-                        if (spin >= PERS_SPIN) { late = true; break; }
+                            if (w[q].y != want || w[q].w != want) w[q] = ll_load(src + q);
                     }
+                }
+                if (late) { failed = true; break; }       // uniform: every lane saw the same votes
+                if (halo_lane) {
 #pragma unroll
                     for (int q = 0; q < PERS_VT; ++q) v[q] = __hiloint2double(w[q].z, w[q].x);
                 }
-                if (__any_sync(FULL, late)) { failed = true; break; }
-                // every halo lane holds its values (the __any_sync above orders them before this)
+                // every halo lane holds its words (the vote above read them) before this store
                 if (lane == 0)
                     asm volatile("st.volatile" PERS_SPACE ".u32 [%0], %1;"
                                  :: "l"(my_progress), "r"((gen << 20) | e) : "memory");
@@ -703,9 +712,27 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         PERS_CLOCK(p2);
         const double msc = -sign * strike;
         // tag: BoolTag<true> for the American node, BoolTag<false> for the European one
+        // PERS_EXPIPE (scaled American steps): step s's exercise values ex[] were computed during
+        // step s-1, so that a step issues its holds, compares and selects back to back instead of
+        // waiting, in order, for its table load and exercise DFMAs first.
+        double ex[PERS_VT];
+        auto exercise_at = [&](int s) {
+            const double2 st = steps_sm[min(s, PERS_K - 1)];   // s = k: unused, any entry will do
+#pragma unroll
+            for (int q = 0; q < PERS_VT; ++q) ex[q] = fma(st.x, r[q], st.y);
+        };
         auto step = [&](int s, auto tag) {
             constexpr bool AM = decltype(tag)::value;
             const double nb = __shfl_down_sync(FULL, v[0], 1);
+            if (AM && SCALED && PERS_EXPIPE) {
+#pragma unroll
+                for (int q = 0; q < PERS_VT; ++q) {
+                    const double hold = fma(a, q < PERS_VT - 1 ? v[q + 1] : nb, v[q]);
+                    v[q] = ex[q] > hold ? ex[q] : hold;
+                }
+                exercise_at(s + 1);
+                return;
+            }
             double sbase = 0.0, mstrike = msc;
             if (AM) {
                 const double2 st = steps_sm[s];
@@ -725,6 +752,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         const int split = (reads_next && k > PERS_PF) ? k - PERS_PF : k;
         prefetched = split < k;
         auto epoch_steps = [&](auto tag) {
+            constexpr int unroll = PERS_UNROLL;
+#pragma unroll unroll
             for (int s = 0; s < split; ++s) step(s, tag);
             if (prefetched) {
                 if (halo_lane) {
@@ -735,7 +764,10 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 for (int s = split; s < k; ++s) step(s, tag);
             }
         };
-        if (may_ex) epoch_steps(BoolTag<AMERICAN>{});
+        if (may_ex) {
+            if (SCALED && PERS_EXPIPE) exercise_at(0);
+            epoch_steps(BoolTag<AMERICAN>{});
+        }
         else epoch_steps(BoolTag<false>{});
         if (SCALED) {
             const double back = k == PERS_K ? pd_k : pows[k];
@@ -750,12 +782,11 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             if (e >= PERS_D) {
                 PERS_CLOCK(p4);
                 bool late = false;
-                if (lane == 0) {
-                    const unsigned need = e - PERS_D + 1;
-                    for (int spin = 0; !((seen >> 20) == gen && (seen & 0xFFFFFu) >= need); ++spin) {
-                        if (spin >= PERS_SPIN) { late = true; break; }
-                        seen = ld_volatile_u32(left_progress);
-                    }
+                const unsigned need = e - PERS_D + 1;
+                // every lane reads the same word with one load, so the loop stays converged
+                for (int spin = 0; !((seen >> 20) == gen && (seen & 0xFFFFFu) >= need); ++spin) {
+                    if (spin >= PERS_SPIN) { late = true; break; }
+                    seen = ld_volatile_u32(left_progress);
                 }
                 if (__any_sync(FULL, late)) { failed = true; break; }
 #ifdef PERS_PROFILE
@@ -791,7 +822,9 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
     if (lane == 0 && tile < 8192) {
         pers_prof[4 * tile + 0] = p_end - p_start;
         pers_prof[4 * tile + 1] = p_wait;
-        pers_prof[4 * tile + 2] = p_back;
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        pers_prof[4 * tile + 2] = p_back | ((unsigned long long)smid << 48);
         pers_prof[4 * tile + 3] = p_steps | ((unsigned long long)e << 48);
     }
 #endif
