@@ -524,6 +524,20 @@ __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 #ifndef PERS_INTMAX
 #define PERS_INTMAX 0
 #endif
+// A ring slot holds the first PERS_K nodes of a level: node w * PERS_VT + q (publishing lane w,
+// its node q) at word PERS_SLOT_WORD(w, q).  PERS_RING_T=1 (default) lays them out q-major, so
+// that the 8 lanes of one store or load touch 128 contiguous bytes (one line, no shared-memory
+// bank conflicts) instead of 8 lines 128 bytes apart.  Halo lane l reads publishing lane
+// l - (32 - PERS_HL).
+#ifndef PERS_RING_T
+#define PERS_RING_T 1
+#endif
+#if PERS_RING_T
+#define PERS_SLOT_WORD(w, q) ((q) * PERS_HL + (w))
+#else
+#define PERS_SLOT_WORD(w, q) ((w) * PERS_VT + (q))
+#endif
+#define PERS_HALO_WORD(lane, q) PERS_SLOT_WORD((lane) - (32 - PERS_HL), q)
 #ifndef PERS_EXPIPE
 #define PERS_EXPIPE 1
 #endif
@@ -672,12 +686,12 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             if (a0 + PERS_OUT <= (long long)t) {  // tile j+1 has nodes at level t: its epoch e-1
                 bool late = false;
                 const unsigned want = (gen << 20) | (e - 1);
-                const uint4* src = right + ((e - 1) % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
+                const uint4* src = right + ((e - 1) % PERS_D) * PERS_K;
                 // the whole warp polls, one vote per round, so that it never diverges around the
                 // wait (lanes below the halo count as fresh)
                 if (halo_lane && !prefetched) {
 #pragma unroll
-                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + PERS_HALO_WORD(lane, q));
                 }
                 for (int spin = 0;; ++spin) {
                     bool fresh = true;
@@ -688,7 +702,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                     if (halo_lane) {
 #pragma unroll
                         for (int q = 0; q < PERS_VT; ++q)
-                            if (w[q].y != want || w[q].w != want) w[q] = ll_load(src + q);
+                            if (w[q].y != want || w[q].w != want)
+                                w[q] = ll_load(src + PERS_HALO_WORD(lane, q));
                     }
                 }
                 if (late) { failed = true; break; }       // uniform: every lane saw the same votes
@@ -757,9 +772,9 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             for (int s = 0; s < split; ++s) step(s, tag);
             if (prefetched) {
                 if (halo_lane) {
-                    const uint4* src = right + (e % PERS_D) * PERS_K + (lane * PERS_VT - PERS_OUT);
+                    const uint4* src = right + (e % PERS_D) * PERS_K;
 #pragma unroll
-                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + q);
+                    for (int q = 0; q < PERS_VT; ++q) w[q] = ll_load(src + PERS_HALO_WORD(lane, q));
                 }
                 for (int s = split; s < k; ++s) step(s, tag);
             }
@@ -796,9 +811,9 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             }
             if (lane < PERS_HL) {
                 const unsigned flag = (gen << 20) | e;
-                uint4* dst = mine + (e % PERS_D) * PERS_K + lane * PERS_VT;
+                uint4* dst = mine + (e % PERS_D) * PERS_K;
 #pragma unroll
-                for (int q = 0; q < PERS_VT; ++q) ll_store(dst + q, v[q], flag);
+                for (int q = 0; q < PERS_VT; ++q) ll_store(dst + PERS_SLOT_WORD(lane, q), v[q], flag);
             }
         }
         t = tn;

@@ -516,12 +516,14 @@ def test_gpu_persistent_kernel_unscaled_fma(rng, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("feature", ["pers_eu_tiles", "pers_expipe"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
-def test_persistent_european_tiles_change_no_bit(scaled, rng, monkeypatch):
-    """American tiles that cannot exercise during an epoch take the European node (pers_eu_tiles):
-    prices bitwise those of the kernel that takes the American node on every tile, in both shapes,
-    with the scaled and the unscaled fma arithmetic, on calls and puts with dividends from deep in
-    to far out of the money (exact mode: test_gpu_exact_mode_is_bitwise compares with serial)."""
+def test_persistent_kernel_features_change_no_bit(feature, scaled, rng, monkeypatch):
+    """American tiles that cannot exercise during an epoch take the European node (pers_eu_tiles),
+    and a scaled American step's exercise values are computed a step ahead (pers_expipe): prices
+    bitwise those of the kernel without the feature, in both shapes, with the scaled and the
+    unscaled fma arithmetic, on calls and puts with dividends from deep in to far out of the money
+    (exact mode: test_gpu_exact_mode_is_bitwise compares with serial)."""
     import pricer.engines.gpu as gpu
     if not scaled:
         real = gpu.pers_pows
@@ -531,8 +533,8 @@ def test_persistent_european_tiles_change_no_bit(scaled, rng, monkeypatch):
     p.strike[:] = p.spot * np.resize([0.5, 0.9, 1.0, 1.1, 2.0], len(p))
     for mode, extra in (("pers", dict(pers_narrow_below=1000)), ("hybrid", {})):
         on = GpuEngine(mode, batch_max_steps=0, **extra)
-        off = GpuEngine(mode, batch_max_steps=0, pers_eu_tiles=False, **extra)
-        assert on.config.pers_eu_tiles and not off.config.pers_eu_tiles
+        off = GpuEngine(mode, batch_max_steps=0, **{feature: False}, **extra)
+        assert getattr(on.config, feature) and not getattr(off.config, feature)
         np.testing.assert_array_equal(on.price(p), off.price(p), err_msg=mode)
 
 
