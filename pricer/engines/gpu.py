@@ -34,9 +34,9 @@ American option whose nodes cannot be worth exercising during an epoch (a put's 
 runs that epoch with the European node, bitwise the same values (pers_eu_tiles; run 12: 100k
 2 %, 500k 4 % faster). A tile's warp polls for its halo as one (a vote per round, no divergence
 around the wait), and a scaled American step's exercise values are computed during the step
-before (pers_expipe); run 13: 100k 6.0 -> 5.3 ms. With pers_vt = 0: the tiled kernel in a narrow shape there (mid_b x mid_vt
-nodes, mid_k steps per launch, the rest in one launch once the level fits one tile), and with
-mid_b = 0 as well the warp-per-block regime of runs 1-4.
+before (pers_expipe); run 13: 100k 6.0 -> 5.3 ms. With pers_vt = 0: the tiled kernel in a narrow
+shape there (mid_b x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level
+fits one tile), and with mid_b = 0 as well the warp-per-block regime of runs 1-4.
 
 Process model: one CUDA context per process, created on first use on device
 (local rank modulo visible devices) -- the local rank comes from MPI's COMM_TYPE_SHARED split when
