@@ -556,6 +556,17 @@ __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 #ifndef PERS_EU_TILES
 #define PERS_EU_TILES 1
 #endif
+// PERS_SKIP=1: a put's tile whose W nodes all hold, bit for bit, the exercise value the last epoch
+// gave them (its last step took the exercise value at each) skips the epoch's steps: each of its
+// nodes is exercised at every step of the epoch, so its values at the epoch's end are the last
+// step's exercise values, the same bits.  Why it is exercised: where both successors hold their
+// exercise value, exercise - hold = K(1 - pu - pd) - S(1 - pu u - pd d) in exact arithmetic, and the
+// host's skip_lim (pers_skip_limit) is an S below which that is positive whatever the rounding
+// (NaN: never).  Scaled fma arithmetic only.  Deep in-the-money tiles then cost next to nothing,
+// so that more, smaller tiles (the narrow shape) can share the SM sub-partitions from the top.
+#ifndef PERS_SKIP
+#define PERS_SKIP 1
+#endif
 
 template <bool B>
 struct BoolTag {
@@ -582,7 +593,7 @@ __device__ __forceinline__ double pers_node(double pu, double pd, double up, dou
 }
 
 #ifdef PERS_PROFILE   // measurement builds only: per tile, cycles spent where (clock64 of its SM)
-__device__ unsigned long long pers_prof[8192 * 4];
+__device__ unsigned long long pers_prof[8192 * 8];
 #define PERS_CLOCK(x) const long long x = clock64()
 #else
 #define PERS_CLOCK(x)
@@ -596,7 +607,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                                           unsigned* progress, uint4* sring, unsigned* sprog,
                                           int* status, int t, int t_stop,
                                           double pu, double pd, double strike, double sign,
-                                          unsigned gen, double2* steps_sm)
+                                          double skip_lim, unsigned gen, double2* steps_sm)
 {
     const unsigned FULL = 0xffffffffu;
     const int lane = threadIdx.x & 31;
@@ -605,7 +616,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
     const long long base = a0 + (long long)lane * PERS_VT;
     const bool halo_lane = lane >= 32 - PERS_HL;
 #ifdef PERS_PROFILE
-    long long p_wait = 0, p_back = 0, p_steps = 0;
+    long long p_wait = 0, p_back = 0, p_steps = 0, p_am = 0, p_eu = 0;
+    unsigned n_am = 0, n_eu = 0, n_skip = 0;
     PERS_CLOCK(p_start);
 #endif
     double v[PERS_VT], r[PERS_VT];
@@ -631,11 +643,13 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         lbn[c] = AMERICAN ? level_base[max(t - s, 0)] : 0.0;   // levels below 0: never a step's
     }
     const double pd_k = SCALED ? pows[PERS_K] : 1.0;
-#if PERS_EU_TILES
+#if PERS_EU_TILES || PERS_SKIP
     // the tile's least and greatest node ratios over the launch (the ratio table increases with i;
     // a tile with no node at level t leaves the loop before it reads them)
     const bool has_nodes = a0 <= (long long)t;
+#if PERS_EU_TILES
     const double r_lo = (AMERICAN && has_nodes) ? ratio[a0] : 0.0;
+#endif
     const double r_hi = (AMERICAN && has_nodes) ? ratio[min(a0 + PERS_W - 1, (long long)t)] : 0.0;
 #endif
     // this tile's ring (it publishes for tile j-1) and tile j+1's, and the progress words: in the
@@ -663,15 +677,26 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         const int tn = t - k;
         if (a0 > (long long)tn) break;             // no node left at level tn (uniform per warp)
         bool may_ex = AMERICAN;
+        bool may_skip = false;
+        double2 last_ex = make_double2(0.0, 0.0);  // the last epoch's last step's exercise numbers
         if (AMERICAN) {
-#if PERS_EU_TILES
+#if PERS_EU_TILES || PERS_SKIP
             // level_base[t - 1] and level_base[max(t - PERS_K, 0)]: the levels of this epoch's k
             // steps lie between them, and level_base is monotone (lbn holds level_base[max(t - s,
             // 0)] for s = 32 c + lane + 1 until it is refilled below)
             const double l_a = __shfl_sync(FULL, lbn[0], 0);
             const double l_b = __shfl_sync(FULL, lbn[PERS_KC - 1], (PERS_K - 1) & 31);
+#endif
+#if PERS_EU_TILES
             may_ex = sign < 0.0 ? fmin(l_a, l_b) * r_lo < strike * (1.0 + 1e-9)
                                 : fmax(l_a, l_b) * r_hi > strike * (1.0 - 1e-9);
+#endif
+#if PERS_SKIP
+            // an epoch e > 0 follows one of PERS_K steps; skip_lim NaN: the compare is false
+            if (SCALED && e > 0 && sign < 0.0 && fmax(l_a, l_b) * r_hi < skip_lim) {
+                may_skip = true;
+                last_ex = steps_sm[PERS_K - 1];    // read before the refill below overwrites it
+            }
 #endif
             __syncwarp();                          // every lane is done with the last epoch's
 #pragma unroll
@@ -720,6 +745,15 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q) v[q] = 0.0;
             }
+#if PERS_SKIP
+            if (may_skip) {   // every node, the halo's too, holds the last epoch's exercise value
+                bool exercised = true;
+#pragma unroll
+                for (int q = 0; q < PERS_VT; ++q)
+                    exercised = exercised && v[q] == fma(last_ex.x, r[q], last_ex.y) * pd_k;
+                may_skip = __all_sync(FULL, exercised);
+            }
+#endif
 #ifdef PERS_PROFILE
             PERS_CLOCK(p1);
             p_wait += p1 - p0;
@@ -780,7 +814,12 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 for (int s = split; s < k; ++s) step(s, tag);
             }
         };
-        if (may_ex) {
+        if (PERS_SKIP && may_skip) {   // the epoch's last step's exercise values, as the step has them
+            const double2 st = steps_sm[k - 1];
+#pragma unroll
+            for (int q = 0; q < PERS_VT; ++q) v[q] = fma(st.x, r[q], st.y);
+            prefetched = false;
+        } else if (may_ex) {
             if (SCALED && PERS_EXPIPE) exercise_at(0);
             epoch_steps(BoolTag<AMERICAN>{});
         }
@@ -793,6 +832,9 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
 #ifdef PERS_PROFILE
         PERS_CLOCK(p3);
         p_steps += p3 - p2;
+        if (PERS_SKIP && may_skip) ++n_skip;
+        else if (may_ex) { ++n_am; p_am += p3 - p2; }
+        else { ++n_eu; p_eu += p3 - p2; }
 #endif
         if (tn > t_stop && tile > 0) {             // publish level tn's first PERS_K nodes
             if (e >= PERS_D) {
@@ -836,12 +878,16 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
 #ifdef PERS_PROFILE
     PERS_CLOCK(p_end);
     if (lane == 0 && tile < 8192) {
-        pers_prof[4 * tile + 0] = p_end - p_start;
-        pers_prof[4 * tile + 1] = p_wait;
+        pers_prof[8 * tile + 4] = p_am;
+        pers_prof[8 * tile + 5] = n_am | ((unsigned long long)n_eu << 32);
+        pers_prof[8 * tile + 6] = p_eu;
+        pers_prof[8 * tile + 7] = n_skip;
+        pers_prof[8 * tile + 0] = p_end - p_start;
+        pers_prof[8 * tile + 1] = p_wait;
         unsigned smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        pers_prof[4 * tile + 2] = p_back | ((unsigned long long)smid << 48);
-        pers_prof[4 * tile + 3] = p_steps | ((unsigned long long)e << 48);
+        pers_prof[8 * tile + 2] = p_back | ((unsigned long long)smid << 48);
+        pers_prof[8 * tile + 3] = p_steps | ((unsigned long long)e << 48);
     }
 #endif
 }
@@ -852,7 +898,7 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
            const double* __restrict__ level_base, const double* __restrict__ ratio,
            const double* __restrict__ pows, uint4* ring, unsigned* progress, int* status,
            int t, int t_stop, int tiles, double pu, double pd, double strike, double sign,
-           int american, int scaled, unsigned gen)
+           double skip_lim, int american, int scaled, unsigned gen)
 {
     __shared__ double2 steps_sm[PERS_WARPS][PERS_K];
 #if PERS_SMEM
@@ -872,7 +918,7 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
     // the four instantiations (American or not, scaled or not) take the same arguments
 #define PERS_BODY(AMERICAN, SCALED)                                                              \
     pers_body<AMERICAN, SCALED>(vin, vout, level_base, ratio, pows, ring, progress, sring, sprog, \
-                                status, t, t_stop, pu, pd, strike, sign, gen, mine)
+                                status, t, t_stop, pu, pd, strike, sign, skip_lim, gen, mine)
 #if PRICER_FMA
     if (scaled) {
         if (american) PERS_BODY(true, true);

@@ -15,7 +15,7 @@ SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
 # the default build and the tunings the GPU engine may ask for
 VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16", "-DBATCH_W=4",
                  "-DBATCH_COUNT", "-DPERS_VT=4", "-DPERS_K=64"],   # the persistent kernel's narrow shape
-            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16"], ["-DBATCH_W=2", "-DBATCH_SKIP=0", "-DPERS_EU_TILES=0",
+            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16", "-DPERS_SKIP=0"], ["-DBATCH_W=2", "-DBATCH_SKIP=0", "-DPERS_EU_TILES=0",
                                                                "-DPERS_SMEM=0", "-DPERS_EXPIPE=0",
                                                                "-DPERS_RING_T=0", "-DPERS_UNROLL=2"]]
 

@@ -203,6 +203,44 @@ def test_persistent_shapes_take_turns(rng):
         assert kernels.log == want, (mode, n, config.pers_narrow_vt, config.pers_narrow_below)
 
 
+def test_put_whose_tiles_skip_goes_narrow_from_the_top(rng):
+    """With the scaled arithmetic (fma), an American put's exercised tiles skip their epochs
+    (pers_skip), and by default the narrow shape then takes over as high as its tiles hold (level
+    127 here) rather than where the wide tiles fill half the sub-partitions (96); a call, or a put
+    with pers_skip off, keeps the old hand-over."""
+    from pricer.engines.gpu import pers_skip_limit
+    config = replace(SMALL_PERS, pers_narrow_below=None, fma=True)
+    top, half = [(64, 250, 127), (32, 127, 0)], [(64, 250, 96), (32, 96, 0)]
+    for call, cfg, want in ((False, config, top), (True, config, half),
+                            (False, replace(config, pers_skip=False), half)):
+        p = options(rng, [250], call=call, american=True)
+        assert call or not np.isnan(pers_skip_limit(p.strike[0], 250, p.pu[0], p.pd[0], p.log_up[0],
+                                                    p.log_down[0]))
+        kernels = LoggedPersKernels(cfg)
+        got = GpuEngine("gpu", config=cfg, kernels=kernels).price(p)
+        np.testing.assert_array_equal(got, SerialEngine().price(p))
+        assert kernels.log == want, (call, cfg.pers_skip)
+
+
+def test_pers_skip_limit():
+    """No limit (NaN) where holding pays at least as much as exercising (no interest); below the
+    serial engine's limit, whose rounding-error bounds it widens."""
+    from pricer.engines.gpu import pers_skip_limit
+    from pricer.engines.serial import exercise_limit
+    from pricer.lattice import lattice_parameters
+    cols = dict(spot=np.full(3, 100.0), strike=np.full(3, 100.0), maturity=np.full(3, 1.0),
+                volatility=np.full(3, 0.2), rate=np.array([0.0, 0.05, 0.05]),
+                dividend=np.array([0.0, 0.0, 0.08]), steps=np.array([1000, 1000, 100_000]),
+                call=np.zeros(3, bool), american=np.ones(3, bool))
+    p = lattice_parameters(cols)
+    args = [(p.strike[j], int(p.steps[j]), p.pu[j], p.pd[j], p.log_up[j], p.log_down[j]) for j in range(3)]
+    assert np.isnan(pers_skip_limit(*args[0]))
+    for a in args[1:]:
+        assert 0.0 < pers_skip_limit(*a) < exercise_limit(*a)
+    # with dividends above the rate, a put is surely exercised only below about K r / q
+    assert 0.5 * 100 * 0.05 / 0.08 < pers_skip_limit(*args[2]) < 100 * 0.05 / 0.08
+
+
 class StrandedPersKernels(NumpyKernels):
     """As a GPU whose persistent launch cannot get all its blocks resident: the launch gives up,
     writes NaN over its outputs and raises the status flag."""
@@ -516,12 +554,13 @@ def test_gpu_persistent_kernel_unscaled_fma(rng, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("feature", ["pers_eu_tiles", "pers_expipe"])
+@pytest.mark.parametrize("feature", ["pers_eu_tiles", "pers_expipe", "pers_skip"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 def test_persistent_kernel_features_change_no_bit(feature, scaled, rng, monkeypatch):
     """American tiles that cannot exercise during an epoch take the European node (pers_eu_tiles),
-    and a scaled American step's exercise values are computed a step ahead (pers_expipe): prices
-    bitwise those of the kernel without the feature, in both shapes, with the scaled and the
+    a scaled American step's exercise values are computed a step ahead (pers_expipe), and a put's
+    tiles whose nodes all hold their exercise value skip the epoch (pers_skip): prices bitwise
+    those of the kernel without the feature, in both shapes, with the scaled and the
     unscaled fma arithmetic, on calls and puts with dividends from deep in to far out of the money
     (exact mode: test_gpu_exact_mode_is_bitwise compares with serial)."""
     import pricer.engines.gpu as gpu
@@ -531,7 +570,10 @@ def test_persistent_kernel_features_change_no_bit(feature, scaled, rng, monkeypa
     steps = [64, 500, 999, 1000, 1001, 3000, 20_000, 60_000, 120_000]
     p = every_kind(rng, np.repeat(steps, 3))
     p.strike[:] = p.spot * np.resize([0.5, 0.9, 1.0, 1.1, 2.0], len(p))
-    for mode, extra in (("pers", dict(pers_narrow_below=1000)), ("hybrid", {})):
+    # pers_skip moves a put's default hand-over to the narrow shape, and with it the epochs' bounds
+    # (the scaled values' rounding): hybrid gets the same fixed hand-over on both sides
+    hybrid = dict(pers_narrow_below=30_000) if feature == "pers_skip" else {}
+    for mode, extra in (("pers", dict(pers_narrow_below=1000)), ("hybrid", hybrid)):
         on = GpuEngine(mode, batch_max_steps=0, **extra)
         off = GpuEngine(mode, batch_max_steps=0, **{feature: False}, **extra)
         assert getattr(on.config, feature) and not getattr(off.config, feature)

@@ -65,8 +65,8 @@ import numpy as np
 
 from numba import njit
 
-from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, backward_keeping_levels, level_array,
-                                   power_tables)
+from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, _SLACK as SERIAL_SLACK,
+                                   backward_keeping_levels, exercise_limit, level_array, power_tables)
 from pricer.lattice import LatticeParams
 
 MODES = ("gpu", "hybrid", "wavefront", "tiled", "warp", "pers")
@@ -133,6 +133,16 @@ def pers_pows(pd: float, k: int, out: np.ndarray) -> bool:
     return hit[1]
 
 
+def pers_skip_limit(strike, steps, pu, pd, log_up, log_down) -> float:
+    """cuda/binomial.cu PERS_SKIP: an S below which a put's node whose two successors hold their
+    exercise value (bit for bit) is exercised too, whatever the rounding, in the persistent kernel's
+    scaled arithmetic; NaN: none is known to be.  The serial engine's exercise_limit, each rounding
+    error bound widened four times more: the scaled steps round a few more times than the serial
+    engine's (a = pu/pd, the pd^-s factors and the exercise numbers scaled by them)."""
+    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down, 4.0 * SERIAL_SLACK)
+    return limit if limit > 0.0 else np.nan
+
+
 def cuda_source_dir() -> Path:
     env = os.environ.get("PRICER_CUDA_DIR")
     if env:
@@ -176,6 +186,8 @@ class GpuConfig:
                                 # it with the European node (bitwise the same values, sooner)
     pers_expipe: bool = True  # persistent kernel, fma mode: a step's exercise values computed
                               # during the step before (bitwise the same values, sooner)
+    pers_skip: bool = True    # persistent kernel, fma mode: a put's tile whose nodes all hold their
+                              # exercise value skips the epoch's steps (bitwise the same values)
     wavefront_block: int = 256
     fma: bool = True          # fused multiply-adds (faster; False: exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
@@ -234,7 +246,7 @@ class GpuConfig:
         if self.pers_vt:
             d += [f"-DPERS_VT={self.pers_vt}", f"-DPERS_K={self.pers_k}",
                   f"-DPERS_WARPS={self.pers_warps}", f"-DPERS_EU_TILES={int(self.pers_eu_tiles)}",
-                  f"-DPERS_EXPIPE={int(self.pers_expipe)}"]
+                  f"-DPERS_EXPIPE={int(self.pers_expipe)}", f"-DPERS_SKIP={int(self.pers_skip)}"]
         return d
 
     def narrow(self) -> "GpuConfig | None":
@@ -433,7 +445,7 @@ class CudaKernels:
             self._pers = mod.get_function("pers_steps")
             # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
             # strike, sign, american, scaled, gen
-            self._pers.prepare("PPPPPPPPiiiddddiiI")
+            self._pers.prepare("PPPPPPPPiiidddddiiI")
         self._pers_ring = None      # ring, progress, status, tiles, pows, allocation (_pers_alloc)
         self._pers_gen = 0
         self._pers_tiles = None
@@ -514,8 +526,9 @@ class CudaKernels:
             self._pers_gen = 1
         return ring, progress, status
 
-    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled):
-        """Level t -> level stop in one launch of the persistent kernel."""
+    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled,
+             skip_lim=np.nan):
+        """Level t -> level stop in one launch of the persistent kernel (skip_lim: pers_skip_limit)."""
         c = self.config
         out_w = c.pers_w - c.pers_k
         tiles = (t - min(c.pers_k, t - stop) + out_w) // out_w
@@ -527,7 +540,7 @@ class CudaKernels:
         self._pers.prepared_async_call((blocks, 1), (32 * c.pers_warps, 1, 1), self.rt.stream,
                                        vin, vout, lb, r, pows, ring, progress, status,
                                        np.int32(t), np.int32(stop), np.int32(tiles), pu, pd, strike,
-                                       sign, np.int32(american), np.int32(scaled),
+                                       sign, skip_lim, np.int32(american), np.int32(scaled),
                                        np.uint32(self._pers_gen))
 
     def pers_failed(self) -> bool:
@@ -806,8 +819,10 @@ class NumpyKernels:
     def pers_failed(self) -> bool:
         return False
 
-    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled):
-        """cuda/binomial.cu pers_steps (exact arithmetic, as every kernel here: `scaled` is ignored): tiles of W =
+    def pers(self, vin, vout, lb, r, pows, t, stop, pu, pd, strike, sign, american, scaled,
+             skip_lim=np.nan):
+        """cuda/binomial.cu pers_steps (exact arithmetic, as every kernel here: `scaled` and the
+        scaled arithmetic's skip_lim are ignored): tiles of W =
         32 * pers_vt nodes owning OUT = W - pers_k output nodes each, epochs of k <= pers_k steps,
         each tile's halo the right neighbour's first pers_k nodes of the epoch's start level."""
         c = self.config
@@ -933,17 +948,21 @@ class GpuEngine:
                 out[k] = self.price_one(params, int(k), bufs, host, levels)
         return out
 
-    def _pers_phases(self, K, stop: int) -> list:
+    def _pers_phases(self, K, stop: int, skips: bool = False) -> list:
         """The persistent launches down to level `stop`, as [(kernels, level it stops at)]: the
         wide shape while the level is above pers_narrow_below (or above the widest level the narrow
         shape's tiles hold at once, if that is lower), then the narrow shape, whose more and smaller
-        tiles keep more SM sub-partitions busy on narrow levels (docs/performance.md, run 11)."""
+        tiles keep more SM sub-partitions busy on narrow levels (docs/performance.md, run 11).
+        Where the option's exercised tiles skip their epochs (`skips`, pers_skip), the narrow shape
+        by default takes over as soon as its tiles hold the level (run 14)."""
         narrow = K.narrow_kernels()
         if narrow is None or narrow.pers_top() < 0:
             return [(K, stop)]
         c = self.config
         below = c.pers_narrow_below
-        if below is None:   # run 11's best on 528 sub-partitions, 40 000-60 000, scaled to this GPU
+        if below is None and skips:   # the tiles that skip leave their sub-partitions to the others
+            below = narrow.pers_top()
+        elif below is None:  # run 11's best on 528 sub-partitions, 40 000-60 000, scaled to this GPU
             below = K.sub_partitions() * (c.pers_w - c.pers_k) // 2
         mid = max(stop, min(below, narrow.pers_top()))
         return [(K, mid), (narrow, stop)]
@@ -974,11 +993,14 @@ class GpuEngine:
                 raise GpuError("the persistent kernel needs the GPU's occupancy figures")
             use_pers = False
         last = max(floor, c.t2 if self.mode == "hybrid" else 0)   # where the GPU regimes stop
-        phases = self._pers_phases(K, last) if use_pers else []
         scaled, pows = False, None
+        skip_lim = np.nan               # pers_skip: a put's tiles below it skip exercised epochs
         if use_pers:                               # pd^s, pd^-s (both shapes have the same pers_k)
             pows = np.empty(2 * c.pers_k + 2)
             scaled = c.fma and pers_pows(pd, c.pers_k, pows)
+            if scaled and american and sign < 0 and c.pers_skip:
+                skip_lim = pers_skip_limit(strike, n, pu, pd, float(p.log_up[k]), float(p.log_down[k]))
+        phases = self._pers_phases(K, last, not np.isnan(skip_lim)) if use_pers else []
         K.upload(tab_d, tab[:2 * n + 2])           # both tables in one copy
         lb_d, r_d = K.split_tables(tab_d, n)
         K.terminal(a, lb_d, r_d, n, strike, sign)
@@ -1008,7 +1030,7 @@ class GpuEngine:
                 for kernels, until in phases:      # each shape's levels in one launch
                     if t > until:
                         kernels.pers(src, dst, lb_d, r_d, kernels.pers_pows(pows), t, until,
-                                     *scalars, scaled)
+                                     *scalars, scaled, skip_lim)
                         src, dst = dst, src
                         t = until
             else:

@@ -467,7 +467,7 @@ _SLACK = 4.0
 
 
 @njit(cache=True, nogil=True)
-def exercise_limit(strike, steps, pu, pd, log_up, log_down):
+def exercise_limit(strike, steps, pu, pd, log_up, log_down, slack=_SLACK):
     """A put's node (t, i) whose two successors were exercised (their value is their exercise value,
     bit for bit) is exercised itself — exercise value > hold value as computed, whatever the
     rounding — if level_base[t]*ratio[i] < the limit returned (0: no node is known to be).
@@ -476,15 +476,15 @@ def exercise_limit(strike, steps, pu, pd, log_up, log_down):
     S(t, i)(1 - pu u - pd d) in exact arithmetic, where S(t+1, i) = S(t, i) d and S(t+1, i+1) =
     S(t, i) u. The tables only hold S within eta relative (the rounding of their exponents, which
     grows with N) and every operation rounds; bounding those errors by (num, den) below, each
-    widened _SLACK-fold, the difference is positive for S(t, i) < num/den. Without dividends den
+    widened slack-fold, the difference is positive for S(t, i) < num/den. Without dividends den
     is only those errors, and every put node whose successors were exercised is (num ~ K r dt)."""
     up, down = math.exp(log_up), math.exp(log_down)
     discount = pu + pd
     growth = pu * up + pd * down                       # e^-q dt, up to rounding
     eta = (steps * (abs(log_down) + abs(log_up - log_down)) + 12.0) * 2.0 * _ROUNDOFF
-    err = _SLACK * _ROUNDOFF
+    err = slack * _ROUNDOFF
     num = strike * ((1.0 - discount) - err * (2.0 + 4.0 * discount))
-    den = (1.0 - growth) + _SLACK * eta * growth + err * (4.0 + 3.0 * up * discount + 2.0 * growth)
+    den = (1.0 - growth) + slack * eta * growth + err * (4.0 + 3.0 * up * discount + 2.0 * growth)
     if not num > 0.0:
         return 0.0
     if not den > 0.0:
