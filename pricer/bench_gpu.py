@@ -4,8 +4,9 @@ One American put (S = K = 100, T = 1, sigma = 0.2, r = 0.05) at N = 1k ... 1M, p
 wavefront, tiled, warp-per-block and hybrid regimes (and the CPU `serial`/`cpu` engines where they
 finish in reasonable time). GPU times come from CUDA events around one whole option (tables,
 upload, kernels, download and, for hybrid, the CPU tail), after each size has been priced
-untimed for WARMUP_S (at least once); the median of the repeats is reported, with nodes/s and the share of the FP64 FMA peak measured in
-the same run (an American node costs about 4 FP64 instructions, so the node bound is peak / 4).
+untimed for WARMUP_S (at least once); the median of the repeats is reported, with nodes/s and
+the share of the FP64 FMA peak measured in the same run (an American node costs about 4 FP64
+instructions, so the node bound is peak / 4).
 
 Usage (the team wires the CLI): python -m pricer.bench_gpu [--quick] [--out FILE.json]
 """

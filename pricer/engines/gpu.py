@@ -35,9 +35,9 @@ runs that epoch with the European node, bitwise the same values (pers_eu_tiles; 
 2 %, 500k 4 % faster), and a put's tile whose nodes all hold their exercise value skips the
 epoch's steps, again bitwise the same (pers_skip, scaled arithmetic, under pers_skip_limit); with
 its exercised tiles skipping, such a put goes to the narrow shape as high as the narrow tiles hold
-the level (run 14: 100k 5.6 -> 4.9 ms). A tile's warp polls for its halo as one (a vote per round, no divergence
-around the wait), and a scaled American step's exercise values are computed during the step
-before (pers_expipe); run 13: 100k 6.0 -> 5.3 ms. With pers_vt = 0: the tiled kernel in a narrow
+the level (run 14: 100k 5.6 -> 4.9 ms). A tile's warp polls for its halo as one (a vote per
+round, no divergence around the wait), and a scaled American step's exercise values are computed
+during the step before (pers_expipe); run 13: 100k 6.0 -> 5.3 ms. With pers_vt = 0: the tiled kernel in a narrow
 shape there (mid_b x mid_vt nodes, mid_k steps per launch, the rest in one launch once the level
 fits one tile), and with mid_b = 0 as well the warp-per-block regime of runs 1-4.
 
@@ -447,7 +447,7 @@ class CudaKernels:
         if config.pers_vt:
             self._pers = mod.get_function("pers_steps")
             # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
-            # strike, sign, american, scaled, gen
+            # strike, sign, skip_lim, american, scaled, gen
             self._pers.prepare("PPPPPPPPiiidddddiiI")
         self._pers_ring = None      # ring, progress, status, tiles, pows, allocation (_pers_alloc)
         self._pers_gen = 0
