@@ -121,6 +121,16 @@ struct LevelBaseCache {
 // stores the same values with half the FP64 work per node.  The relative margin of 1e-9 covers the
 // tables' few ulp.
 
+// The test itself, on the extreme level bases (l_a, l_b: the first and last level) and ratios
+// (r_lo <= r_hi) of the nodes in question; the persistent kernel calls it with those it holds.
+__device__ __forceinline__ bool may_exercise_within(double l_a, double l_b, double r_lo, double r_hi,
+                                                    double strike, double sign)
+{
+    if (sign < 0.0)
+        return fmin(l_a, l_b) * r_lo < strike * (1.0 + 1e-9);
+    return fmax(l_a, l_b) * r_hi > strike * (1.0 - 1e-9);
+}
+
 __device__ __forceinline__ bool may_exercise(const double* __restrict__ level_base,
                                              const double* __restrict__ ratio, int t, int k,
                                              long long first, int width, double strike, double sign)
@@ -129,9 +139,7 @@ __device__ __forceinline__ bool may_exercise(const double* __restrict__ level_ba
     const long long last = min(first + width - 1, (long long)t);
     const double l_a = level_base[max(t - 1, 0)], l_b = level_base[max(t - k, 0)];
     const double r_a = ratio[first], r_b = ratio[last];
-    if (sign < 0.0)
-        return fmin(l_a, l_b) * fmin(r_a, r_b) < strike * (1.0 + 1e-9);
-    return fmax(l_a, l_b) * fmax(r_a, r_b) > strike * (1.0 - 1e-9);
+    return may_exercise_within(l_a, l_b, fmin(r_a, r_b), fmax(r_a, r_b), strike, sign);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -573,21 +581,30 @@ struct BoolTag {
     static constexpr bool value = B;
 };
 
+// A scaled step's exercise value from its steps_sm entry {sign * level_base / pd^s,
+// -sign * strike / pd^s}: every step, the step-ahead values (PERS_EXPIPE) and PERS_SKIP take it so.
+__device__ __forceinline__ double pers_exercise(double2 st, double r)
+{
+    return fma(st.x, r, st.y);
+}
+
+// The scaled American node's max (hold >= +0)
+__device__ __forceinline__ double pers_max(double exercise, double hold)
+{
+#if PERS_INTMAX     // hold >= +0, so the bit patterns as integers order them as the doubles
+    return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
+#else
+    return exercise > hold ? exercise : hold;
+#endif
+}
+
 template <bool AMERICAN, bool SCALED>
 __device__ __forceinline__ double pers_node(double pu, double pd, double up, double down,
                                             double sbase, double r, double mstrike)
 {
     if (SCALED) {   // pu is a = pu / pd here; no underflow flush (see above)
         const double hold = fma(pu, up, down);
-        if (AMERICAN) {
-            const double exercise = fma(sbase, r, mstrike);
-#if PERS_INTMAX     // hold >= +0, so the bit patterns as integers order them as the doubles
-            return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
-#else
-            return exercise > hold ? exercise : hold;
-#endif
-        }
-        return hold;
+        return AMERICAN ? pers_max(pers_exercise(make_double2(sbase, mstrike), r), hold) : hold;
     }
     return node<AMERICAN>(pu, pd, up, down, sbase, r, mstrike);
 }
@@ -688,8 +705,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             const double l_b = __shfl_sync(FULL, lbn[PERS_KC - 1], (PERS_K - 1) & 31);
 #endif
 #if PERS_EU_TILES
-            may_ex = sign < 0.0 ? fmin(l_a, l_b) * r_lo < strike * (1.0 + 1e-9)
-                                : fmax(l_a, l_b) * r_hi > strike * (1.0 - 1e-9);
+            may_ex = may_exercise_within(l_a, l_b, r_lo, r_hi, strike, sign);
 #endif
 #if PERS_SKIP
             // an epoch e > 0 follows one of PERS_K steps; skip_lim NaN: the compare is false
@@ -750,7 +766,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 bool exercised = true;
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q)
-                    exercised = exercised && v[q] == fma(last_ex.x, r[q], last_ex.y) * pd_k;
+                    exercised = exercised && v[q] == pers_exercise(last_ex, r[q]) * pd_k;
                 may_skip = __all_sync(FULL, exercised);
             }
 #endif
@@ -769,7 +785,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         auto exercise_at = [&](int s) {
             const double2 st = steps_sm[min(s, PERS_K - 1)];   // s = k: unused, any entry will do
 #pragma unroll
-            for (int q = 0; q < PERS_VT; ++q) ex[q] = fma(st.x, r[q], st.y);
+            for (int q = 0; q < PERS_VT; ++q) ex[q] = pers_exercise(st, r[q]);
         };
         auto step = [&](int s, auto tag) {
             constexpr bool AM = decltype(tag)::value;
@@ -777,8 +793,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             if (AM && SCALED && PERS_EXPIPE) {
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q) {
-                    const double hold = fma(a, q < PERS_VT - 1 ? v[q + 1] : nb, v[q]);
-                    v[q] = ex[q] > hold ? ex[q] : hold;
+                    v[q] = pers_max(ex[q], fma(a, q < PERS_VT - 1 ? v[q + 1] : nb, v[q]));
                 }
                 exercise_at(s + 1);
                 return;
@@ -815,9 +830,9 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             }
         };
         if (PERS_SKIP && may_skip) {   // the epoch's last step's exercise values, as the step has them
-            const double2 st = steps_sm[k - 1];
+            exercise_at(k - 1);
 #pragma unroll
-            for (int q = 0; q < PERS_VT; ++q) v[q] = fma(st.x, r[q], st.y);
+            for (int q = 0; q < PERS_VT; ++q) v[q] = ex[q];
             prefetched = false;
         } else if (may_ex) {
             if (SCALED && PERS_EXPIPE) exercise_at(0);
