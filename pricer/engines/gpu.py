@@ -572,7 +572,6 @@ class CudaKernels:
         """Device addresses of level_base and ratio inside the table buffer."""
         return int(tab), int(tab) + 8 * (steps + 1)
 
-
     def host_array(self, size: int) -> np.ndarray:
         """A float64 host buffer in page-locked memory (the tables' upload at N = 100k: 0.10 ms
         from pageable memory, 0.04 ms from page-locked, H200)."""
