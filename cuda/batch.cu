@@ -13,6 +13,11 @@
 // (W = 1: the same shuffle, with lane 0 offering its next group's node) or, for W > 1, from the
 // next warp through a double-buffered shared-memory slot (one __syncthreads per step).
 //
+// Work left out (prices bitwise those of computing every node): units above an option's last
+// positive payoff stay zero and are never computed (zero_clamp; calls run on the mirrored lattice,
+// load_option, so that every option's zeros lie at the top), and American units that are surely
+// exercised are skipped (skip_check).
+//
 // Asset prices are never updated incrementally: node (t, i) has
 //     S = spot * exp(t * log_down) * exp(i * (log_up - log_down)),
 // the level factor sign * spot * exp(t * log_down) computed 32 levels at a time (one exp per lane,
@@ -54,6 +59,14 @@ struct Option {
     bool call, american;
 };
 
+// Calls are priced on the mirrored lattice (node i' = t - i: log_up and log_down swapped, pu and
+// pd swapped; the same nodes, so the same price to rounding). Every option's lattice then has its
+// exercise region at the bottom (low i) and its zero region at the top, which is what the skip of
+// surely exercised units (a prefix) and the clamp of zero units (a suffix) rely on.
+#ifndef BATCH_MIRROR
+#define BATCH_MIRROR 1
+#endif
+
 __device__ __forceinline__ Option load_option(const unsigned char* __restrict__ input, int n, int row)
 {
     const double* col = reinterpret_cast<const double*>(input) + row;
@@ -69,6 +82,13 @@ __device__ __forceinline__ Option load_option(const unsigned char* __restrict__ 
     x.steps = steps[row];
     x.call = call[row] != 0;
     x.american = call[(size_t)n + row] != 0;
+    if (BATCH_MIRROR && x.call) {
+        const double log_up = x.log_up, pu = x.pu;
+        x.log_up = x.log_down;
+        x.log_down = log_up;
+        x.pu = x.pd;
+        x.pd = pu;
+    }
     return x;
 }
 
@@ -91,6 +111,7 @@ struct OptionConsts {
     double sign, log_down, spot;
     double log_ratio;
     double log_limit;                   // skip margin (exercise_bound)
+    int clamp;                          // nodes >= clamp stay zero at every level (zero_clamp)
 };
 
 struct StepState {
@@ -256,12 +277,14 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 //
 // Every SKIP_WINDOW steps, at level t, skip_check looks at which nodes hold their exercise value
 // (v == the exercise value the step would compute, bit for bit) and decides the next window:
-// - put (exercise region below the boundary): units [0, U) are skipped when all their nodes and the
-//   first SKIP_WINDOW nodes of unit U hold exercise values: the run of such nodes loses at most one
-//   node at its top per step, so units [0, U) stay exercised through the window;
-// - call (above): units [U, top) are skipped when all their nodes hold exercise values: node i of
-//   level t - 1 lies over nodes i and i + 1, so that suffix stays exercised (its lowest unit's node 0
-//   is computed every step as the exercise value, since the unit below reads it: `topx`);
+// - put, and call on the mirrored lattice (BATCH_MIRROR; exercise region below the boundary): units
+//   [0, U) are skipped when all their nodes and the first SKIP_WINDOW nodes of unit U hold exercise
+//   values: the run of such nodes loses at most one node at its top per step, so units [0, U) stay
+//   exercised through the window;
+// - call on the lattice as given (BATCH_MIRROR = 0; exercise region above): units [U, top) are
+//   skipped when all their nodes hold exercise values: node i of level t - 1 lies over nodes i and
+//   i + 1, so that suffix stays exercised (its lowest unit's node 0 is computed every step as the
+//   exercise value, since the unit below reads it: `topx`);
 // and the margin must hold at the price of the nodes the window relies on (both window ends, as
 // S(t, i) is monotone in t). Groups that leave the skipped set get their exercise values at level
 // t. Below level SKIP_MIN_LEVEL nothing is skipped, so the last steps (and the Greeks' levels) run
@@ -278,8 +301,11 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 __device__ unsigned long long batch_counts[2];
 #endif
 #define SKIP_NONE 0
-#define SKIP_PUT 1                          // skipped: units [0, U)
-#define SKIP_CALL 2                         // skipped: units [U, top)
+#define SKIP_PUT 1                          // skipped: units [0, U); exercise where S <= limit
+#define SKIP_CALL 2                         // skipped: units [U, top); exercise where S >= limit
+#define SKIP_MCALL 3                        // mirrored call: units [0, U); exercise where S >= limit
+
+__device__ __forceinline__ bool skips_prefix(int mode) { return mode != SKIP_CALL; }
 
 struct SkipState {
     int mode;
@@ -306,7 +332,7 @@ __device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, 
         oc.log_limit = lim_b > 0.0 ? log(lim_a / (op.spot * lim_b)) : ALWAYS;
     } else {
         const double lim_a = op.strike * (a + SLACK), lim_b = b - 12.0 * eta - SLACK;
-        sk.mode = lim_b > 0.0 ? SKIP_CALL : SKIP_NONE;
+        sk.mode = lim_b > 0.0 ? (BATCH_MIRROR ? SKIP_MCALL : SKIP_CALL) : SKIP_NONE;
         oc.log_limit = lim_a > 0.0 ? log(lim_a / (op.spot * lim_b)) : -ALWAYS;
     }
 }
@@ -378,7 +404,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
         }
     }
     int skip_units;                       // put: units [0, skip_units); call: [skip_units, top)
-    if (sk.mode == SKIP_PUT) {
+    if (skips_prefix(sk.mode)) {
         skip_units = first_open < in_level && !(flags[first_open] & 2) ? first_open - 1 : first_open;
         skip_units = last ? 0 : max(0, min(skip_units, in_level - 1));
         while (skip_units > 0 && !margin_holds(sk, st, t, skip_units * UNIT_NODES + SKIP_WINDOW))
@@ -392,7 +418,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     // this warp's groups below the boundary unit; groups that stop being skipped get the exercise
     // values of level t (they hold them: they were skipped through level t)
     const int below = skip_units > st.warp ? min(G, (skip_units - st.warp + W - 1) / W) : 0;
-    if (sk.mode == SKIP_PUT) {
+    if (skips_prefix(sk.mode)) {
         for (; st.lo < below; ++st.lo) {                     // slot 0 is skipped: the slots move down
 #pragma unroll
             for (int s = 0; s + 1 < G; ++s) {
@@ -425,7 +451,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     }
     // neighbours for the step from level t, as send_neighbours (up[] of slots computed again must
     // be fresh)
-    const int slots = sk.mode == SKIP_PUT ? G - st.lo : sk.hi;
+    const int slots = skips_prefix(sk.mode) ? G - st.lo : sk.hi;
 #pragma unroll
     for (int s = 0; s < G; ++s) {
         if (s >= slots) break;
@@ -434,10 +460,38 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     if (W > 1 && st.topx && st.lane == 0) xch[t & 1][sk.hi * W + st.warp] = node0(v, sk.hi);
 }
 
+// ---- Units that stay zero are never computed (BATCH_CLAMP = 0 builds without it) ----
+//
+// With calls mirrored, every option's payoff is positive on a prefix of the last level's nodes and
+// zero above it. A node (t, i) depends on the payoffs of nodes i .. i + n - t, so above the last
+// positive payoff (node `top`) every node of every level holds zero: its hold is pu * 0 + pd * 0 =
+// +0, and its exercise value is negative: for t < n, S(t, i) = S(n, i) / d^(n - t) lies beyond the
+// strike by at least the factor 1 / d (put; u for a mirrored call, whose d is the original u), and
+// S(n, i) >= S(n, top + 1), whose computed payoff is not positive. That holds bit for bit where
+// |log d| exceeds every rounding of a computed asset price by far (eta, as in exercise_bound). So
+// the units above the one holding `top` keep their payoff zeros and are never computed, bit for
+// bit what computing them gives: about a quarter of all node updates on the bench's books,
+// European and American alike. Returns the first node of the first unit never computed.
+#ifndef BATCH_CLAMP
+#define BATCH_CLAMP 1
+#endif
+
+__device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top, bool american)
+{
+    const int never = op.steps + UNIT_NODES;
+    if (!BATCH_CLAMP || (!BATCH_MIRROR && op.call)) return never;   // a call's zeros lie below
+    const int first_zero_unit = (top + UNIT_NODES) / UNIT_NODES * UNIT_NODES;   // top = -1: 0
+    if (!american) return first_zero_unit;
+    const double n = (double)op.steps;
+    const double eta = 0x1p-52 * (n * fabs(op.log_down) + 2.0 * n * fabs(op.log_up - op.log_down) + 16.0);
+    // put: d < 1 - mu; mirrored call: its d (the original u) > 1 + mu
+    return -sign * op.log_down < -(0x1p-20 + 64.0 * eta) ? first_zero_unit : never;
+}
+
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
                                                 unsigned char* skip_flags, OptionConsts* consts,
-                                                int warp, int lane,
+                                                int* top_shared, int warp, int lane,
                                                 double* __restrict__ kept)
 {
     const int n = op.steps;
@@ -450,6 +504,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     for (int q = 1; q < VT; ++q)
         node_ratio[q] = exp((double)q * log_ratio);
     const double base_n = op.spot * exp((double)n * op.log_down);
+    int top = -1;                         // the highest node with a positive payoff (zero_clamp)
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const int i0 = ((g * W + warp) * 32 + lane) * VT;
@@ -457,8 +512,16 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
 #pragma unroll
         for (int q = 0; q < VT; ++q) {
             const double payoff = sign * fma(base_n, group_ratio[g] * node_ratio[q], -op.strike);
-            v[g][q] = (i0 + q <= n && payoff > 0.0) ? payoff : 0.0;
+            const bool positive = i0 + q <= n && payoff > 0.0;
+            v[g][q] = positive ? payoff : 0.0;
+            top = positive ? i0 + q : top;
         }
+    }
+    top = __reduce_max_sync(FULL_MASK, top);
+    if (W > 1) {
+        if (lane == 0) atomicMax(top_shared, top);
+        __syncthreads();
+        top = *top_shared;
     }
 
     StepState st;
@@ -479,6 +542,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     c.spot = op.spot;
     c.log_limit = 0.0;
     c.log_ratio = log_ratio;
+    if (warp == 0 && lane == 0) c.clamp = zero_clamp(op, sign, top, AMERICAN);
     // only where it was measured to pay (W > 1; W = 1 was slower, session 7) and the check fits
     // the registers without spills (not W = 16 from G = 6, nor G = 8 for sm_80's allocation)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -520,26 +584,30 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     int t = n;
     int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {
-        if (AMERICAN && t == next_check) {
+        if (CAN_SKIP && t == next_check) {
             const bool last = t - SKIP_WINDOW < SKIP_MIN_LEVEL;
             skip_check<W, G>(v, up, group_ratio, node_ratio, st, sk, xch, skip_flags, t, last);
             next_check = last ? -1 : t - SKIP_WINDOW;
         }
-        // active groups for the step from level t: first node <= t - 1
+        // active groups for the step from level t: first node <= t - 1, and below the zero units
+        const int top_node = min(t - 1, st.oc->clamp - 1);
         int active = 0;
 #pragma unroll
-        for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= t - 1;
+        for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= top_node;
         // the phase lasts while its last active group stays active: down to level first_node,
         // or to the next skip check
         const int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
         // computed slots: the active groups less those skipped
-        const int computed = !AMERICAN ? active
-                           : sk.mode == SKIP_PUT ? max(active - st.lo, 0)
+        const int computed = !CAN_SKIP ? active
+                           : skips_prefix(sk.mode) ? max(active - st.lo, 0)
                            : min(active, sk.hi);
 #ifdef BATCH_COUNT       // straight to memory: counters kept in registers would spill
         if (lane == 0) {
             atomicAdd(&batch_counts[0], (unsigned long long)computed * (t - t_lo));
-            atomicAdd(&batch_counts[1], (unsigned long long)active * (t - t_lo));
+            int every = 0;   // a kernel that skips none and clamps none: group g computes the
+#pragma unroll       // steps from levels s in (t_lo, t] with first node <= s - 1
+            for (int g = 0; g < G; ++g) every += max(0, t - max(t_lo, first_node(g, W, warp)));
+            atomicAdd(&batch_counts[1], (unsigned long long)every);
         }
 #endif
         switch (computed) {
@@ -571,6 +639,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     __shared__ double xch[2][G * W + 1];
     __shared__ unsigned char skip_flags[OPTIONS_PER_BLOCK][G * W];
     __shared__ OptionConsts consts[OPTIONS_PER_BLOCK];
+    __shared__ int top_shared;            // W > 1: the option's highest positive payoff node
     const int lane = threadIdx.x & 31;
     const int warp_in_block = threadIdx.x >> 5;
     const int o = W == 1 ? blockIdx.x * OPTIONS_PER_BLOCK + warp_in_block : blockIdx.x;
@@ -578,6 +647,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     if (W > 1) {
         for (int k = threadIdx.x; k < 2 * (G * W + 1); k += blockDim.x)
             (&xch[0][0])[k] = 0.0;
+        if (threadIdx.x == 0) top_shared = -1;
         __syncthreads();
     }
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
@@ -586,9 +656,20 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
     const int slot = W == 1 ? warp_in_block : 0;
     const double price = op.american
-        ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept)
-        : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], warp, lane, kept);
-    if (warp == 0 && lane == 0) out[row] = price;
+        ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], &top_shared, warp,
+                                    lane, kept)
+        : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], &top_shared, warp,
+                                     lane, kept);
+    if (warp == 0 && lane == 0) {
+        out[row] = price;
+        if (BATCH_MIRROR && op.call && kept != nullptr) {   // levels 1 and 2 back in node order
+            const double v10 = kept[0], v20 = kept[2];
+            kept[0] = kept[1];
+            kept[1] = v10;
+            kept[2] = kept[4];
+            kept[4] = v20;
+        }
+    }
 }
 
 #define BATCH_KERNEL(G)                                                                           \

@@ -255,3 +255,51 @@ def test_skip_on_the_bench_books_changes_no_bit():
     for spec in (dict(dist="uniform", count=10_000, steps=1000), dict(dist="random", count=5_000)):
         p = params_of(spec, "american", False)
         np.testing.assert_array_equal(batch_engine().price(p), full.price(p))
+
+
+def zero_region_book(rng, n):
+    """Options whose zero region (above the last positive payoff) ranges from nothing (deep in the
+    money) to the whole lattice (no positive payoff), with JR trees whose d exceeds 1 for some puts
+    (no clamp for those American puts), every class, calls and puts, American and European."""
+    from pricer.lattice import TREE_NAMES, lattice_parameters
+    strike = rng.uniform(50, 150, n)
+    moneyness = np.exp(rng.choice([-3.0, -0.5, 0.0, 0.5, 3.0], n) + rng.normal(0, 0.1, n))
+    cols = dict(spot=strike * moneyness, strike=strike, maturity=rng.uniform(0.05, 3.0, n),
+                rate=rng.choice([0.0, 0.05, 0.3], n), dividend=rng.uniform(-0.02, 0.1, n),
+                volatility=rng.uniform(0.02, 0.6, n),
+                steps=np.r_[1, 2, 3, 127, 128, 129, rng.integers(1, MAX_STEPS + 1, n - 6)],
+                call=rng.random(n) < 0.5, american=rng.random(n) < 0.7,
+                tree=rng.integers(0, 3, n))
+    cols = keep_p_inside(cols)
+    drifting = slice(n - 4, n)   # JR puts whose d exceeds 1: a strong drift, a low volatility
+    cols["tree"][drifting] = TREE_NAMES.index("jr")
+    cols["rate"][drifting], cols["dividend"][drifting] = 0.3, 0.0
+    cols["volatility"][drifting], cols["maturity"][drifting] = 0.05, 3.0
+    cols["steps"][drifting] = [10, 20, 50, 100]
+    cols["call"][drifting], cols["american"][drifting] = False, True
+    p = lattice_parameters(cols)
+    assert (p.log_down[drifting] > 0).all()
+    return p
+
+
+def test_zero_units_left_out_change_no_bit(rng):
+    """The batch kernels never compute the units above an option's last positive payoff
+    (cuda/batch.cu, zero_clamp; calls on the mirrored lattice): prices and the Greeks' levels
+    bitwise those of the same kernels built without it, on edge cases and on the bench's books,
+    and within the tolerance of the cpu engine."""
+    from pricer.bench_batch import params_of
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.serial import LEVEL_VALUES
+    unclamped = CudaBatchRunner()
+    unclamped._defines = [*unclamped._defines, "-DBATCH_CLAMP=0"]
+    full = BatchEngine(runner=unclamped)
+    p = zero_region_book(rng, 300)
+    levels, levels_full = (np.empty((len(p), LEVEL_VALUES)) for _ in range(2))
+    got = batch_engine().price(p, levels)
+    np.testing.assert_array_equal(got, full.price(p, levels_full))
+    np.testing.assert_array_equal(levels, levels_full)
+    assert_close(got, CpuEngine().price(p), p, "zero region book")
+    for spec in (dict(dist="uniform", count=2_000, steps=1000), dict(dist="random", count=2_000)):
+        for exercise in ("american", "european"):
+            q = params_of(spec, exercise, False)
+            np.testing.assert_array_equal(batch_engine().price(q), full.price(q))
