@@ -177,7 +177,9 @@ __device__ __forceinline__ void send_neighbour(const double (&v)[G][VT], double 
                                                int level, int g)
 {
     double offer = v[g][0];
-    if (W == 1 && g + 1 < G && st.lane == 0) offer = v[g + 1 < G ? g + 1 : g][0];
+    // (the top group's: node 32 VT G, zero where steps exceed the capacity, zero_clamp; else
+    // above the level from the second step on, and the first step's is set in price_lattice)
+    if (W == 1 && st.lane == 0) offer = g + 1 < G ? v[g + 1 < G ? g + 1 : g][0] : 0.0;
     up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
     if (W > 1 && st.lane == 0) xch[level & 1][(st.lo + g) * W + st.warp] = v[g][0];
 }
@@ -293,6 +295,9 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 #ifndef BATCH_SKIP
 #define BATCH_SKIP 1
 #endif
+#ifndef BATCH_W1_SKIP_G
+#define BATCH_W1_SKIP_G 6                   // W = 1 kernels skip up to this G
+#endif
 #define SKIP_WINDOW 32
 #define SKIP_MIN_LEVEL 96
 #define UNIT_NODES (32 * VT)
@@ -369,7 +374,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     const OptionConsts& oc = *st.oc;
     const double level = oc.sign * (oc.spot * exp((double)t * oc.log_down));   // as the steps took it
     const int units = G * W;
-    const int in_level = t / UNIT_NODES + 1;                 // units with a node at level t
+    const int in_level = min(t / UNIT_NODES + 1, units);     // units with a node at level t
 #pragma unroll
     for (int s = 0; s < G; ++s) {                            // slot s: group st.lo + s
         const int g = st.lo + s;
@@ -426,6 +431,12 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 #pragma unroll
                 for (int q = 0; q < VT; ++q) v[s][q] = v[s + 1][q];
             }
+            // the slot freed at the top holds the zeros above the registers (W = 1: lane 0
+            // offers its node 0 to the top group's lane 31)
+            if (W == 1) {
+#pragma unroll
+                for (int q = 0; q < VT; ++q) v[G - 1][q] = 0.0;
+            }
         }
         for (; st.lo > below; --st.lo) {                     // group lo - 1 comes back into slot 0
 #pragma unroll
@@ -472,20 +483,58 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 // the units above the one holding `top` keep their payoff zeros and are never computed, bit for
 // bit what computing them gives: about a quarter of all node updates on the bench's books,
 // European and American alike. Returns the first node of the first unit never computed.
+//
+// So an option needs registers only for its nodes up to `top`: one with more steps than the
+// kernel's capacity is priced where its payoff at node `capacity` is negative by far (all above
+// it then are too), and the clamp holds; otherwise it gets CLAMP_FAILED (its price NaN, and the
+// host prices it again in the class of its steps). The host picks classes by that width, which
+// batch_width_keys estimates.
 #ifndef BATCH_CLAMP
 #define BATCH_CLAMP 1
 #endif
+#define CLAMP_FAILED (-1)
 
-__device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top, bool american)
+// whether the option's zero units may be left out (see above)
+__device__ __forceinline__ bool clamps(const Option& op)
 {
-    const int never = op.steps + UNIT_NODES;
-    if (!BATCH_CLAMP || (!BATCH_MIRROR && op.call)) return never;   // a call's zeros lie below
-    const int first_zero_unit = (top + UNIT_NODES) / UNIT_NODES * UNIT_NODES;   // top = -1: 0
-    if (!american) return first_zero_unit;
-    const double n = (double)op.steps;
+    const double n = (double)op.steps, sign = op.call ? 1.0 : -1.0;
     const double eta = 0x1p-52 * (n * fabs(op.log_down) + 2.0 * n * fabs(op.log_up - op.log_down) + 16.0);
-    // put: d < 1 - mu; mirrored call: its d (the original u) > 1 + mu
-    return -sign * op.log_down < -(0x1p-20 + 64.0 * eta) ? first_zero_unit : never;
+    // a call's zeros lie below unless it is mirrored; American: put d < 1 - mu, mirrored call
+    // d (the original u) > 1 + mu
+    return BATCH_CLAMP && (BATCH_MIRROR || !op.call) &&
+           (!op.american || -sign * op.log_down < -(0x1p-20 + 64.0 * eta));
+}
+
+__device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top, int capacity,
+                                          double base_n, double log_ratio)
+{
+    const int n = op.steps;
+    const int first_zero_unit = (top + UNIT_NODES) / UNIT_NODES * UNIT_NODES;   // top = -1: 0
+    if (n <= capacity) return clamps(op) ? first_zero_unit : n + UNIT_NODES;
+    const double beyond = sign * fma(base_n, exp((double)capacity * log_ratio), -op.strike);
+    return clamps(op) && beyond < -0x1p-20 * op.strike ? first_zero_unit : CLAMP_FAILED;
+}
+
+// The host's class key of each row of a chunk (its payoff's width, see above): the nodes of the
+// last level with a positive payoff and BATCH_WIDTH_MARGIN more, at most the steps; the steps
+// where the clamp is refused.
+#ifndef BATCH_WIDTH_MARGIN
+#define BATCH_WIDTH_MARGIN 2
+#endif
+
+extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ input, int n,
+                                            int* __restrict__ keys)
+{
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= n) return;
+    const Option op = load_option(input, n, row);   // calls mirrored
+    int key = op.steps;
+    if (clamps(op)) {   // the payoff is positive below node x (put S < K, mirrored call S > K)
+        const double x = (log(op.strike / op.spot) - op.steps * op.log_down) / (op.log_up - op.log_down);
+        const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + BATCH_WIDTH_MARGIN;
+        key = max(1, (int)fmin(width, (double)op.steps));
+    }
+    keys[row] = key;
 }
 
 template <int W, int G, bool AMERICAN>
@@ -542,19 +591,24 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     c.spot = op.spot;
     c.log_limit = 0.0;
     c.log_ratio = log_ratio;
-    if (warp == 0 && lane == 0) c.clamp = zero_clamp(op, sign, top, AMERICAN);
-    // only where it was measured to pay (W > 1; W = 1 was slower, session 7) and the check fits
-    // the registers without spills (not W = 16 from G = 6, nor G = 8 for sm_80's allocation)
+    constexpr int CAPACITY = 32 * VT * G * W;
+    if (warp == 0 && lane == 0)
+        c.clamp = zero_clamp(op, sign, top, CAPACITY, base_n, log_ratio);
+    // only where the check fits the registers without spills: not W = 16 from G = 6, nor G = 8
+    // for sm_80's allocation, nor W = 1 from G = 7 (W = 1, G = 8 spilled and was slower, session
+    // 7; since the classes follow the payoff's width, W = 1's options mostly run at G <= 6)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     constexpr bool ARCH_OK = G < 8;
 #else
     constexpr bool ARCH_OK = true;
 #endif
-    constexpr bool CAN_SKIP = BATCH_SKIP && AMERICAN && W > 1 && !(W == 16 && G >= 6) && ARCH_OK;
+    constexpr bool CAN_SKIP = BATCH_SKIP && AMERICAN && (W > 1 || G <= BATCH_W1_SKIP_G) &&
+                              !(W == 16 && G >= 6) && ARCH_OK;
     if (CAN_SKIP && n > SKIP_MIN_LEVEL + SKIP_WINDOW) exercise_bound(op, sk, c);
     if (warp == 0 && lane == 0) *consts = c;
     if (W > 1) __syncthreads(); else __syncwarp();   // read from the first chunk refresh on
     st.oc = consts;
+    if (consts->clamp == CLAMP_FAILED) return __longlong_as_double(0x7ff8000000000000LL);   // NaN
     if (kept != nullptr && n <= 2 && warp == 0 && lane == 0) {
         if (n < 2) {
 #pragma unroll
@@ -574,7 +628,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     }
     double up[G];
     send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
-    constexpr int CAPACITY = 32 * VT * G * W;
     if (n == CAPACITY && lane == 31 && warp == W - 1) {   // the top node, neighbour of the top lane
         const double top = sign * fma(base_n, exp((double)CAPACITY * log_ratio), -op.strike);
         const double payoff = top > 0.0 ? top : 0.0;

@@ -303,3 +303,34 @@ def test_zero_units_left_out_change_no_bit(rng):
         for exercise in ("american", "european"):
             q = params_of(spec, exercise, False)
             np.testing.assert_array_equal(batch_engine().price(q), full.price(q))
+
+
+def test_classes_by_payoff_width_change_no_bit(rng):
+    """Options of large chunks go to the kernel class of their payoff's width (cuda/batch.cu
+    batch_width_keys; fewer registers where the zero units leave the top of the lattice empty):
+    prices and the Greeks' levels bitwise those of classes by steps. Where the width is
+    underestimated (a build whose keys leave out 300 nodes), the kernel refuses the option and the
+    runner prices it again by its steps: bitwise the same again."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch_plan import WIDTH_ROWS
+    from pricer.engines.serial import LEVEL_VALUES
+    small = zero_region_book(rng, 300)
+    big = options(rng, rng.integers(1, 6000, WIDTH_ROWS + 200))
+    by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False))
+    short = CudaBatchRunner()
+    short._defines = [*short._defines, "-DBATCH_WIDTH_MARGIN=-300"]
+    for book in (big, small_in_a_big_chunk(small, big)):
+        ref_levels = np.empty((len(book), LEVEL_VALUES))
+        ref = by_steps.price(book, ref_levels)
+        for runner in (CudaBatchRunner(), short):
+            levels = np.empty((len(book), LEVEL_VALUES))
+            np.testing.assert_array_equal(BatchEngine(runner=runner).price(book, levels), ref)
+            np.testing.assert_array_equal(levels, ref_levels)
+            assert runner.last_stats["priced_again"] == 0 or runner is short
+    assert short.last_stats["priced_again"] > 0
+
+
+def small_in_a_big_chunk(small, big):
+    """The edge cases of `small` among the options of `big`, one chunk of more than WIDTH_ROWS."""
+    from pricer.lattice import LatticeParams, PACKED_FIELDS
+    return LatticeParams(*(np.concatenate([getattr(small, f), getattr(big, f)]) for f in PACKED_FIELDS))

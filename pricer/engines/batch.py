@@ -4,10 +4,14 @@ pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go t
 
 Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
 are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
-chunk's sorted order) and on to the device asynchronously (the lattice numbers first, while the
-host sorts); one launch per class prices them (the launches side by side on their own streams; each
-reads its rows through the order and writes each price at its row), and the prices (8 bytes per
-option) come back asynchronously, already in the order given. Two buffer sets and two streams
+chunk's sorted order) and on to the device asynchronously (all but the order first); a small kernel
+there gives each row its class key, the width of its payoff (4 bytes per option back: an option
+needs registers only for its nodes up to the last positive payoff, cuda/batch.cu zero_clamp); the
+host sorts by it (batch_plan.schedule) and sends the order; one launch per class prices them (the
+launches side by side on their own streams; each reads its rows through the order and writes each
+price at its row), and the prices (8 bytes per option) come back asynchronously, already in the
+order given. An option that the class of its width cannot price comes back NaN and is priced again
+in the class of its steps. Two buffer sets and two streams
 alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
 through 2 chunks of device memory.
 
@@ -23,8 +27,9 @@ import numpy as np
 
 from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS,
                                        FLOAT_BYTES_PER_OPTION, INPUT_BYTES_PER_OPTION, MAX_STEPS,
-                                       chunk_bounds, chunk_size, class_of, fill_floats, fill_order,
-                                       input_views, options_per_block)
+                                       WIDTH_ROWS, chunk_bounds, chunk_size, class_of,
+                                       fill_flags, fill_floats, input_views, options_per_block,
+                                       schedule)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -37,18 +42,22 @@ class CudaBatchRunner:
     """Prices options (all with steps <= MAX_STEPS) with the batch kernels on this rank's GPU."""
 
     def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS, skip: bool = True,
-                 count: bool = False, split_waves: bool = True):
+                 count: bool = False, split_waves: bool = True, by_width: bool = True):
         """skip=False builds the kernels without the skipping of surely exercised nodes (the same
         prices, bit for bit: the tests compare them); count=True builds them with group-step
         counters (group_steps()), for measurements; split_waves=False keeps a one-class chunk in
-        one launch (batch_plan.split_last_wave; the same prices, bit for bit)."""
+        one launch (batch_plan.split_last_wave; the same prices, bit for bit); by_width=False
+        picks each option's class by its steps, not by the nodes its payoff needs
+        (cuda/batch.cu, batch_width_keys; the same prices, bit for bit)."""
         from pricer.engines.gpu import GpuRuntime
         self.rt = runtime or GpuRuntime.get()
         self.chunk_options = int(chunk_options)
         self.split_waves = split_waves
+        self.by_width = by_width
         self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
         self._modules: dict = {}
         self._functions: dict = {}
+        self._keys_fn = None
         self._resident: dict = {}
         self._buffers = None
         self._streams = None
@@ -100,6 +109,8 @@ class CudaBatchRunner:
             self._release()
             self._buffers = [dict(capacity=size,
                                   input=cuda.pagelocked_empty(size * INPUT_BYTES_PER_OPTION, np.uint8),
+                                  keys=cuda.pagelocked_empty(size, np.int32),
+                                  keys_d=self.rt.alloc(4 * size),
                                   prices=cuda.pagelocked_empty(size, np.float64),
                                   input_d=self.rt.alloc(INPUT_BYTES_PER_OPTION * size),
                                   prices_d=self.rt.alloc(8 * size),
@@ -113,15 +124,32 @@ class CudaBatchRunner:
     def _release(self):
         if self._buffers:
             for b in self._buffers:
-                for key in ("input_d", "prices_d", "levels_d"):
+                for key in ("input_d", "keys_d", "prices_d", "levels_d"):
                     if b[key] is not None:
                         self.rt.free(b[key])
         self._buffers = None
 
     def price(self, params: LatticeParams, index: np.ndarray | None = None,
-              levels: np.ndarray | None = None):
+              levels: np.ndarray | None = None, by_width: bool | None = None):
         """Prices of options `index` (None: all of params), in that order; with `levels`
-        ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks)."""
+        ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks). Options that
+        a class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more) could not price
+        (NaN: cuda/batch.cu zero_clamp) are priced again in the class of their steps. by_width: None is the runner's choice."""
+        by_width = self.by_width if by_width is None else by_width
+        prices = self._price(params, index, levels, by_width)
+        if by_width:
+            again = np.flatnonzero(np.isnan(prices))
+            if again.size:
+                stats = self.last_stats
+                rows = again if index is None else np.asarray(index)[again]
+                kept = None if levels is None else np.empty((again.size, levels.shape[1]))
+                prices[again] = self._price(params, rows, kept, by_width=False)
+                if levels is not None:
+                    levels[again] = kept
+                self.last_stats = dict(stats, priced_again=int(again.size))
+        return prices
+
+    def _price(self, params: LatticeParams, index, levels, by_width: bool):
         start = time.perf_counter()
         index = None if index is None else np.asarray(index)
         count = len(params) if index is None else index.size
@@ -141,18 +169,23 @@ class CudaBatchRunner:
                 self._collect(pending.pop(slot), prices, levels, stream)
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
-            views, floats = input_views(buf["input"], n), FLOAT_BYTES_PER_OPTION * n
+            views = input_views(buf["input"], n)
+            order_at, order_end = (FLOAT_BYTES_PER_OPTION + 4) * n, (FLOAT_BYTES_PER_OPTION + 8) * n
             marks = [cuda.Event() for _ in range(6)]
-            fill_floats(params, rows, views)           # on their way while the host sorts
-            marks[0].record(stream)
-            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:floats], stream)
+            fill_floats(params, rows, views)
+            fill_flags(params, rows, views)
+            marks[0].record(stream)           # all but the order: the width keys need them
+            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:order_at], stream)
+            cuda.memcpy_htod_async(int(buf["input_d"]) + order_end,
+                                   buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
             marks[1].record(stream)
+            keys = self._width_keys(buf, n, stream) if by_width and n >= WIDTH_ROWS else views.steps
             resident = self.resident if self.split_waves else None
-            chunk_launches = fill_order(params, rows, views, resident)
+            chunk_launches = schedule(keys, views.order, resident)
             launches += len(chunk_launches)
             marks[2].record(stream)
-            cuda.memcpy_htod_async(int(buf["input_d"]) + floats,
-                                   buf["input"][floats:INPUT_BYTES_PER_OPTION * n], stream)
+            cuda.memcpy_htod_async(int(buf["input_d"]) + order_at,
+                                   buf["input"][order_at:order_end], stream)
             marks[3].record(stream)
             self._launch_all(chunk_launches, n, buf, stream, marks[3])
             marks[4].record(stream)
@@ -166,6 +199,22 @@ class CudaBatchRunner:
             self._collect(job, prices, levels, streams[slot])
         self.last_stats = self._stats(events, time.perf_counter() - start, len(bounds), launches)
         return prices
+
+    def _width_keys(self, buf, n: int, stream) -> np.ndarray:
+        """The chunk's class keys from its payoffs' widths (cuda/batch.cu, batch_width_keys),
+        computed on the GPU from the input already there: numpy took 1.5 ms per 100 000 rows on
+        the GPU machine's host, the kernel and the copy back ~0.1 ms (docs/performance.md,
+        session 17)."""
+        if self._keys_fn is None:
+            self._keys_fn = self.rt.module(["-DBATCH_W=1", *self._defines],
+                                           "batch.cu").get_function("batch_width_keys")
+            self._keys_fn.prepare("PiP")
+        threads = 256
+        self._keys_fn.prepared_async_call(((n + threads - 1) // threads, 1), (threads, 1, 1), stream,
+                                          int(buf["input_d"]), np.int32(n), int(buf["keys_d"]))
+        self.rt.cuda.memcpy_dtoh_async(buf["keys"][:n], buf["keys_d"], stream)
+        stream.synchronize()
+        return buf["keys"][:n]
 
     def _launch_all(self, chunk_launches, n: int, buf, stream, input_ready):
         """One launch per class, each on its own stream so that they run side by side (a class's
@@ -211,7 +260,7 @@ class CudaBatchRunner:
                     copy_in=sum(seconds(m[0], m[1]) + seconds(m[2], m[3]) for m in events),
                     kernels=sum(seconds(m[3], m[4]) for m in events),
                     copy_out=sum(seconds(m[4], m[5]) for m in events),
-                    chunks=chunks, launches=launches)
+                    chunks=chunks, launches=launches, priced_again=0)
 
 
 class BatchEngine:
@@ -243,7 +292,7 @@ class BatchEngine:
                     maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
                     volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
                     american=np.ones(count, bool))
-        self.runner.price(lattice_parameters(cols, "crr"))
+        self.runner.price(lattice_parameters(cols, "crr"), by_width=False)   # each class by steps
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The one-time set-up for options with these steps, done before pricing so that it can be

@@ -200,7 +200,7 @@ def _put(dst: np.ndarray, src: np.ndarray, rows) -> None:
 
 def fill_floats(params, rows, views: InputViews) -> None:
     """The lattice numbers of `rows` of params: the first 48 n bytes of the input, which the
-    runner sends while the host sorts (fill_order). A run of rows is one block of
+    runner sends with the steps and flags. A run of rows is one block of
     LatticeParams.packed (its first rows are these fields, in this order): one copy. (Copied on
     all cores by numba it took 0.06 ms instead of 0.4 ms per 100 000 rows on the GPU machine's
     host, but the slowest calls then waited 2.3-3.3 ms longer for the threads: session 10.)"""
@@ -212,10 +212,24 @@ def fill_floats(params, rows, views: InputViews) -> None:
         _put(views.floats[k], getattr(params, name), rows)
 
 
-def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
-    """Steps, flags and the sorted order of `rows` of params; returns the launches (schedule)."""
+def fill_flags(params, rows, views: InputViews) -> None:
+    """The steps and the two flags of `rows` of params."""
     _put(views.steps, params.steps, rows)
     _put(views.call, params.call, rows)
     _put(views.american, params.american, rows)
+
+
+def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
+    """Steps, flags and the order of `rows` of params sorted by steps; returns the launches
+    (schedule). (The runner sorts by the kernels' width keys instead: batch.py.)"""
+    fill_flags(params, rows, views)
     return schedule(views.steps, views.order, resident)
+
+
+# Chunks of at least this many rows go to the kernel classes of their payoffs' widths (cuda/batch.cu,
+# batch_width_keys), smaller ones by their steps: a chunk of a few waves lasts as long as its
+# longest option, which fewer warps per option lengthen, and the keys' round trip costs ~0.1 ms
+# (U1, 1 024 rows: kernels 0.90 ms by width against 0.90 by steps, the call 1.16 ms against 1.04;
+# U2, 100 000 rows: 16.1 against 19.6 ms of kernels; docs/performance.md, session 17).
+WIDTH_ROWS = 16384
 
