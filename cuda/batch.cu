@@ -515,9 +515,9 @@ __device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top
     return clamps(op) && beyond < -0x1p-20 * op.strike ? first_zero_unit : CLAMP_FAILED;
 }
 
-// The host's class key of each row of a chunk (its payoff's width, see above): the nodes of the
-// last level with a positive payoff and BATCH_WIDTH_MARGIN more, at most the steps; the steps
-// where the clamp is refused.
+// The host's class key of each row of a chunk (its payoff's width, see above): for an American
+// option, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN more, at
+// most the steps; the steps where the clamp is refused, and for European options.
 #ifndef BATCH_WIDTH_MARGIN
 #define BATCH_WIDTH_MARGIN 2
 #endif
@@ -529,7 +529,7 @@ extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ in
     if (row >= n) return;
     const Option op = load_option(input, n, row);   // calls mirrored
     int key = op.steps;
-    if (clamps(op)) {   // the payoff is positive below node x (put S < K, mirrored call S > K)
+    if (op.american && clamps(op)) {   // European kernels gained 0-3 %: not worth the host's sort   // the payoff is positive below node x (put S < K, mirrored call S > K)
         const double x = (log(op.strike / op.spot) - op.steps * op.log_down) / (op.log_up - op.log_down);
         const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + BATCH_WIDTH_MARGIN;
         key = max(1, (int)fmin(width, (double)op.steps));
@@ -609,6 +609,10 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     if (W > 1) __syncthreads(); else __syncwarp();   // read from the first chunk refresh on
     st.oc = consts;
     if (consts->clamp == CLAMP_FAILED) return __longlong_as_double(0x7ff8000000000000LL);   // NaN
+    if (kept != nullptr && n > 2 && consts->clamp == 0 && warp == 0 && lane == 0) {
+#pragma unroll   // no positive payoff: every level is zero, and no step computes (or keeps) them
+        for (int k = 0; k < 5; ++k) kept[k] = 0.0;
+    }
     if (kept != nullptr && n <= 2 && warp == 0 && lane == 0) {
         if (n < 2) {
 #pragma unroll

@@ -306,7 +306,7 @@ def test_zero_units_left_out_change_no_bit(rng):
 
 
 def test_classes_by_payoff_width_change_no_bit(rng):
-    """Options of large chunks go to the kernel class of their payoff's width (cuda/batch.cu
+    """American options of large chunks go to the kernel class of their payoff's width (cuda/batch.cu
     batch_width_keys; fewer registers where the zero units leave the top of the lattice empty):
     prices and the Greeks' levels bitwise those of classes by steps. Where the width is
     underestimated (a build whose keys leave out 300 nodes), the kernel refuses the option and the

@@ -179,7 +179,8 @@ class CudaBatchRunner:
             cuda.memcpy_htod_async(int(buf["input_d"]) + order_end,
                                    buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
             marks[1].record(stream)
-            keys = self._width_keys(buf, n, stream) if by_width and n >= WIDTH_ROWS else views.steps
+            by_keys = by_width and n >= WIDTH_ROWS and views.american.any()   # keys: American rows
+            keys = self._width_keys(buf, n, stream) if by_keys else views.steps
             resident = self.resident if self.split_waves else None
             chunk_launches = schedule(keys, views.order, resident)
             launches += len(chunk_launches)
