@@ -4,14 +4,15 @@ pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go t
 
 Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
 are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
-chunk's sorted order) and on to the device asynchronously (all but the order first); a small kernel
-there gives each row its class key, the width of its payoff (4 bytes per option back: an option
-needs registers only for its nodes up to the last positive payoff, cuda/batch.cu zero_clamp); the
-host sorts by it (batch_plan.schedule) and sends the order; one launch per class prices them (the
-launches side by side on their own streams; each reads its rows through the order and writes each
-price at its row), and the prices (8 bytes per option) come back asynchronously, already in the
-order given. An option that the class of its width cannot price comes back NaN and is priced again
-in the class of its steps. Two buffer sets and two streams
+chunk's sorted order) and on to the device asynchronously (all but the order first). In chunks of
+WIDTH_ROWS rows or more, a small kernel there gives each American row its class key, the width of
+its payoff (4 bytes per option back: an option needs registers only for its nodes up to the last
+positive payoff, cuda/batch.cu zero_clamp); other rows are keyed by their steps. The host sorts by
+the keys (batch_plan.schedule) and sends the order; one launch per class prices them (the launches
+side by side on their own streams; each reads its rows through the order and writes each price at
+its row), and the prices (8 bytes per option) come back asynchronously, already in the order
+given. An option that the class of its width cannot price comes back NaN and is priced again in
+the class of its steps. Two buffer sets and two streams
 alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
 through 2 chunks of device memory.
 
@@ -134,7 +135,8 @@ class CudaBatchRunner:
         """Prices of options `index` (None: all of params), in that order; with `levels`
         ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks). Options that
         a class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more) could not price
-        (NaN: cuda/batch.cu zero_clamp) are priced again in the class of their steps. by_width: None is the runner's choice."""
+        (NaN: cuda/batch.cu zero_clamp) are priced again in the class of their steps. by_width
+        None takes the runner's."""
         by_width = self.by_width if by_width is None else by_width
         prices = self._price(params, index, levels, by_width)
         if by_width:
@@ -202,17 +204,19 @@ class CudaBatchRunner:
         return prices
 
     def _width_keys(self, buf, n: int, stream) -> np.ndarray:
-        """The chunk's class keys from its payoffs' widths (cuda/batch.cu, batch_width_keys),
-        computed on the GPU from the input already there: numpy took 1.5 ms per 100 000 rows on
-        the GPU machine's host, the kernel and the copy back ~0.1 ms (docs/performance.md,
-        session 17)."""
+        """The chunk's class keys from its American payoffs' widths (cuda/batch.cu,
+        batch_width_keys), computed on the GPU from the input already there: numpy took 1.5 ms
+        per 100 000 rows on the GPU machine's host (docs/performance.md, session 17). The host
+        waits for them; behind another chunk's launches the small kernel can wait for a block
+        slot."""
         if self._keys_fn is None:
             self._keys_fn = self.rt.module(["-DBATCH_W=1", *self._defines],
                                            "batch.cu").get_function("batch_width_keys")
             self._keys_fn.prepare("PiP")
         threads = 256
-        self._keys_fn.prepared_async_call(((n + threads - 1) // threads, 1), (threads, 1, 1), stream,
-                                          int(buf["input_d"]), np.int32(n), int(buf["keys_d"]))
+        blocks = ((n + threads - 1) // threads, 1)
+        self._keys_fn.prepared_async_call(blocks, (threads, 1, 1), stream, int(buf["input_d"]),
+                                          np.int32(n), int(buf["keys_d"]))
         self.rt.cuda.memcpy_dtoh_async(buf["keys"][:n], buf["keys_d"], stream)
         stream.synchronize()
         return buf["keys"][:n]

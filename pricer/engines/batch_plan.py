@@ -226,8 +226,8 @@ def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
     return schedule(views.steps, views.order, resident)
 
 
-# Chunks of at least this many rows go to the kernel classes of their payoffs' widths (cuda/batch.cu,
-# batch_width_keys), smaller ones by their steps: a chunk of a few waves lasts as long as its
+# American options in chunks of at least this many rows go to the kernel classes of their payoffs'
+# widths (cuda/batch.cu, batch_width_keys), the rest by their steps: a chunk of a few waves lasts as long as its
 # longest option, which fewer warps per option lengthen, and the keys' round trip costs ~0.1 ms
 # (U1, 1 024 rows: kernels 0.90 ms by width against 0.90 by steps, the call 1.16 ms against 1.04;
 # U2, 100 000 rows: 16.1 against 19.6 ms of kernels; docs/performance.md, session 17).
