@@ -529,8 +529,11 @@ extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ in
     if (row >= n) return;
     const Option op = load_option(input, n, row);   // calls mirrored
     int key = op.steps;
-    if (op.american && clamps(op)) {   // European kernels gained 0-3 %: not worth the host's sort   // the payoff is positive below node x (put S < K, mirrored call S > K)
-        const double x = (log(op.strike / op.spot) - op.steps * op.log_down) / (op.log_up - op.log_down);
+    // European options keep their steps: their kernels gained 0-3 %, less than the host's sort
+    if (op.american && clamps(op)) {
+        // the payoff is positive below node x (put S < K, mirrored call S > K)
+        const double x = (log(op.strike / op.spot) - op.steps * op.log_down) /
+                         (op.log_up - op.log_down);
         const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + BATCH_WIDTH_MARGIN;
         key = max(1, (int)fmin(width, (double)op.steps));
     }
