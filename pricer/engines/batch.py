@@ -297,7 +297,7 @@ class BatchEngine:
                     maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
                     volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
                     american=np.ones(count, bool))
-        self.runner.price(lattice_parameters(cols, "crr"), by_width=False)   # each class by steps
+        self.runner.price(lattice_parameters(cols, "crr"))   # < WIDTH_ROWS rows: classes by steps
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The one-time set-up for options with these steps, done before pricing so that it can be
