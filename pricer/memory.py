@@ -16,8 +16,8 @@ Device memory (GPU backends; every rank drives its own GPU): each rank measures 
 memory once every rank's engine has started (the CUDA context and, for `batch`, every kernel exist
 then) and rank 0 fits every rank's share to it before its verdict (distributed.py), from what the
 engines allocate (device_need): `batch` holds two buffer sets of one chunk's rows (at most
-chunk_options; batch_plan.chunk_size: INPUT_BYTES_PER_OPTION in, the price out, with --greeks
-LEVEL_VALUES doubles more); `gpu`/`hybrid` (and `batch` for options above MAX_STEPS, through
+chunk_options; batch_plan.chunk_size: INPUT_BYTES_PER_OPTION in, the class key (int32), the price
+out, with --greeks LEVEL_VALUES doubles more); `gpu`/`hybrid` (and `batch` for options above MAX_STEPS, through
 hybrid) hold 32 bytes per node of the widest option's widest level (N + 2 nodes, at least 1024)
 from then on; `gpu`/`hybrid` allocate each call's batch-kernel arrays (16 (N + 1) + 56 bytes per
 option, 40 more with levels) for the call. Ranks that share a GPU share its free memory equally,
@@ -134,9 +134,10 @@ DEVICE_LIMIT_VARIABLE = "PRICER_DEVICE_MEMORY_LIMIT"
 
 
 def batch_row_bytes(levels: bool) -> int:
-    """Device bytes of one option in one CudaBatchRunner buffer set: its input bytes, its price
-    out, and with levels (--greeks) its first levels' LEVEL_VALUES doubles."""
-    return INPUT_BYTES_PER_OPTION + 8 * (1 + (LEVEL_VALUES if levels else 0))
+    """Device bytes of one option in one CudaBatchRunner buffer set: its input bytes, its class
+    key (int32, batch_width_keys), its price out, and with levels (--greeks) its first levels'
+    LEVEL_VALUES doubles."""
+    return INPUT_BYTES_PER_OPTION + 4 + 8 * (1 + (LEVEL_VALUES if levels else 0))
 
 
 def regime_bytes(steps) -> np.ndarray:

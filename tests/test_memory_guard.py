@@ -194,8 +194,8 @@ def price_share(engine, p: Portfolio, cuts, analytics: Analytics):
 def test_sizes_are_the_engines():
     from pricer.engines.batch_plan import INPUT_BYTES_PER_OPTION
     from pricer.engines.serial import LEVEL_VALUES
-    assert memory.batch_row_bytes(False) == INPUT_BYTES_PER_OPTION + 8 == 66
-    assert memory.batch_row_bytes(True) == INPUT_BYTES_PER_OPTION + 8 * (1 + LEVEL_VALUES) == 106
+    assert memory.batch_row_bytes(False) == INPUT_BYTES_PER_OPTION + 4 + 8 == 70   # 4: class key
+    assert memory.batch_row_bytes(True) == INPUT_BYTES_PER_OPTION + 4 + 8 * (1 + LEVEL_VALUES) == 110
     assert memory.regime_bytes(100_000) == 32 * 100_002
     assert memory.regime_bytes(10) == 32 * 1024 and memory.regime_bytes(0) == 0
     assert memory.gpu_batch_bytes(100) == 16 * 101 + 56
@@ -242,7 +242,7 @@ def test_batch_estimate_counts_the_largest_call(rng):
     engine = counted_batch_engine(tracker, chunk_options=1000)
     greeks = Analytics(greeks=True)
     need = memory.device_need(memory.device_profile(engine), p.steps, cuts, greeks)
-    assert need.streamed == 2 * 1000 * 106 and need.held == 0
+    assert need.streamed == 2 * 1000 * 110 and need.held == 0   # 58 in, 4 key, 8 out, 40 levels
     price_share(engine, p, cuts, greeks)
     assert tracker.live == need.total
     small = book(np.full(50, 20))
@@ -289,14 +289,14 @@ def test_batch_chunks_shrink_to_the_budget(rng):
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     cuts = np.array([0, 5000])
     need = memory.device_need(profile, p.steps, cuts, Analytics())
-    assert need.total == 5000 * 2 * 66
+    assert need.total == 5000 * 2 * 70
     assert memory.fit(need, need.total) == 0                      # fits as it is
     budget = 100_000
     chunk = memory.fit(need, budget)
-    assert chunk == budget // 132 == 757
+    assert chunk == budget // 140 == 714
     smaller = memory.DeviceProfile("batch", chunk_options=chunk)
     assert memory.device_need(smaller, p.steps, cuts, Analytics()).total <= budget
-    assert memory.fit(need, 131) is None                          # not even one option per chunk
+    assert memory.fit(need, 139) is None                          # not even one option per chunk
 
 
 def test_batch_shrink_keeps_the_wide_option_whole():
@@ -304,7 +304,7 @@ def test_batch_shrink_keeps_the_wide_option_whole():
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     need = memory.device_need(profile, p.steps, np.array([0, 1001]), Analytics())
     assert need.held == 32 * 1_000_002 and need.held_row == 1000
-    assert memory.fit(need, need.held + 132 * 10) == 10
+    assert memory.fit(need, need.held + 140 * 10) == 10
     assert memory.fit(need, need.held + 131) is None
 
 
@@ -353,7 +353,7 @@ def test_ranks_sharing_a_gpu_share_its_memory():
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     p = book(np.full(1000, 50))
     share = (p.steps, np.array([0, 1000]), p.id)
-    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * (memory.DEVICE_ALLOWANCE + 132 * 100))}
+    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * (memory.DEVICE_ALLOWANCE + 140 * 100))}
     shared = [_info("a"), _info("a"), _info("b"), None]
     fitted = memory.fit_devices(profile, shared, [share] * 4, Analytics(), "x.h5", environ=limit)
     # a: two ranks, 100 options' room each; b: alone, 2 * allowance + 200 options' room; None: unmeasured
@@ -451,7 +451,7 @@ def test_stand_in_batch_streams_smaller_chunks_on_every_rank(tmp_path):
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
     proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "batch", "--threads", "1"],
-                        memory.DEVICE_ALLOWANCE + 132 * 37)
+                        memory.DEVICE_ALLOWANCE + 140 * 37)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     for rank in range(3):
@@ -528,7 +528,7 @@ def _bitwise(a, b) -> bool:
 @needs_gpu
 def test_gpu_batch_streams_smaller_chunks_same_prices(tmp_path):
     """Real CLI, 2 ranks on one GPU, PRICER_DEVICE_MEMORY_LIMIT = 2 x (allowance + 64 KiB): each
-    rank streams chunks of 496 options (64 KiB / 132 B) instead of 2**20; bitwise the prices of the
+    rank streams chunks of 468 options (64 KiB / 140 B) instead of 2**20; bitwise the prices of the
     same run without the limit (each option's kernel is the same whatever its chunk)."""
     p = book(np.random.default_rng(4).integers(16, 3000, 4000))
     src = tmp_path / "book.h5"
@@ -540,7 +540,7 @@ def test_gpu_batch_streams_smaller_chunks_same_prices(tmp_path):
     tight = _cli(["price", src, "-o", tmp_path / "tight.h5", "--backend", "batch"], limit, ranks=2)
     assert tight.returncode == 0, tight.stdout + tight.stderr
     print(tight.stdout)
-    assert "GPU memory: batch chunks of 496 options (not 1048576) on all 2 ranks" in tight.stdout, \
+    assert "GPU memory: batch chunks of 468 options (not 1048576) on all 2 ranks" in tight.stdout, \
         tight.stdout
     a, b = read_results(str(tmp_path / "free.h5")), read_results(str(tmp_path / "tight.h5"))
     np.testing.assert_array_equal(a["id"], b["id"])
