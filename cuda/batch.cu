@@ -317,17 +317,22 @@ struct SkipState {
     int hi;                     // SKIP_CALL: groups [hi, G) of this warp skipped (put: st.lo)
 };
 
+// A bound on the relative error of a computed asset price: arguments of exp rounded (|t log_down|,
+// |i log_ratio| ulps), three exps of <= 1 ulp, three products. The skip's margin (exercise_bound)
+// and the clamp's (clamps) are taken far above it.
+__device__ __forceinline__ double asset_price_eta(const Option& op)
+{
+    const double n = (double)op.steps;
+    return 0x1p-52 * (n * fabs(op.log_down) + 2.0 * n * fabs(op.log_up - op.log_down) + 16.0);
+}
+
 // Exercise is sure at asset price S where S lim_b <= lim_a (put), S lim_b >= lim_a (call), i.e. at
-// node (t, i) where t log_down + i log_ratio <= log_limit (put), >= log_limit (call). Reads
-// oc.log_ratio, sets oc.log_limit.
+// node (t, i) where t log_down + i log_ratio <= log_limit (put), >= log_limit (call). Sets
+// oc.log_limit.
 __device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, OptionConsts& oc)
 {
-    const double E = 0x1p-52, SLACK = 0x1p-48;
-    const double log_ratio = oc.log_ratio;
-    const double n = (double)op.steps;
-    // relative error of a computed asset price: arguments of exp rounded (|t log_down|, |i log_ratio|
-    // ulps), three exps of <= 1 ulp, three products
-    const double eta = E * (n * fabs(op.log_down) + 2.0 * n * fabs(log_ratio) + 16.0);
+    const double SLACK = 0x1p-48;
+    const double eta = asset_price_eta(op);
     const double a = (1.0 - op.pu) - op.pd;                                    // 1 - discount
     const double b = (1.0 - op.pu * exp(op.log_up)) - op.pd * exp(op.log_down); // 1 - e^{-q dt}
     const double ALWAYS = 1e300;            // finite, so that margin_holds' slack stays finite
@@ -479,7 +484,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 // +0, and its exercise value is negative: for t < n, S(t, i) = S(n, i) / d^(n - t) lies beyond the
 // strike by at least the factor 1 / d (put; u for a mirrored call, whose d is the original u), and
 // S(n, i) >= S(n, top + 1), whose computed payoff is not positive. That holds bit for bit where
-// |log d| exceeds every rounding of a computed asset price by far (eta, as in exercise_bound). So
+// |log d| exceeds every rounding of a computed asset price by far (asset_price_eta). So
 // the units above the one holding `top` keep their payoff zeros and are never computed, bit for
 // bit what computing them gives: about a quarter of all node updates on the bench's books,
 // European and American alike. Returns the first node of the first unit never computed.
@@ -497,8 +502,8 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 // whether the option's zero units may be left out (see above)
 __device__ __forceinline__ bool clamps(const Option& op)
 {
-    const double n = (double)op.steps, sign = op.call ? 1.0 : -1.0;
-    const double eta = 0x1p-52 * (n * fabs(op.log_down) + 2.0 * n * fabs(op.log_up - op.log_down) + 16.0);
+    const double sign = op.call ? 1.0 : -1.0;
+    const double eta = asset_price_eta(op);
     // a call's zeros lie below unless it is mirrored; American: put d < 1 - mu, mirrored call
     // d (the original u) > 1 + mu
     return BATCH_CLAMP && (BATCH_MIRROR || !op.call) &&
