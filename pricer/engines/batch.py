@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS,
-                                       FLOAT_BYTES_PER_OPTION, INPUT_BYTES_PER_OPTION, MAX_STEPS,
+                                       INPUT_BYTES_PER_OPTION, MAX_STEPS,
                                        WIDTH_ROWS, chunk_bounds, chunk_size, class_of,
                                        fill_flags, fill_floats, input_views, options_per_block,
-                                       schedule)
+                                       order_span, schedule)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -172,7 +172,7 @@ class CudaBatchRunner:
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
             views = input_views(buf["input"], n)
-            order_at, order_end = (FLOAT_BYTES_PER_OPTION + 4) * n, (FLOAT_BYTES_PER_OPTION + 8) * n
+            order_at, order_end = order_span(n)
             marks = [cuda.Event() for _ in range(6)]
             fill_floats(params, rows, views)
             fill_flags(params, rows, views)

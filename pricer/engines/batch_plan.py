@@ -181,16 +181,24 @@ class InputViews(NamedTuple):
     american: np.ndarray    # (n,) bool
 
 
+def order_span(n: int) -> tuple[int, int]:
+    """Bytes [lo, hi) of the sorted order in the input of n rows (input_views): the runner sends
+    the rest first, and the order once it is sorted."""
+    lo = (FLOAT_BYTES_PER_OPTION + 4) * n
+    return lo, lo + 4 * n
+
+
 def input_views(buffer: np.ndarray, n: int) -> InputViews:
     """The kernel's input for n rows as views into `buffer` (uint8, >= n * INPUT_BYTES_PER_OPTION):
     floats at 0, steps at 48 n, order at 52 n, call at 56 n, american at 57 n (the offsets
     cuda/batch.cu's load_option reads)."""
-    f = 8 * len(FLOAT_FIELDS) * n
+    f = FLOAT_BYTES_PER_OPTION * n
+    lo, hi = order_span(n)
     return InputViews(floats=buffer[:f].view(np.float64).reshape(len(FLOAT_FIELDS), n),
-                      steps=buffer[f:f + 4 * n].view(np.int32),
-                      order=buffer[f + 4 * n:f + 8 * n].view(np.int32),
-                      call=buffer[f + 8 * n:f + 9 * n].view(np.bool_),
-                      american=buffer[f + 9 * n:f + 10 * n].view(np.bool_))
+                      steps=buffer[f:lo].view(np.int32),
+                      order=buffer[lo:hi].view(np.int32),
+                      call=buffer[hi:hi + n].view(np.bool_),
+                      american=buffer[hi + n:hi + 2 * n].view(np.bool_))
 
 
 def _put(dst: np.ndarray, src: np.ndarray, rows) -> None:
