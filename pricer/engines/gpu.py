@@ -68,7 +68,7 @@ import numpy as np
 
 from numba import njit
 
-from pricer.engines.serial import (LEVEL_VALUES, UNDERFLOW, _SLACK as SERIAL_SLACK,
+from pricer.engines.serial import (EXERCISE_SLACK, LEVEL_VALUES, UNDERFLOW,
                                    backward_keeping_levels, exercise_limit, level_array, power_tables)
 from pricer.lattice import LatticeParams
 
@@ -142,7 +142,7 @@ def pers_skip_limit(strike, steps, pu, pd, log_up, log_down) -> float:
     scaled arithmetic; NaN: none is known to be.  The serial engine's exercise_limit, each rounding
     error bound widened four times more: the scaled steps round a few more times than the serial
     engine's (a = pu/pd, the pd^-s factors and the exercise numbers scaled by them)."""
-    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down, 4.0 * SERIAL_SLACK)
+    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down, 4.0 * EXERCISE_SLACK)
     return limit if limit > 0.0 else np.nan
 
 

@@ -463,11 +463,11 @@ _FULL, _PUT, _CALL = 0, 1, 2
 # Unit roundoff of float64, and the factor by which exercise_limit widens every rounding-error bound
 # it uses (a safety margin on a margin: the skipped nodes' limit moves by ~1e-15 relative).
 _ROUNDOFF = 2.0 ** -53
-_SLACK = 4.0
+EXERCISE_SLACK = 4.0
 
 
 @njit(cache=True, nogil=True)
-def exercise_limit(strike, steps, pu, pd, log_up, log_down, slack=_SLACK):
+def exercise_limit(strike, steps, pu, pd, log_up, log_down, slack=EXERCISE_SLACK):
     """A put's node (t, i) whose two successors were exercised (their value is their exercise value,
     bit for bit) is exercised itself — exercise value > hold value as computed, whatever the
     rounding — if level_base[t]*ratio[i] < the limit returned (0: no node is known to be).
