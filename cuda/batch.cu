@@ -617,7 +617,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     if (W > 1) __syncthreads(); else __syncwarp();   // read from the first chunk refresh on
     st.oc = consts;
     if (consts->clamp == CLAMP_FAILED) return __longlong_as_double(0x7ff8000000000000LL);   // NaN
-    if (kept != nullptr && n > 2 && consts->clamp == 0 && warp == 0 && lane == 0) {
+    if (kept != nullptr && n >= 2 && consts->clamp == 0 && warp == 0 && lane == 0) {
 #pragma unroll   // no positive payoff: every level is zero, and no step computes (or keeps) them
         for (int k = 0; k < 5; ++k) kept[k] = 0.0;
     }

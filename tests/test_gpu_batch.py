@@ -308,6 +308,31 @@ def test_zero_units_left_out_change_no_bit(rng):
             np.testing.assert_array_equal(batch_engine().price(q), full.price(q))
 
 
+def test_levels_without_a_positive_payoff_are_zeros(rng):
+    """Options with no positive payoff (deep out of the money; the clamp leaves every unit out, so
+    no step writes the Greeks' levels): prices and levels exactly zero for N >= 2, NaN levels for
+    N = 1, even where the device buffers still hold another call's levels (N = 2 once kept
+    them, found by the width test's seed 907071604)."""
+    from pricer.engines.serial import LEVEL_VALUES
+    from pricer.lattice import lattice_parameters
+    steps = np.repeat([1, 2, 3, 4, 130, 1500, 5000], 4)
+    n = steps.size
+    call = np.tile([True, True, False, False], n // 4)
+    strike = rng.uniform(80, 120, n)
+    cols = dict(spot=strike * np.where(call, np.exp(-4.0), np.exp(4.0)), strike=strike,
+                maturity=np.full(n, 0.5), rate=np.full(n, 0.02), dividend=np.full(n, 0.02),
+                volatility=np.full(n, 0.02), steps=steps, call=call,   # at most e^1 from spot
+                american=np.tile([True, False], n // 2))
+    p = lattice_parameters(cols)
+    assert (CpuEngine().price(p) == 0.0).all()
+    engine = batch_engine()
+    engine.price(options(rng, rng.integers(2, 3000, 200)), np.empty((200, LEVEL_VALUES)))
+    levels = np.full((n, LEVEL_VALUES), 7.0)
+    np.testing.assert_array_equal(engine.price(p, levels), np.zeros(n))
+    np.testing.assert_array_equal(levels[steps >= 2], 0.0)
+    assert np.isnan(levels[steps == 1]).all()
+
+
 def test_classes_by_payoff_width_change_no_bit(rng):
     """American options of large chunks go to the kernel class of their payoff's width
     (cuda/batch.cu batch_width_keys; fewer registers where the zero units leave the top of the lattice empty):
