@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pricer.engines.batch_plan import INPUT_BYTES_PER_OPTION, MAX_STEPS, chunk_size
+from pricer.engines.batch_plan import INPUT_BYTES_PER_OPTION, KEY_BINS, MAX_STEPS, chunk_size
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.errors import InputError
 from pricer.greeks import Analytics, richardson_steps
@@ -130,6 +130,7 @@ GPU_BATCH_BYTES_PER_NODE = 16    # CudaKernels.batch: an option's two power tabl
 GPU_BATCH_BYTES_PER_OPTION = 56  # and its offset 8, steps 4, pu, pd, strike, sign 32, american 4,
                                  # price 8 (allocated for the call, freed after it)
 BATCH_SETS = 2                   # CudaBatchRunner: two page-locked/device buffer sets alternate
+BATCH_SORT_BYTES = 2 * 4 * KEY_BINS   # and each its GPU sort's counts and starts, int32 per key
 DEVICE_LIMIT_VARIABLE = "PRICER_DEVICE_MEMORY_LIMIT"
 
 
@@ -191,7 +192,8 @@ def lattice_kinds(steps: np.ndarray, analytics: Analytics) -> list:
 @dataclass
 class DeviceNeed:
     """One rank's device bytes for its share (without DEVICE_ALLOWANCE)."""
-    held: float = 0.0      # whatever the chunking: the widest regime option's arrays
+    held: float = 0.0      # whatever the chunking: the widest regime option's arrays (and batch's
+                           # sort counts)
     held_row: int = -1     # that option's row in the share (-1: none)
     held_steps: int = 0
     streamed: float = 0.0  # the streamed buffers as the engine is set now
@@ -229,7 +231,8 @@ def device_need(profile: DeviceProfile, steps: np.ndarray, cuts: np.ndarray,
             rows = max(rows, int((steps <= MAX_STEPS).sum()))
         rows = chunk_size(rows, profile.chunk_options) if rows else 0
         unit = BATCH_SETS * batch_row_bytes(analytics.greeks)
-        need = DeviceNeed(streamed=rows * unit, least=unit if rows else 0.0, unit=unit)
+        need = DeviceNeed(held=BATCH_SETS * BATCH_SORT_BYTES if rows else 0.0,
+                          streamed=rows * unit, least=unit if rows else 0.0, unit=unit)
     else:
         # GpuEngine.price: hybrid prices steps <= cpu_max_steps on the CPU; without levels the batch
         # kernel takes steps <= batch_max_steps (its arrays live for the call); the regimes the rest
@@ -242,7 +245,7 @@ def device_need(profile: DeviceProfile, steps: np.ndarray, cuts: np.ndarray,
     if widest.max() > 0:
         need.held_row = int(np.argmax(widest))
         need.held_steps = int(widest[need.held_row])
-        need.held = float(regime_bytes(need.held_steps))
+        need.held += float(regime_bytes(need.held_steps))
     return need
 
 

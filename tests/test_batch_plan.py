@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
-                                       KERNELS, MAX_STEPS, chunk_bounds, chunk_size, class_of,
-                                       fill_floats, fill_order, input_views, schedule)
+                                       KERNELS, KEY_BINS, MAX_STEPS, chunk_bounds, chunk_size,
+                                       class_of, counted_schedule, fill_floats, fill_order,
+                                       input_views, schedule)
 from pricer.lattice import FLOAT_ROWS, lattice_parameters
 
 
@@ -33,9 +34,12 @@ def test_steps_outside_the_classes_are_refused():
             class_of([5, bad])
 
 
-def test_schedule_sorts_by_steps_descending_and_launches_cover_it_by_class(rng):
+@pytest.mark.parametrize("least, most", [(1, MAX_STEPS), (1000, 1100), (1025, 1028), (2048, 2049),
+                                         (MAX_STEPS - 1, MAX_STEPS)])
+def test_schedule_sorts_by_steps_descending_and_launches_cover_it_by_class(rng, least, most):
     edges = np.r_[CAPACITY[:-1], CAPACITY[:-1] + 1, MAX_STEPS]    # the top of each class, the next's bottom
-    steps = rng.permutation(np.r_[rng.integers(1, MAX_STEPS + 1, 5000), edges]).astype(np.int32)
+    edges = edges[(edges >= least) & (edges <= most)]               # (the sort counts over [least, most])
+    steps = rng.permutation(np.r_[rng.integers(least, most + 1, 5000), edges, least, most]).astype(np.int32)
     order = np.full(steps.size, -1, dtype=np.int32)
     launches = schedule(steps, order)
     assert sorted(order.tolist()) == list(range(steps.size))       # a permutation of the rows
@@ -113,6 +117,23 @@ def test_no_split_where_it_would_not_pay(steps, at_once):
     s, _, launches = sorted_schedule(steps, lambda cls: at_once)
     _, _, plain = sorted_schedule(steps, None)
     assert launches == plain
+
+
+def test_launches_from_the_gpu_sorts_counts_are_those_of_the_host_sort(rng):
+    """counted_schedule (rows sorted on the GPU; the host has only the rows per key) gives the
+    launches schedule gives for the same keys: many classes, one class with and without its last
+    wave split, class edges."""
+    books = [rng.integers(1, MAX_STEPS + 1, 3000), np.r_[CAPACITY[:-1], CAPACITY[:-1] + 1],
+             rng.integers(1025, 2049, 1024), np.full(1024, 2048), rng.integers(1793, 2049, 1000),
+             rng.integers(2049, 4097, 500), np.array([7])]
+    for steps in books:
+        for resident in (None, lambda cls: 792, lambda cls: 390, lambda cls: 0):
+            _, _, expected = sorted_schedule(steps, resident)
+            counts = np.bincount(steps, minlength=KEY_BINS).astype(np.int32)
+            assert counted_schedule(counts, resident) == expected
+    assert counted_schedule(np.zeros(KEY_BINS, np.int32)) == ()
+    with pytest.raises(ValueError):
+        counted_schedule(np.bincount([0, 5], minlength=KEY_BINS))
 
 
 def test_no_split_where_the_gpu_cannot_say():

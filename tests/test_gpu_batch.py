@@ -358,6 +358,36 @@ def test_classes_by_payoff_width_change_no_bit(rng):
     assert short.last_stats["priced_again"] > 0
 
 
+def test_the_gpu_sorts_large_chunks_by_key_descending(rng):
+    """Chunks of WIDTH_ROWS rows or more are keyed and sorted on the GPU (cuda/batch.cu,
+    batch_width_keys, batch_key_starts, batch_sort_rows): the order on the device is a permutation
+    of the rows with keys descending, American rows keyed at most by their steps and the others
+    by their steps, the counts those of the keys; in chunks of WIDTH_ROWS (two sorted on the GPU
+    through both buffer sets, the last on the host) prices are bitwise those of one chunk by
+    steps."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch_plan import KEY_BINS, WIDTH_ROWS, order_span
+    runner = CudaBatchRunner()
+    p = options(rng, rng.integers(1, MAX_STEPS + 1, WIDTH_ROWS + 500))
+    got = BatchEngine(runner=runner).price(p)
+    n, buf = len(p), runner._buffers[0]
+    order, keys = np.empty(n, np.int32), np.empty(n, np.int32)
+    runner.rt.cuda.memcpy_dtoh(order, int(buf["input_d"]) + order_span(n)[0])
+    runner.rt.cuda.memcpy_dtoh(keys, buf["keys_d"])
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    assert np.all(np.diff(keys[order]) <= 0)
+    np.testing.assert_array_equal(buf["counts"], np.bincount(keys, minlength=KEY_BINS))
+    np.testing.assert_array_equal(keys[~p.american], p.steps[~p.american])
+    assert np.all(keys[p.american] <= p.steps[p.american]) and (keys < p.steps).any()
+    by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False)).price(p)
+    np.testing.assert_array_equal(got, by_steps)
+    q = options(rng, rng.integers(1, 3000, 2 * WIDTH_ROWS + 700))
+    chunked = CudaBatchRunner(chunk_options=WIDTH_ROWS)
+    np.testing.assert_array_equal(BatchEngine(runner=chunked).price(q),
+                                  BatchEngine(runner=CudaBatchRunner(by_width=False)).price(q))
+    assert chunked.last_stats["chunks"] == 3
+
+
 def small_in_a_big_chunk(small, big):
     """The edge cases of `small` among the options of `big`, one chunk of more than WIDTH_ROWS."""
     from pricer.lattice import LatticeParams, PACKED_FIELDS

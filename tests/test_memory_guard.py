@@ -242,7 +242,8 @@ def test_batch_estimate_counts_the_largest_call(rng):
     engine = counted_batch_engine(tracker, chunk_options=1000)
     greeks = Analytics(greeks=True)
     need = memory.device_need(memory.device_profile(engine), p.steps, cuts, greeks)
-    assert need.streamed == 2 * 1000 * 110 and need.held == 0   # 58 in, 4 key, 8 out, 40 levels
+    assert need.streamed == 2 * 1000 * 110                      # 58 in, 4 key, 8 out, 40 levels
+    assert need.held == 2 * 2 * 4 * (MAX_STEPS + 1)             # the GPU sort's counts and starts
     price_share(engine, p, cuts, greeks)
     assert tracker.live == need.total
     small = book(np.full(50, 20))
@@ -289,21 +290,23 @@ def test_batch_chunks_shrink_to_the_budget(rng):
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     cuts = np.array([0, 5000])
     need = memory.device_need(profile, p.steps, cuts, Analytics())
-    assert need.total == 5000 * 2 * 70
+    sort = memory.BATCH_SETS * memory.BATCH_SORT_BYTES            # whatever the chunks
+    assert need.total == 5000 * 2 * 70 + sort
     assert memory.fit(need, need.total) == 0                      # fits as it is
-    budget = 100_000
+    budget = sort + 100_000
     chunk = memory.fit(need, budget)
-    assert chunk == budget // 140 == 714
+    assert chunk == 100_000 // 140 == 714
     smaller = memory.DeviceProfile("batch", chunk_options=chunk)
     assert memory.device_need(smaller, p.steps, cuts, Analytics()).total <= budget
-    assert memory.fit(need, 139) is None                          # not even one option per chunk
+    assert memory.fit(need, sort + 139) is None                   # not even one option per chunk
 
 
 def test_batch_shrink_keeps_the_wide_option_whole():
     p = book([100] * 1000 + [1_000_000])
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     need = memory.device_need(profile, p.steps, np.array([0, 1001]), Analytics())
-    assert need.held == 32 * 1_000_002 and need.held_row == 1000
+    assert need.held == 32 * 1_000_002 + memory.BATCH_SETS * memory.BATCH_SORT_BYTES
+    assert need.held_row == 1000
     assert memory.fit(need, need.held + 140 * 10) == 10
     assert memory.fit(need, need.held + 131) is None
 
@@ -353,7 +356,8 @@ def test_ranks_sharing_a_gpu_share_its_memory():
     profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
     p = book(np.full(1000, 50))
     share = (p.steps, np.array([0, 1000]), p.id)
-    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * (memory.DEVICE_ALLOWANCE + 140 * 100))}
+    sort = memory.BATCH_SETS * memory.BATCH_SORT_BYTES
+    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * (memory.DEVICE_ALLOWANCE + sort + 140 * 100))}
     shared = [_info("a"), _info("a"), _info("b"), None]
     fitted = memory.fit_devices(profile, shared, [share] * 4, Analytics(), "x.h5", environ=limit)
     # a: two ranks, 100 options' room each; b: alone, 2 * allowance + 200 options' room; None: unmeasured
@@ -444,14 +448,15 @@ def serial_prices(p: Portfolio):
 
 
 def test_stand_in_batch_streams_smaller_chunks_on_every_rank(tmp_path):
-    """3 ranks, PRICER_DEVICE_MEMORY_LIMIT = allowance + 37 options' buffers: every rank's runner
+    """3 ranks, PRICER_DEVICE_MEMORY_LIMIT = allowance + the sort's + 37 options' buffers: every rank's runner
     is set to chunks of 37 options before it prices, rank 0 says so, the prices are the serial
     engine's bitwise."""
     p = book(np.random.default_rng(1).integers(3, 300, 240))
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
     proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "batch", "--threads", "1"],
-                        memory.DEVICE_ALLOWANCE + 140 * 37)
+                        memory.DEVICE_ALLOWANCE + memory.BATCH_SETS * memory.BATCH_SORT_BYTES
+                        + 140 * 37)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     for rank in range(3):

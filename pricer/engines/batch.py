@@ -4,17 +4,21 @@ pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go t
 
 Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
 are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
-chunk's sorted order) and on to the device asynchronously (all but the order first). In chunks of
-WIDTH_ROWS rows or more, a small kernel there gives each American row its class key, the width of
-its payoff (4 bytes per option back: an option needs registers only for its nodes up to the last
-positive payoff, cuda/batch.cu zero_clamp); other rows are keyed by their steps. The host sorts by
-the keys (batch_plan.schedule) and sends the order; one launch per class prices them (the launches
-side by side on their own streams; each reads its rows through the order and writes each price at
-its row), and the prices (8 bytes per option) come back asynchronously, already in the order
-given. An option that the class of its width cannot price comes back NaN and is priced again in
-the class of its steps. Two buffer sets and two streams
-alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
-through 2 chunks of device memory.
+chunk's sorted order) and on to the device asynchronously (all but the order first). The rows are
+then sorted by their class keys, descending, and one launch per class prices them:
+- in chunks of WIDTH_ROWS rows or more, on the GPU (cuda/batch.cu): a small kernel keys each
+  American row by the width of its payoff (an option needs registers only for its nodes up to the
+  last positive payoff, zero_clamp) and every other row by its steps, counts the rows per key, and
+  two more write the sorted order in place; only the counts (64 KiB) come back, from which the host
+  makes the launches (batch_plan.counted_schedule);
+- in smaller ones (and where by_width is off), on the host by the steps (batch_plan.schedule),
+  which then sends the order.
+The launches run side by side on their own streams; each reads its rows through the order and
+writes each price at its row, and the prices (8 bytes per option) come back asynchronously, already
+in the order given. An option that the class of its width cannot price comes back NaN and is priced
+again in the class of its steps. Two buffer sets and two streams alternate, so the host fills
+chunk k + 1 while chunk k computes; a portfolio of any size streams through 2 chunks of device
+memory.
 
 `last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
 summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
@@ -26,17 +30,19 @@ import time
 
 import numpy as np
 
-from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS,
-                                       INPUT_BYTES_PER_OPTION, MAX_STEPS,
-                                       WIDTH_ROWS, chunk_bounds, chunk_size, class_of,
-                                       fill_flags, fill_floats, input_views, options_per_block,
-                                       order_span, schedule)
+from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS, KEY_BINS,
+                                       INPUT_BYTES_PER_OPTION, MAX_STEPS, WIDTH_ROWS, chunk_bounds,
+                                       chunk_size, class_of, counted_schedule, fill_flags,
+                                       fill_floats, input_views, options_per_block, order_span,
+                                       schedule)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
 
 
 LAUNCH_STREAMS = 8     # streams the launches of one chunk spread over
+SORT_BLOCK = 256       # threads per block of the GPU's keys and sort (one row each)
+SORT_THREADS = 1024    # cuda/batch.cu's batch_key_starts: one block of this many
 
 
 class CudaBatchRunner:
@@ -58,11 +64,11 @@ class CudaBatchRunner:
         self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
         self._modules: dict = {}
         self._functions: dict = {}
-        self._keys_fn = None
+        self._sort_fns = None
         self._resident: dict = {}
         self._buffers = None
         self._streams = None
-        self._launch_streams: list = []
+        self._launch_streams: list = []     # (stream, event its launches' end is recorded in)
         self._keep_levels = False
         self.last_stats: dict = {}
 
@@ -110,14 +116,18 @@ class CudaBatchRunner:
             self._release()
             self._buffers = [dict(capacity=size,
                                   input=cuda.pagelocked_empty(size * INPUT_BYTES_PER_OPTION, np.uint8),
-                                  keys=cuda.pagelocked_empty(size, np.int32),
                                   keys_d=self.rt.alloc(4 * size),
+                                  counts=cuda.pagelocked_empty(KEY_BINS, np.int32),
+                                  counts_d=self.rt.alloc(4 * KEY_BINS),
+                                  starts_d=self.rt.alloc(4 * KEY_BINS),
+                                  counted=cuda.Event(),
                                   prices=cuda.pagelocked_empty(size, np.float64),
                                   input_d=self.rt.alloc(INPUT_BYTES_PER_OPTION * size),
                                   prices_d=self.rt.alloc(8 * size),
                                   levels=(cuda.pagelocked_empty((size, LEVEL_VALUES), np.float64)
                                           if with_levels else None),
-                                  levels_d=self.rt.alloc(8 * LEVEL_VALUES * size) if with_levels else None)
+                                  levels_d=self.rt.alloc(8 * LEVEL_VALUES * size) if with_levels else None,
+                                  marks=[cuda.Event() for _ in range(6)])
                              for _ in range(2)]
             self._streams = [cuda.Stream(), cuda.Stream()]
         return self._buffers, self._streams
@@ -125,7 +135,7 @@ class CudaBatchRunner:
     def _release(self):
         if self._buffers:
             for b in self._buffers:
-                for key in ("input_d", "keys_d", "prices_d", "levels_d"):
+                for key in ("input_d", "keys_d", "counts_d", "starts_d", "prices_d", "levels_d"):
                     if b[key] is not None:
                         self.rt.free(b[key])
         self._buffers = None
@@ -163,7 +173,8 @@ class CudaBatchRunner:
                                                 levels is not None)
         self._keep_levels = levels is not None
         cuda = self.rt.cuda
-        events, pending, launches = [], {}, 0
+        pending, launches = {}, 0
+        self._event_seconds = dict(copy_in=0.0, kernels=0.0, copy_out=0.0)
         for k, (lo, hi) in enumerate(bounds):
             slot = k % 2
             buf, stream = buffers[slot], streams[slot]
@@ -173,53 +184,76 @@ class CudaBatchRunner:
             rows = slice(lo, hi) if index is None else index[lo:hi]
             views = input_views(buf["input"], n)
             order_at, order_end = order_span(n)
-            marks = [cuda.Event() for _ in range(6)]
+            marks = buf["marks"]          # the slot's events, read in _collect before reuse
             fill_floats(params, rows, views)
             fill_flags(params, rows, views)
-            marks[0].record(stream)           # all but the order: the width keys need them
+            marks[0].record(stream)           # all but the order, which the sort writes
             cuda.memcpy_htod_async(buf["input_d"], buf["input"][:order_at], stream)
             cuda.memcpy_htod_async(int(buf["input_d"]) + order_end,
                                    buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
             marks[1].record(stream)
-            by_keys = by_width and n >= WIDTH_ROWS and views.american.any()   # keys: American rows
-            keys = self._width_keys(buf, n, stream) if by_keys else views.steps
-            resident = self.resident if self.split_waves else None
-            chunk_launches = schedule(keys, views.order, resident)
+            if by_width and n >= WIDTH_ROWS:
+                chunk_launches = self._sort_on_gpu(buf, n, stream, marks)
+            else:
+                chunk_launches = self._sort_on_host(views, buf, n, stream, marks)
             launches += len(chunk_launches)
-            marks[2].record(stream)
-            cuda.memcpy_htod_async(int(buf["input_d"]) + order_at,
-                                   buf["input"][order_at:order_end], stream)
-            marks[3].record(stream)
             self._launch_all(chunk_launches, n, buf, stream, marks[3])
             marks[4].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
             if levels is not None:
                 cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
             marks[5].record(stream)
-            events.append(marks)
             pending[slot] = (lo, hi, buf)
         for slot, job in pending.items():
             self._collect(job, prices, levels, streams[slot])
-        self.last_stats = self._stats(events, time.perf_counter() - start, len(bounds), launches)
+        self.last_stats = dict(wall=time.perf_counter() - start, **self._event_seconds,
+                               chunks=len(bounds), launches=launches, priced_again=0)
         return prices
 
-    def _width_keys(self, buf, n: int, stream) -> np.ndarray:
-        """The chunk's class keys from its American payoffs' widths (cuda/batch.cu,
-        batch_width_keys), computed on the GPU from the input already there: numpy took 1.5 ms
-        per 100 000 rows on the GPU machine's host (docs/performance.md, session 17). The host
-        waits for them; behind another chunk's launches the small kernel can wait for a block
-        slot."""
-        if self._keys_fn is None:
-            self._keys_fn = self.rt.module(["-DBATCH_W=1", *self._defines],
-                                           "batch.cu").get_function("batch_width_keys")
-            self._keys_fn.prepare("PiP")
-        threads = 256
-        blocks = ((n + threads - 1) // threads, 1)
-        self._keys_fn.prepared_async_call(blocks, (threads, 1, 1), stream, int(buf["input_d"]),
-                                          np.int32(n), int(buf["keys_d"]))
-        self.rt.cuda.memcpy_dtoh_async(buf["keys"][:n], buf["keys_d"], stream)
-        stream.synchronize()
-        return buf["keys"][:n]
+    def _sort_on_host(self, views, buf, n: int, stream, marks) -> tuple:
+        """The launches of a chunk sorted here by the steps (batch_plan.schedule); the order goes
+        to the device between marks 2 and 3."""
+        chunk_launches = schedule(views.steps, views.order,
+                                  self.resident if self.split_waves else None)
+        order_at, order_end = order_span(n)
+        marks[2].record(stream)
+        self.rt.cuda.memcpy_htod_async(int(buf["input_d"]) + order_at,
+                                       buf["input"][order_at:order_end], stream)
+        marks[3].record(stream)
+        return chunk_launches
+
+    def _sort_on_gpu(self, buf, n: int, stream, marks) -> tuple:
+        """The launches of a chunk whose rows the GPU keys and sorts from the input already there
+        (cuda/batch.cu: batch_width_keys, the American rows by their payoff's width, the others
+        by their steps; batch_key_starts and batch_sort_rows write the order in place). Only the
+        rows per key come back (64 KiB), and the host waits for them alone: the keys' 4 bytes a
+        row each way and the host's sort (0.49 ms per 100 000 rows on the GPU machine's host,
+        docs/performance.md, session 18) are gone. Behind another chunk's launches the small
+        kernels can wait for a block slot."""
+        cuda = self.rt.cuda
+        if self._sort_fns is None:
+            module = self.rt.module(["-DBATCH_W=1", *self._defines], "batch.cu")
+            self._sort_fns = [module.get_function(name) for name in
+                              ("batch_width_keys", "batch_key_starts", "batch_sort_rows")]
+            for fn, args in zip(self._sort_fns, ("PiPP", "PiP", "PiPP")):
+                fn.prepare(args)
+        keys_fn, starts_fn, sort_fn = self._sort_fns
+        rows_grid = ((n + SORT_BLOCK - 1) // SORT_BLOCK, 1)
+        cuda.memset_d32_async(buf["counts_d"], 0, KEY_BINS, stream)
+        keys_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["input_d"]),
+                                    np.int32(n), int(buf["keys_d"]), int(buf["counts_d"]))
+        cuda.memcpy_dtoh_async(buf["counts"], buf["counts_d"], stream)
+        counted = buf["counted"]
+        counted.record(stream)
+        starts_fn.prepared_async_call((1, 1), (SORT_THREADS, 1, 1), stream, int(buf["counts_d"]),
+                                      np.int32(KEY_BINS), int(buf["starts_d"]))
+        sort_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["keys_d"]),
+                                    np.int32(n), int(buf["starts_d"]),
+                                    int(buf["input_d"]) + order_span(n)[0])
+        marks[2].record(stream)           # no copy in between: the order is on the device
+        marks[3].record(stream)
+        counted.synchronize()
+        return counted_schedule(buf["counts"], self.resident if self.split_waves else None)
 
     def _launch_all(self, chunk_launches, n: int, buf, stream, input_ready):
         """One launch per class, each on its own stream so that they run side by side (a class's
@@ -228,16 +262,15 @@ class CudaBatchRunner:
         for all of them."""
         cuda = self.rt.cuda
         while len(self._launch_streams) < min(len(chunk_launches), LAUNCH_STREAMS):
-            self._launch_streams.append(cuda.Stream())
-        done = []
-        for k, launch in enumerate(chunk_launches):        # largest class first
-            side = self._launch_streams[k % LAUNCH_STREAMS]
+            self._launch_streams.append((cuda.Stream(), cuda.Event()))
+        sides = self._launch_streams[:min(len(chunk_launches), LAUNCH_STREAMS)]
+        for side, _ in sides:
             side.wait_for_event(input_ready)
-            self._launch(launch, n, buf, side)
-            finished = cuda.Event()
+        for k, launch in enumerate(chunk_launches):        # largest class first
+            self._launch(launch, n, buf, sides[k % LAUNCH_STREAMS][0])
+        # (an event recorded again is safe to reuse: a wait takes its latest record at the call)
+        for side, finished in sides:
             finished.record(side)
-            done.append(finished)
-        for finished in done:
             stream.wait_for_event(finished)
 
     def _launch(self, launch, n: int, buf, stream):
@@ -250,22 +283,19 @@ class CudaBatchRunner:
             (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, int(buf["input_d"]),
             np.int32(n), np.int32(launch.lo), int(buf["prices_d"]), levels_d, np.int32(count))
 
-    @staticmethod
-    def _collect(job, prices, levels, stream):
+    def _collect(self, job, prices, levels, stream):
+        """A chunk's prices (and levels) home, and its event times added to the call's."""
         lo, hi, buf = job
         stream.synchronize()
         prices[lo:hi] = buf["prices"][:hi - lo]
         if levels is not None:
             levels[lo:hi] = buf["levels"][:hi - lo]
-
-    @staticmethod
-    def _stats(events, wall, chunks: int, launches: int) -> dict:
+        m = buf["marks"]
         seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
-        return dict(wall=wall,
-                    copy_in=sum(seconds(m[0], m[1]) + seconds(m[2], m[3]) for m in events),
-                    kernels=sum(seconds(m[3], m[4]) for m in events),
-                    copy_out=sum(seconds(m[4], m[5]) for m in events),
-                    chunks=chunks, launches=launches, priced_again=0)
+        spent = self._event_seconds
+        spent["copy_in"] += seconds(m[0], m[1]) + seconds(m[2], m[3])
+        spent["kernels"] += seconds(m[3], m[4])
+        spent["copy_out"] += seconds(m[4], m[5])
 
 
 class BatchEngine:

@@ -104,7 +104,7 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
     return [(lo, min(lo + size, options)) for lo in range(0, options, size)]
 
 
-def split_last_wave(launch: Launch, steps: np.ndarray, order: np.ndarray, resident) -> tuple:
+def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     """A launch over the sorted `order` of a chunk's `steps`, as it runs best when nothing runs
     beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
     last wave of at most half of that would leave most of the GPU idle, so its options (the
@@ -119,7 +119,7 @@ def split_last_wave(launch: Launch, steps: np.ndarray, order: np.ndarray, reside
     if count <= held or tail == 0 or tail > held // 2:
         return (launch,)
     wide = 2 * warps
-    tail_steps = int(steps[order[launch.hi - tail]])         # the tail's largest
+    tail_steps = int(key_at(launch.hi - tail))               # the tail's largest (key_at: sorted position -> key)
     groups = -(-tail_steps // (32 * NODES_PER_LANE * wide))
     tail_cls = KERNELS.index((wide, groups))
     split = launch.hi - tail
@@ -135,7 +135,7 @@ def schedule(steps: np.ndarray, order_out: np.ndarray, resident=None) -> tuple:
     launches = _launches(steps, order_out)
     if resident is None or len(launches) != 1:
         return launches
-    return split_last_wave(launches[0], steps, order_out, resident)
+    return split_last_wave(launches[0], lambda k: steps[order_out[k]], resident)
 
 
 def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
@@ -144,32 +144,61 @@ def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
     if least == most:                   # one N (U books): already sorted, one launch
         order_out[:] = np.arange(steps.size)
         return (Launch(int(_CLASS_OF_STEPS[most]), 0, steps.size),) if steps.size else ()
-    # a counting sort (steps <= MAX_STEPS): linear, and its counts give the classes' runs
-    greater = _sort_by_steps_descending(steps, order_out)
-    # the sorted steps descend, so each class is one run: above[c] of them lie above class c
-    above = greater[np.minimum(CAPACITY, MAX_STEPS)]
-    below_or_at = np.r_[steps.size, above[:-1]]
+    # a counting sort over [least, most]: linear, and its counts give the classes' runs
+    greater = _sort_by_steps_descending(steps, order_out, least, most)
+    at = np.minimum(CAPACITY, MAX_STEPS)
+    return _class_runs(np.where(at < least, steps.size, greater[np.clip(at, least, most) - least]),
+                       steps.size)
+
+
+def _class_runs(above: np.ndarray, rows: int) -> tuple:
+    """One launch per class of the rows sorted by key, descending (each class is then one run),
+    largest class first: above[c] rows lie above class c."""
+    below_or_at = np.r_[rows, above[:-1]]
     return tuple(Launch(c, int(above[c]), int(below_or_at[c]))
                  for c in range(len(CLASSES) - 1, -1, -1) if below_or_at[c] > above[c])
 
 
+KEY_BINS = MAX_STEPS + 1           # the GPU's counting sort: rows counted per key 0 .. MAX_STEPS
+
+
+def counted_schedule(counts: np.ndarray, resident=None) -> tuple:
+    """The launches of a chunk whose rows the GPU sorted by key, descending (cuda/batch.cu,
+    batch_sort_rows), from its rows per key (counts[k], k < KEY_BINS): the same launches as
+    schedule() gives for those keys."""
+    at_least = np.cumsum(counts[::-1])[::-1]          # at_least[k]: rows with a key >= k
+    rows = int(at_least[0])
+    if rows == 0:
+        return ()
+    keys = np.flatnonzero(counts)
+    _check_range(int(keys[0]), int(keys[-1]))
+    greater = np.r_[at_least[1:], 0]                  # rows with a key > k
+    launches = _class_runs(greater[np.minimum(CAPACITY, MAX_STEPS)], rows)
+    if resident is None or len(launches) != 1:
+        return launches
+    # the key at sorted position p: the largest k with more than p rows at or above it
+    return split_last_wave(launches[0], lambda p: np.count_nonzero(at_least > p) - 1, resident)
+
+
 @njit(cache=True, nogil=True)
-def _sort_by_steps_descending(steps, order_out):
-    """Rows sorted by steps (1 <= steps <= MAX_STEPS, _check_range), descending and stable, into
-    order_out; returns greater[s], how many rows have more than s steps (s <= MAX_STEPS). The
+def _sort_by_steps_descending(steps, order_out, least, most):
+    """Rows sorted by steps (least <= steps <= most), descending and stable, into order_out;
+    returns greater[s - least], how many rows have more than s steps (least <= s <= most). The
     schedule of 100 000 rows takes 0.5-0.8 ms so on the GPU machine's host, where numpy's
-    argsort, take and searchsorted took 1.6 ms (session 10)."""
-    greater = np.zeros(MAX_STEPS + 1, dtype=np.int64)
+    argsort, take and searchsorted took 1.6 ms (session 10). Counts over [least, most] only,
+    not over every steps value up to MAX_STEPS whatever the rows."""
+    greater = np.zeros(most - least + 1, dtype=np.int64)
     for r in range(steps.size):
-        greater[steps[r] - 1] += 1            # counted at s = steps - 1, summed downwards below
-    for s in range(MAX_STEPS - 1, -1, -1):
-        greater[s] += greater[s + 1]
+        if steps[r] > least:                  # counted at s = steps - 1, summed downwards below
+            greater[steps[r] - 1 - least] += 1
+    for k in range(most - least - 1, -1, -1):
+        greater[k] += greater[k + 1]
     # rows with steps = s go to positions greater[s] ... greater[s - 1] - 1, in row order
     next_at = greater.copy()
     for r in range(steps.size):
-        s = steps[r]
-        order_out[next_at[s]] = r
-        next_at[s] += 1
+        k = steps[r] - least
+        order_out[next_at[k]] = r
+        next_at[k] += 1
     return greater
 
 
@@ -229,15 +258,16 @@ def fill_flags(params, rows, views: InputViews) -> None:
 
 def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
     """Steps, flags and the order of `rows` of params sorted by steps; returns the launches
-    (schedule). (The runner sorts by the kernels' width keys instead: batch.py.)"""
+    (schedule). (The runner sorts chunks of WIDTH_ROWS rows or more on the GPU: batch.py.)"""
     fill_flags(params, rows, views)
     return schedule(views.steps, views.order, resident)
 
 
-# American options in chunks of at least this many rows go to the kernel classes of their payoffs'
-# widths (cuda/batch.cu, batch_width_keys), the rest by their steps: a chunk of a few waves lasts as long as its
-# longest option, which fewer warps per option lengthen, and the keys' round trip costs ~0.1 ms
-# (U1, 1 024 rows: kernels 0.90 ms by width against 0.90 by steps, the call 1.16 ms against 1.04;
-# U2, 100 000 rows: 16.1 against 19.6 ms of kernels; docs/performance.md, session 17).
+# Chunks of at least this many rows are keyed and sorted on the GPU, American options by their
+# payoffs' widths (cuda/batch.cu, batch_width_keys; counted_schedule), the rest by their steps;
+# smaller chunks are sorted on the host by their steps (schedule). A chunk of a few waves lasts as
+# long as its longest option, which fewer warps per option lengthen, and the keys' round trip
+# costs ~0.1 ms (U1, 1 024 rows: kernels 0.90 ms by width against 0.90 by steps, the call 1.16 ms
+# against 1.04; U2, 100 000 rows: 16.1 against 19.6 ms of kernels; docs/performance.md, session
+# 17). Keys from the host for small chunks were measured and not kept (session 18).
 WIDTH_ROWS = 16384
-
