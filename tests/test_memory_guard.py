@@ -532,16 +532,17 @@ def _bitwise(a, b) -> bool:
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_batch_streams_smaller_chunks_same_prices(tmp_path):
-    """Real CLI, 2 ranks on one GPU, PRICER_DEVICE_MEMORY_LIMIT = 2 x (allowance + 64 KiB): each
-    rank streams chunks of 468 options (64 KiB / 140 B) instead of 2**20; bitwise the prices of the
-    same run without the limit (each option's kernel is the same whatever its chunk)."""
+    """Real CLI, 2 ranks on one GPU, PRICER_DEVICE_MEMORY_LIMIT = 2 x (allowance + the GPU sort's
+    counts + 64 KiB): each rank streams chunks of 468 options (64 KiB / 140 B) instead of 2**20;
+    bitwise the prices of the same run without the limit (each option's kernel is the same
+    whatever its chunk)."""
     p = book(np.random.default_rng(4).integers(16, 3000, 4000))
     src = tmp_path / "book.h5"
     write_portfolio(str(src), p)
     free = _cli(["price", src, "-o", tmp_path / "free.h5", "--backend", "batch"], ranks=2)
     assert free.returncode == 0, free.stdout + free.stderr
     assert "GPU memory" not in free.stdout, free.stdout
-    limit = 2 * (memory.DEVICE_ALLOWANCE + 64 * 1024)
+    limit = 2 * (memory.DEVICE_ALLOWANCE + memory.BATCH_SETS * memory.BATCH_SORT_BYTES + 64 * 1024)
     tight = _cli(["price", src, "-o", tmp_path / "tight.h5", "--backend", "batch"], limit, ranks=2)
     assert tight.returncode == 0, tight.stdout + tight.stderr
     print(tight.stdout)
