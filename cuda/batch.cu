@@ -266,6 +266,91 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
     }
 }
 
+// ---- European options: two levels per step (BATCH_TWICE = 0 builds one level per step) ----
+//
+// V(t - 2, i) = pd^2 V(t, i) + 2 pu pd V(t, i + 1) + pu^2 V(t, i + 2): 3 FP64 instructions a node
+// per two levels instead of 4, and one exchange (two values: the next lane's nodes 0 and 1) and
+// one barrier per two levels. Every class steps through the same levels (n, n - 2, ... down to 3
+// or 4, then one at a time, so that levels 2 and 1 are computed as the Greeks keep them), so
+// prices stay bitwise the same whatever the class (but W = 16, G = 8, below); they differ from
+// one level at a time by rounding only. American options need the max at every level and step
+// one at a time.
+#ifndef BATCH_TWICE
+#define BATCH_TWICE 1
+#endif
+
+// not W = 16, G = 8, whose European path then spills on sm_80 (16 bytes); on every GPU alike, so
+// that prices do not depend on the GPU
+template <int W, int G>
+__device__ __forceinline__ constexpr bool twice_class() { return BATCH_TWICE && !(W == 16 && G == 8); }
+
+struct TwiceCoef {
+    double a, b, c;                       // pd^2, 2 pu pd, pu^2
+};
+
+// As send_neighbour, for two levels a step: up1[g], up2[g] = the next lane's nodes 0 and 1 (lane
+// 31: W = 1 lane 0's next group's, the same shuffles; W > 1 the next warp's, through xch2[parity
+// of level / 2], published here by lane 0 and read after the next step's barrier).
+template <int W, int G>
+__device__ __forceinline__ void send_pair(const double (&v)[G][VT], double (&up1)[G], double (&up2)[G],
+                                          const StepState& st, double (*xch2)[2][G * W + 1],
+                                          int level, int g)
+{
+    double offer1 = v[g][0], offer2 = v[g][1];
+    if (W == 1 && st.lane == 0) {
+        offer1 = g + 1 < G ? v[g + 1 < G ? g + 1 : g][0] : 0.0;
+        offer2 = g + 1 < G ? v[g + 1 < G ? g + 1 : g][1] : 0.0;
+    }
+    up1[g] = __shfl_sync(FULL_MASK, offer1, (st.lane + 1) & 31);
+    up2[g] = __shfl_sync(FULL_MASK, offer2, (st.lane + 1) & 31);
+    if (W > 1 && st.lane == 0) {
+        xch2[(level >> 1) & 1][0][g * W + st.warp] = v[g][0];
+        xch2[(level >> 1) & 1][1][g * W + st.warp] = v[g][1];
+    }
+}
+
+// European steps from level t_hi down to t_lo, two levels each (t_hi - t_lo even), computing GA
+// groups (as steps_with_groups; European options skip none, so slot g holds group g). On entry
+// and exit up1, up2 hold the neighbours as send_pair leaves them.
+template <int W, int G, int GA>
+__device__ __forceinline__ void twice_steps(double (&v)[G][VT], double (&up1)[G], double (&up2)[G],
+                                            const TwiceCoef& k, const StepState& st,
+                                            double (*xch2)[2][G * W + 1], int t_hi, int t_lo)
+{
+    static_assert(VT == 4, "two levels a step are written for four nodes a lane");
+    for (int t = t_hi; t > t_lo; t -= 2) {
+        if (W > 1) {
+            __syncthreads();   // the next warp's nodes 0 and 1 of level t are in xch2
+            if (st.lane == 31) {
+#pragma unroll
+                for (int g = 0; g < GA; ++g) {
+                    up1[g] = xch2[(t >> 1) & 1][0][g * W + st.warp + 1];
+                    up2[g] = xch2[(t >> 1) & 1][1][g * W + st.warp + 1];
+                }
+            }
+        }
+        double u1[GA > 0 ? GA : 1], u2[GA > 0 ? GA : 1];
+#pragma unroll
+        for (int g = 0; g < GA; ++g) {    // nodes 0 and 1 first: their exchange travels meanwhile
+            u1[g] = up1[g];
+            u2[g] = up2[g];
+            const double n0 = fma(k.c, v[g][2], fma(k.b, v[g][1], k.a * v[g][0]));
+            const double n1 = fma(k.c, v[g][3], fma(k.b, v[g][2], k.a * v[g][1]));
+            v[g][0] = n0;
+            v[g][1] = n1;
+        }
+#pragma unroll
+        for (int g = 0; g < GA; ++g) send_pair<W, G>(v, up1, up2, st, xch2, t - 2, g);
+#pragma unroll
+        for (int g = 0; g < GA; ++g) {
+            const double n2 = fma(k.c, u1[g], fma(k.b, v[g][3], k.a * v[g][2]));
+            const double n3 = fma(k.c, u2[g], fma(k.b, u1[g], k.a * v[g][3]));
+            v[g][2] = n2;
+            v[g][3] = n3;
+        }
+    }
+}
+
 // ---- Surely exercised groups are skipped (American options; BATCH_SKIP = 0 builds without it) ----
 //
 // A node whose two successors hold their exercise values takes the exercise value itself wherever
@@ -588,6 +673,7 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
+                                                double (*xch2)[2][G * W + 1],
                                                 unsigned char* skip_flags, OptionConsts* consts,
                                                 int* top_shared, int warp, int lane,
                                                 double* __restrict__ kept)
@@ -679,13 +765,22 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         st.chunk_now = signed_level_base(op, sign, n - 1 - lane);
         st.chunk_next = signed_level_base(op, sign, n - 33 - lane);
     }
-    double up[G];
-    send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
+    double up[G], up2[G];
+    // European: two levels a step down to level 3 or 4 (twice_steps)
+    const bool twice = !AMERICAN && twice_class<W, G>() && n > 4;
+    const TwiceCoef coef = {op.pd * op.pd, 2.0 * op.pu * op.pd, op.pu * op.pu};
+    if (twice) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) send_pair<W, G>(v, up, up2, st, xch2, n, g);
+    } else {
+        send_neighbours<W, G, G>(v, up, st, xch, n);   // for the first step, from level n
+    }
     if (n == CAPACITY && lane == 31 && warp == W - 1) {   // the top node, neighbour of the top lane
         const double top = sign * fma(base_n, exp((double)CAPACITY * log_ratio), -op.strike);
         const double payoff = top > 0.0 ? top : 0.0;
         if (W == 1) up[G - 1] = payoff;
-        else xch[n & 1][G * W] = payoff;            // read after the first step's barrier
+        else if (twice) xch2[(n >> 1) & 1][0][G * W] = payoff;   // read after the first barrier
+        else xch[n & 1][G * W] = payoff;
     }
     int t = n;
     int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
@@ -702,7 +797,11 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= top_node;
         // the phase lasts while its last active group stays active: down to level first_node,
         // or to the next skip check
-        const int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
+        int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
+        // two levels a step: an even distance (one level further only computes nodes above the
+        // level, as idle groups' do), down to level 3 or 4 (the same for every warp)
+        const bool twice_now = twice && t > 4;
+        if (twice_now) t_lo = max(t_lo - ((t - t_lo) & 1), 3 + ((t - 3) & 1));
         // computed slots: the active groups less those skipped
         const int computed = !CAN_SKIP ? active
                            : skips_prefix(sk.mode) ? max(active - st.lo, 0)
@@ -716,6 +815,18 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
             atomicAdd(&batch_counts[1], (unsigned long long)every);
         }
 #endif
+        if (twice_now) {
+            switch (computed) {
+            case 0: twice_steps<W, G, 0>(v, up, up2, coef, st, xch2, t, t_lo); break;
+#define TWICE(K) case K: if (K <= G) twice_steps<W, G, (K <= G ? K : G)>(v, up, up2, coef, st, xch2, t, t_lo); break;
+            TWICE(1) TWICE(2) TWICE(3) TWICE(4) TWICE(5) TWICE(6) TWICE(7) TWICE(8)
+#undef TWICE
+            }
+            t = t_lo;
+            // the last levels one at a time: their neighbours as steps_with_groups takes them
+            if (t <= 4) send_neighbours<W, G, G>(v, up, st, xch, t);
+            continue;
+        }
         switch (computed) {
         case 0: steps_with_groups<W, G, 0, AMERICAN>(v, up, group_ratio, node_ratio, st, xch, t, t_lo); break;
         case 1:
@@ -743,6 +854,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
                                             int count)
 {
     __shared__ double xch[2][G * W + 1];
+    __shared__ double xch2[W > 1 ? 2 : 1][2][G * W + 1];   // twice_steps (W > 1 only)
     __shared__ unsigned char skip_flags[OPTIONS_PER_BLOCK][G * W];
     __shared__ OptionConsts consts[OPTIONS_PER_BLOCK];
     __shared__ int top_shared;            // W > 1: the option's highest positive payoff node
@@ -753,6 +865,8 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     if (W > 1) {
         for (int k = threadIdx.x; k < 2 * (G * W + 1); k += blockDim.x)
             (&xch[0][0])[k] = 0.0;
+        for (int k = threadIdx.x; k < 4 * (G * W + 1); k += blockDim.x)
+            (&xch2[0][0][0])[k] = 0.0;
         if (threadIdx.x == 0) top_shared = -1;
         __syncthreads();
     }
@@ -762,10 +876,10 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
     const int slot = W == 1 ? warp_in_block : 0;
     const double price = op.american
-        ? price_lattice<W, G, true>(op, xch, skip_flags[slot], &consts[slot], &top_shared, warp,
-                                    lane, kept)
-        : price_lattice<W, G, false>(op, xch, skip_flags[slot], &consts[slot], &top_shared, warp,
-                                     lane, kept);
+        ? price_lattice<W, G, true>(op, xch, xch2, skip_flags[slot], &consts[slot], &top_shared,
+                                    warp, lane, kept)
+        : price_lattice<W, G, false>(op, xch, xch2, skip_flags[slot], &consts[slot], &top_shared,
+                                     warp, lane, kept);
     if (warp == 0 && lane == 0) {
         out[row] = price;
         if (BATCH_MIRROR && op.call && kept != nullptr) {   // levels 1 and 2 back in node order
