@@ -271,10 +271,12 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 // V(t - 2, i) = pd^2 V(t, i) + 2 pu pd V(t, i + 1) + pu^2 V(t, i + 2): 3 FP64 instructions a node
 // per two levels instead of 4, and one exchange (two values: the next lane's nodes 0 and 1) and
 // one barrier per two levels. Every class steps through the same levels (n, n - 2, ... down to 3
-// or 4, then one at a time, so that levels 2 and 1 are computed as the Greeks keep them), so
-// prices stay bitwise the same whatever the class (but W = 16, G = 8, below); they differ from
-// one level at a time by rounding only. American options need the max at every level and step
-// one at a time.
+// or 4, then one at a time), so prices stay bitwise the same whatever the class (but W = 16,
+// G = 8, below); they differ from one level at a time by rounding only: the three coefficients are
+// rounded once, and that bias adds up over the steps (at most 3e-13 of the price on the bench's
+// books). Calls that keep levels for Greeks step one level at a time, as before: theta divides a
+// level's difference by 2 dt, and at N = 5 000 that would carry such rounding up to ~1e-8 of
+// theta. American options need the max at every level and step one at a time.
 #ifndef BATCH_TWICE
 #define BATCH_TWICE 1
 #endif
@@ -767,7 +769,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     }
     double up[G], up2[G];
     // European: two levels a step down to level 3 or 4 (twice_steps)
-    const bool twice = !AMERICAN && twice_class<W, G>() && n > 4;
+    const bool twice = !AMERICAN && twice_class<W, G>() && n > 4 && kept == nullptr;
     const TwiceCoef coef = {op.pd * op.pd, 2.0 * op.pu * op.pd, op.pu * op.pu};
     if (twice) {
 #pragma unroll
