@@ -275,8 +275,9 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
 // G = 8, below); they differ from one level at a time by rounding only: the three coefficients are
 // rounded once, and that bias adds up over the steps (at most 3e-13 of the price on the bench's
 // books). Calls that keep levels for Greeks step one level at a time, as before: theta divides a
-// level's difference by 2 dt, and at N = 5 000 that would carry such rounding up to ~1e-8 of
-// theta. American options need the max at every level and step one at a time.
+// difference of levels by 2 dt, which at N = 5 000 can carry that rounding to ~1e-8 of theta, the
+// Greeks test's bar (estimated; that test failed with two-level steps for such calls, session 18).
+// American options need the max at every level and step one at a time.
 #ifndef BATCH_TWICE
 #define BATCH_TWICE 1
 #endif
