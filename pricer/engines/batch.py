@@ -193,7 +193,7 @@ class CudaBatchRunner:
                                    buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
             marks[1].record(stream)
             if by_width and n >= WIDTH_ROWS:
-                chunk_launches = self._sort_on_gpu(buf, n, stream, marks)
+                chunk_launches = self._sort_on_gpu(views, buf, n, stream, marks)
             else:
                 chunk_launches = self._sort_on_host(views, buf, n, stream, marks)
             launches += len(chunk_launches)
@@ -222,7 +222,7 @@ class CudaBatchRunner:
         marks[3].record(stream)
         return chunk_launches
 
-    def _sort_on_gpu(self, buf, n: int, stream, marks) -> tuple:
+    def _sort_on_gpu(self, views, buf, n: int, stream, marks) -> tuple:
         """The launches of a chunk whose rows the GPU keys and sorts from the input already there
         (cuda/batch.cu: batch_width_keys, the American rows by their payoff's width, the others
         by their steps; batch_key_starts and batch_sort_rows write the order in place). Only the
@@ -238,6 +238,8 @@ class CudaBatchRunner:
             for fn, args in zip(self._sort_fns, ("PiPP", "PiP", "PiPP")):
                 fn.prepare(args)
         keys_fn, starts_fn, sort_fn = self._sort_fns
+        if views.steps.max() > MAX_STEPS:   # the keys (at most the steps) index KEY_BINS counters
+            raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
         rows_grid = ((n + SORT_BLOCK - 1) // SORT_BLOCK, 1)
         cuda.memset_d32_async(buf["counts_d"], 0, KEY_BINS, stream)
         keys_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["input_d"]),

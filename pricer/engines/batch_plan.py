@@ -105,8 +105,8 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
 
 
 def split_last_wave(launch: Launch, key_at, resident) -> tuple:
-    """A launch over the sorted `order` of a chunk's `steps`, as it runs best when nothing runs
-    beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
+    """A launch over a chunk's rows sorted by key (key_at(p): the key at sorted position p), as
+    it runs best when nothing runs beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
     last wave of at most half of that would leave most of the GPU idle, so its options (the
     smallest, at the end of the sorted order) go to twice the warps per option and finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 + (4, 4) x 232 took 1.10 ms of
     kernels against 1.21 ms, docs/performance.md session 10). Only for W = 2, 4, 8: W = 16 has no
@@ -119,7 +119,7 @@ def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     if count <= held or tail == 0 or tail > held // 2:
         return (launch,)
     wide = 2 * warps
-    tail_steps = int(key_at(launch.hi - tail))               # the tail's largest (key_at: sorted position -> key)
+    tail_steps = int(key_at(launch.hi - tail))               # the tail's largest
     groups = -(-tail_steps // (32 * NODES_PER_LANE * wide))
     tail_cls = KERNELS.index((wide, groups))
     split = launch.hi - tail
