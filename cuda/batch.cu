@@ -166,6 +166,15 @@ __device__ __forceinline__ double node_value(const StepState& st, double v_up, d
     return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
 }
 
+// W = 1: what lane 0 offers lane 31 for group g's neighbours, node q of its next group (the top
+// group's: node 32 VT G and above, zero where steps exceed the capacity, zero_clamp; else above
+// the level from the second step on, and the first step's is set in price_lattice)
+template <int G>
+__device__ __forceinline__ double next_group_node(const double (&v)[G][VT], int g, int q)
+{
+    return g + 1 < G ? v[g + 1 < G ? g + 1 : g][q] : 0.0;
+}
+
 // The neighbour above each group's last node for the next step, sent as soon as node 0 of every
 // group is new: lane l < 31 takes lane l+1's node 0; lane 31 takes lane 0's next group (W = 1, the
 // same shuffle) or the next warp's node 0 from shared memory after the next step's barrier (W > 1,
@@ -177,9 +186,7 @@ __device__ __forceinline__ void send_neighbour(const double (&v)[G][VT], double 
                                                int level, int g)
 {
     double offer = v[g][0];
-    // (the top group's: node 32 VT G, zero where steps exceed the capacity, zero_clamp; else
-    // above the level from the second step on, and the first step's is set in price_lattice)
-    if (W == 1 && st.lane == 0) offer = g + 1 < G ? v[g + 1 < G ? g + 1 : g][0] : 0.0;
+    if (W == 1 && st.lane == 0) offer = next_group_node<G>(v, g, 0);
     up[g] = __shfl_sync(FULL_MASK, offer, (st.lane + 1) & 31);
     if (W > 1 && st.lane == 0) xch[level & 1][(st.lo + g) * W + st.warp] = v[g][0];
 }
@@ -301,8 +308,8 @@ __device__ __forceinline__ void send_pair(const double (&v)[G][VT], double (&up1
 {
     double offer1 = v[g][0], offer2 = v[g][1];
     if (W == 1 && st.lane == 0) {
-        offer1 = g + 1 < G ? v[g + 1 < G ? g + 1 : g][0] : 0.0;
-        offer2 = g + 1 < G ? v[g + 1 < G ? g + 1 : g][1] : 0.0;
+        offer1 = next_group_node<G>(v, g, 0);
+        offer2 = next_group_node<G>(v, g, 1);
     }
     up1[g] = __shfl_sync(FULL_MASK, offer1, (st.lane + 1) & 31);
     up2[g] = __shfl_sync(FULL_MASK, offer2, (st.lane + 1) & 31);
