@@ -32,9 +32,9 @@ import numpy as np
 
 from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS, KEY_BINS,
                                        INPUT_BYTES_PER_OPTION, MAX_STEPS, WIDTH_ROWS, chunk_bounds,
-                                       chunk_size, class_of, counted_schedule, fill_flags,
-                                       fill_floats, input_views, options_per_block, order_span,
-                                       schedule)
+                                       check_steps, chunk_size, class_of, counted_schedule,
+                                       fill_flags, fill_floats, input_views, options_per_block,
+                                       order_span, schedule)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -238,8 +238,7 @@ class CudaBatchRunner:
             for fn, args in zip(self._sort_fns, ("PiPP", "PiP", "PiPP")):
                 fn.prepare(args)
         keys_fn, starts_fn, sort_fn = self._sort_fns
-        if views.steps.max() > MAX_STEPS:   # the keys (at most the steps) index KEY_BINS counters
-            raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
+        check_steps(views.steps)            # the keys (at most the steps) index KEY_BINS counters
         rows_grid = ((n + SORT_BLOCK - 1) // SORT_BLOCK, 1)
         cuda.memset_d32_async(buf["counts_d"], 0, KEY_BINS, stream)
         keys_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["input_d"]),

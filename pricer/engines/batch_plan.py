@@ -68,11 +68,16 @@ def _check_range(least: int, most: int) -> None:
         raise ValueError(f"batch classes hold 1 <= steps <= {MAX_STEPS}")
 
 
+def check_steps(steps: np.ndarray) -> None:
+    """ValueError unless every option's steps lie in the classes (1 .. MAX_STEPS)."""
+    if steps.size:
+        _check_range(steps.min(), steps.max())
+
+
 def class_of(steps: np.ndarray) -> np.ndarray:
     """Index into CLASSES of the kernel class for each option (steps <= MAX_STEPS)."""
     steps = np.asarray(steps)
-    if steps.size:
-        _check_range(steps.min(), steps.max())
+    check_steps(steps)
     return _CLASS_OF_STEPS[steps]
 
 
@@ -254,13 +259,6 @@ def fill_flags(params, rows, views: InputViews) -> None:
     _put(views.steps, params.steps, rows)
     _put(views.call, params.call, rows)
     _put(views.american, params.american, rows)
-
-
-def fill_order(params, rows, views: InputViews, resident=None) -> tuple:
-    """Steps, flags and the order of `rows` of params sorted by steps; returns the launches
-    (schedule). (The runner sorts chunks of WIDTH_ROWS rows or more on the GPU: batch.py.)"""
-    fill_flags(params, rows, views)
-    return schedule(views.steps, views.order, resident)
 
 
 # Chunks of at least this many rows are keyed and sorted on the GPU, American options by their
