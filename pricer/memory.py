@@ -17,13 +17,14 @@ memory once every rank's engine has started (the CUDA context and, for `batch`, 
 then) and rank 0 fits every rank's share to it before its verdict (distributed.py), from what the
 engines allocate (device_need): `batch` holds two buffer sets of one chunk's rows (at most
 chunk_options; batch_plan.chunk_size: INPUT_BYTES_PER_OPTION in, the class key (int32), the price
-out, with --greeks LEVEL_VALUES doubles more) and each set's GPU sort counts (BATCH_SORT_BYTES); `gpu`/`hybrid` (and `batch` for options above MAX_STEPS, through
-hybrid) hold 32 bytes per node of the widest option's widest level (N + 2 nodes, at least 1024)
-from then on; `gpu`/`hybrid` allocate each call's batch-kernel arrays (16 (N + 1) + 56 bytes per
-option, 40 more with levels) for the call. Ranks that share a GPU share its free memory equally,
-and each keeps DEVICE_ALLOWANCE for what CUDA takes after the measurement. What streams is shrunk
-to fit (`batch`: chunk_options; `gpu`/`hybrid`: a chunk is priced in several engine calls); an
-option whose own arrays do not fit is refused with the numbers, exit 2, before any pricing.
+out, with --greeks LEVEL_VALUES doubles more) and each set's GPU sort counts (BATCH_SORT_BYTES);
+`gpu`/`hybrid` (and `batch` for options above MAX_STEPS, through hybrid) hold 32 bytes per node of
+the widest option's widest level (N + 2 nodes, at least 1024) from then on; `gpu`/`hybrid` allocate
+each call's batch-kernel arrays (16 (N + 1) + 56 bytes per option, 40 more with levels) for the
+call. Ranks that share a GPU share its free memory equally, and each keeps DEVICE_ALLOWANCE for what
+CUDA takes after the measurement. What streams is shrunk to fit (`batch`: chunk_options;
+`gpu`/`hybrid`: a chunk is priced in several engine calls); an option whose own arrays do not fit is
+refused with the numbers, exit 2, before any pricing.
 PRICER_DEVICE_MEMORY_LIMIT (bytes, or K/M/G) replaces every GPU's free memory.
 """
 

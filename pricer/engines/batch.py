@@ -174,12 +174,12 @@ class CudaBatchRunner:
         self._keep_levels = levels is not None
         cuda = self.rt.cuda
         pending, launches = {}, 0
-        self._event_seconds = dict(copy_in=0.0, kernels=0.0, copy_out=0.0)
+        spent = dict(copy_in=0.0, kernels=0.0, copy_out=0.0)   # event times, summed by _collect
         for k, (lo, hi) in enumerate(bounds):
             slot = k % 2
             buf, stream = buffers[slot], streams[slot]
             if slot in pending:          # the buffer's previous chunk must be home first
-                self._collect(pending.pop(slot), prices, levels, stream)
+                self._collect(pending.pop(slot), prices, levels, stream, spent)
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
             views = input_views(buf["input"], n)
@@ -205,8 +205,8 @@ class CudaBatchRunner:
             marks[5].record(stream)
             pending[slot] = (lo, hi, buf)
         for slot, job in pending.items():
-            self._collect(job, prices, levels, streams[slot])
-        self.last_stats = dict(wall=time.perf_counter() - start, **self._event_seconds,
+            self._collect(job, prices, levels, streams[slot], spent)
+        self.last_stats = dict(wall=time.perf_counter() - start, **spent,
                                chunks=len(bounds), launches=launches, priced_again=0)
         return prices
 
@@ -284,8 +284,9 @@ class CudaBatchRunner:
             (blocks, 1), (32 * launch.warps * per_block, 1, 1), stream, int(buf["input_d"]),
             np.int32(n), np.int32(launch.lo), int(buf["prices_d"]), levels_d, np.int32(count))
 
-    def _collect(self, job, prices, levels, stream):
-        """A chunk's prices (and levels) home, and its event times added to the call's."""
+    @staticmethod
+    def _collect(job, prices, levels, stream, spent: dict):
+        """A chunk's prices (and levels) home, and its event times added to `spent`."""
         lo, hi, buf = job
         stream.synchronize()
         prices[lo:hi] = buf["prices"][:hi - lo]
@@ -293,7 +294,6 @@ class CudaBatchRunner:
             levels[lo:hi] = buf["levels"][:hi - lo]
         m = buf["marks"]
         seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
-        spent = self._event_seconds
         spent["copy_in"] += seconds(m[0], m[1]) + seconds(m[2], m[3])
         spent["kernels"] += seconds(m[3], m[4])
         spent["copy_out"] += seconds(m[4], m[5])
