@@ -31,6 +31,15 @@ def batch_engine(**kw):
     return BatchEngine(**kw)
 
 
+def runner_built_with(define: str):
+    """A CudaBatchRunner whose kernels are built with one more -D option (cuda/batch.cu's
+    BATCH_* switches), for comparisons with the default build."""
+    from pricer.engines.batch import CudaBatchRunner
+    runner = CudaBatchRunner()
+    runner._defines = [*runner._defines, define]
+    return runner
+
+
 def test_every_class_edge_every_kind(rng):
     # the top of every class (steps = capacity: the top node fed in as a neighbour) and the bottom
     # of the next
@@ -83,9 +92,8 @@ def test_a_split_last_wave_changes_no_bit(rng):
 def test_the_mixed_american_max_changes_no_bit(rng):
     """cuda/batch.cu compares nodes 1 and 3 of each lane's four as doubles, the others as integers
     (BATCH_MAX_MIX): prices bitwise those of the integer compare on every node, in every class."""
-    from pricer.engines.batch import BatchEngine, CudaBatchRunner
-    integer = CudaBatchRunner()
-    integer._defines = [*integer._defines, "-DBATCH_MAX_MIX=0"]
+    from pricer.engines.batch import BatchEngine
+    integer = runner_built_with("-DBATCH_MAX_MIX=0")
     p = every_kind(rng, rng.integers(1, MAX_STEPS + 1, 60))
     np.testing.assert_array_equal(batch_engine().price(p), BatchEngine(runner=integer).price(p))
 
@@ -289,10 +297,9 @@ def test_zero_units_left_out_change_no_bit(rng):
     are zeros, which no step writes), on edge cases and on the bench's books, and within the
     tolerance of the cpu engine."""
     from pricer.bench_batch import params_of
-    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch import BatchEngine
     from pricer.engines.serial import LEVEL_VALUES
-    unclamped = CudaBatchRunner()
-    unclamped._defines = [*unclamped._defines, "-DBATCH_CLAMP=0"]
+    unclamped = runner_built_with("-DBATCH_CLAMP=0")
     full = BatchEngine(runner=unclamped)
     p = zero_region_book(rng, 300)
     levels, levels_full = (np.empty((len(p), LEVEL_VALUES)) for _ in range(2))
@@ -314,10 +321,9 @@ def test_european_two_levels_a_step_differ_by_rounding_only(rng):
     class edge and N = 1 .. 8 (where the two meet), calls and puts, and within the tolerance of the
     cpu engine; American prices bitwise the same. Calls that keep the Greeks' levels step one
     level at a time: prices and levels bitwise those of that build."""
-    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch import BatchEngine
     from pricer.engines.serial import LEVEL_VALUES
-    once = CudaBatchRunner()
-    once._defines = [*once._defines, "-DBATCH_TWICE=0"]
+    once = runner_built_with("-DBATCH_TWICE=0")
     steps = np.r_[np.arange(1, 9), CAPACITY, CAPACITY[:-1] + 1, rng.integers(9, MAX_STEPS + 1, 60)]
     p = every_kind(rng, steps)
     got = batch_engine().price(p)
@@ -371,8 +377,7 @@ def test_classes_by_payoff_width_change_no_bit(rng):
     small = zero_region_book(rng, 300)
     big = options(rng, rng.integers(1, 6000, WIDTH_ROWS + 200))
     by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False))
-    short = CudaBatchRunner()
-    short._defines = [*short._defines, "-DBATCH_WIDTH_MARGIN=-300"]
+    short = runner_built_with("-DBATCH_WIDTH_MARGIN=-300")
     for book in (big, small_in_a_big_chunk(small, big)):
         ref_levels = np.empty((len(book), LEVEL_VALUES))
         ref = by_steps.price(book, ref_levels)
