@@ -111,8 +111,17 @@ struct OptionConsts {
     double sign, log_down, spot;
     double log_ratio;
     double log_limit;                   // skip margin (exercise_bound)
-    int clamp;                          // nodes >= clamp stay zero at every level (zero_clamp)
+    int clamp;                          // units from clamp up are not computed (zero_clamp; the
+                                        // tail clamps below it: window_clamp)
+    int steps;                          // n (read where the windows are found)
 };
+
+// The tail clamp of each window of each option of the block, in units (tail_table, below)
+#define TAIL_WINDOWS 512                  // windows of an option of up to 16 384 steps
+__shared__ unsigned char tail_units[OPTIONS_PER_BLOCK][TAIL_WINDOWS];
+
+// the block's slot of this thread's option
+__device__ __forceinline__ int option_slot() { return BATCH_W == 1 ? (int)(threadIdx.x >> 5) : 0; }
 
 struct StepState {
     double pu, pd, minus_strike;
@@ -681,6 +690,138 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
     if (row < n) order[atomicAdd(&starts[keys[row]], 1)] = row;
 }
 
+// ---- Units whose values are negligible are left out (BATCH_TAIL = 0 builds without it) ----
+//
+// Far above the strike (a put's high asset prices; a mirrored call's high i) the values are tiny,
+// and the zero clamp still computes them down to the last level. A bound says which are below
+// eps = K 2^-70 / g^2 (g = max(1, pu + pd)^n, the most a value can grow by going back a level at a
+// time): with y = i - j(t) the node's distance above the strike index j(t) (the i where S(t, i)
+// = K; j(t - 1) = j(t) - delta, delta = -log_down / log_ratio > 0), and any theta >= |log_ratio|,
+//     V(t, i) <= B(t, i) = K exp(-theta y) rho^(n - t),   rho = max(1, exp(theta delta) (pu exp(-theta) + pd)),
+// since B bounds the payoff and every exercise value (a put's K - S <= K; a mirrored call's S - K
+// <= K exp(|log_ratio| |y|) where y < 0), and pu B(t + 1, i + 1) + pd B(t + 1, i) <= B(t, i) when
+// pu, pd >= 0 (the lattice's step is then monotone). So V(t, i) <= eps where
+//     i >= j(n) + (L + m log rho) / theta - m delta,   m = n - t,   L = log(K / eps),
+// a line in m for each theta; TAIL_LINES of them, theta chosen for m = n, n / 4, n / 16, n / 64
+// (theta = sqrt(2 L / (m q (1 - q))), q = pu / (pu + pd): the walk's variance), and the least
+// holds. At each window level (every SKIP_WINDOW levels from the top, where the skip checks are;
+// every class reaches each exactly) the clamp moves down to the first unit whose nodes all lie
+// above the least line, and never up: a region of tiny values stays tiny going back (its nodes'
+// exercise values are negative, and a hold is a weighted mean of tinier values, times at most
+// pu + pd). The units above the clamp then keep the values of the level where they stopped (all
+// below eps g), which the unit below reads as its neighbour's. Each node's error then stays below
+// 2 eps g^2 = K 2^-69 from level to level (a step is a mean: errors do not add up), so a price
+// moves by at most ~2e-21 K from the full lattice's: far below the 1e-11 relative bar, or 1e-19 K
+// for prices below 1e-8 K. Unit 0 is always computed, so the price is the root's.
+//
+// The clamp of each window is found once, at the start, by the option's threads together
+// (tail_table: one byte per window, the clamp in units), so a window costs a shared-memory byte
+// and every class finds the same numbers. Counted on the bench's books (numpy), the tail leaves
+// out a further 5-14 % of the triangle's nodes (U1 American: 44.5 % computed before, 32.9 %
+// after). Options below TAIL_MIN_STEPS gain too little to pay for the table.
+#ifndef BATCH_TAIL
+#define BATCH_TAIL 1
+#endif
+#define TAIL_LINES 4
+#define TAIL_MIN_STEPS 512
+#define WINDOW_MIN_LEVEL (2 * SKIP_WINDOW)   // windows (skip checks, tail clamps) at levels >= this
+#define TAIL_NONE 255                     // a window whose clamp stays (above every unit)
+#define TAIL_LOG_EPS 48.52030263919617    // 70 log 2: eps = K 2^-70 / g^2
+
+// Whether the bound holds (pu, pd > 0, delta > 0), and if so its lines a[k] + b[k] m (a node
+// index, m = n - t levels from the top) above which every node's value is below eps.
+__device__ __forceinline__ bool tail_lines(const Option& op, double (&a)[TAIL_LINES],
+                                           double (&b)[TAIL_LINES])
+{
+    const double log_ratio = op.log_up - op.log_down;
+    const double delta = -op.log_down / log_ratio;
+    if (!(BATCH_TAIL && (BATCH_MIRROR || !op.call) && op.pu > 0.0 && op.pd > 0.0 && delta > 0.0 &&
+          op.steps >= TAIL_MIN_STEPS))
+        return false;
+    const double n = (double)op.steps;
+    const double log_k_eps = TAIL_LOG_EPS + 2.0 * n * fmax(0.0, log(op.pu + op.pd));
+    const double q = op.pu / (op.pu + op.pd);
+    const double top = (log(op.strike / op.spot) - n * op.log_down) / log_ratio;   // j(n)
+    double m = n;
+#pragma unroll
+    for (int k = 0; k < TAIL_LINES; ++k, m *= 0.25) {
+        const double theta = fmax(sqrt(2.0 * log_k_eps / (m * q * (1.0 - q))), 2.0 * fabs(log_ratio));
+        const double log_rho = fmax(0.0, theta * delta + log(fma(op.pu, exp(-theta), op.pd)));
+        // far above the roundings of these few operations (a few ulps of numbers below ~n)
+        const double slack = 2.0 + 0x1p-30 * (fabs(top) + log_k_eps / theta + n);
+        a[k] = top + log_k_eps / theta + slack;
+        b[k] = log_rho / theta - delta + 0x1p-30;
+    }
+    return true;
+}
+
+// units[k] = the clamp, in units, for the steps from the window level n - SKIP_WINDOW (k + 1)
+// down: the first unit above the least line at this window or an earlier one, at least 1 (unit
+// 0 is always computed); TAIL_NONE where the bound does not hold. Filled by the option's threads
+// (thread < threads).
+__device__ __noinline__ void tail_table(const unsigned char* __restrict__ input, int rows, int row,
+                                        unsigned char* units, int thread, int threads)
+{
+    const Option op = load_option(input, rows, row);
+    double a[TAIL_LINES], b[TAIL_LINES];
+    const bool on = tail_lines(op, a, b);
+    const int windows = min(TAIL_WINDOWS, op.steps / SKIP_WINDOW);
+    for (int k = thread; k < windows; k += threads) {
+        // the least of the lines over every window so far: a line's least over m in
+        // [SKIP_WINDOW, m_k] lies at an end, so the table never rises (a clamp only moves down)
+        const double m = (double)(SKIP_WINDOW * (k + 1));
+        double node = fma(b[0], b[0] < 0.0 ? m : SKIP_WINDOW, a[0]);
+#pragma unroll
+        for (int j = 1; j < TAIL_LINES; ++j)
+            node = fmin(node, fma(b[j], b[j] < 0.0 ? m : SKIP_WINDOW, a[j]));
+        const double unit = ceil(node * (1.0 / UNIT_NODES));
+        units[k] = on && unit < (double)TAIL_NONE ? (unsigned char)fmax(1.0, unit) : TAIL_NONE;
+    }
+}
+
+// The clamp after window k (k < 0: before the first), from the zero clamp and the table
+__device__ __forceinline__ int window_clamp(int zero_clamp, int k)
+{
+    return k < 0 ? zero_clamp : min(zero_clamp, tail_units[option_slot()][k] * UNIT_NODES);
+}
+
+// the last window at or above level t (windows stop below WINDOW_MIN_LEVEL)
+__device__ __forceinline__ int last_window(int n, int t)
+{
+    return min(n - t, n - WINDOW_MIN_LEVEL) / SKIP_WINDOW - 1;
+}
+
+// The units [from, to) stop at a window: their nodes become zeros, and so does what the unit
+// below reads of unit `from` (W = 1: lane 31's neighbours, from lane 0's next group; W > 1: its
+// shared slots of both parities, which the next step reads after its barrier). Every class then
+// reads the same numbers: W > 1 would otherwise read one of the last two levels' values, by
+// parity. (The units above `from` are read by stopped units only; the skip check sends their
+// zeros.)
+template <int W, int G>
+__device__ __forceinline__ void stop_units(double (&v)[G][VT], double (&up)[G], double (&up2)[G],
+                                           const StepState& st, double (*xch)[G * W + 1],
+                                           double (*xch2)[2][G * W + 1], int from, int to)
+{
+#pragma unroll
+    for (int s = 0; s < G; ++s) {
+        const int first = first_node(st.lo + s, W, st.warp);
+        if (first >= from && first < to) {
+#pragma unroll
+            for (int q = 0; q < VT; ++q) v[s][q] = 0.0;
+        }
+        if (W == 1 && st.lane == 31 && first + UNIT_NODES == from) up[s] = up2[s] = 0.0;
+    }
+    const int unit = from / UNIT_NODES;
+    if (W > 1 && st.lane == 0 && unit % W == st.warp) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            xch[p][unit] = 0.0;
+            xch2[p][0][unit] = 0.0;
+            xch2[p][1][unit] = 0.0;
+        }
+    }
+}
+
 template <int W, int G, bool AMERICAN>
 __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[G * W + 1],
                                                 double (*xch2)[2][G * W + 1],
@@ -737,6 +878,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     c.log_limit = 0.0;
     c.log_ratio = log_ratio;
     constexpr int CAPACITY = 32 * VT * G * W;
+    c.steps = n;
     if (warp == 0 && lane == 0)
         c.clamp = zero_clamp(op, sign, top, CAPACITY, base_n, log_ratio);
     // only where the check fits the registers without spills: not W = 16 from G = 6, nor G = 8
@@ -793,21 +935,38 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         else xch[n & 1][G * W] = payoff;
     }
     int t = n;
-    int next_check = sk.mode != SKIP_NONE ? n - SKIP_WINDOW : -1;
     while (t > 0) {
-        if (CAN_SKIP && t == next_check) {
-            const bool last = t - SKIP_WINDOW < SKIP_MIN_LEVEL;
-            skip_check<W, G>(v, up, group_ratio, node_ratio, st, sk, xch, skip_flags, t, last);
-            next_check = last ? -1 : t - SKIP_WINDOW;
+        // windows: the levels of the skip checks and of the tail clamp, every SKIP_WINDOW from the
+        // top down to WINDOW_MIN_LEVEL (the last phase must start above level 3, where the steps
+        // that keep the Greeks' levels begin); every class reaches each exactly (phases end
+        // there), so all see the same clamps. The steps are read again here (volatile), not held
+        // in a register through the steps: the largest classes have none to spare.
+        const int steps = *reinterpret_cast<const volatile int*>(&st.oc->steps);
+        const bool windows = sk.mode != SKIP_NONE || steps >= TAIL_MIN_STEPS;
+        if (windows && t < steps && ((steps - t) & (SKIP_WINDOW - 1)) == 0 && t >= WINDOW_MIN_LEVEL) {
+            // the last check (all groups back) at the window in [SKIP_MIN_LEVEL, + SKIP_WINDOW)
+            if (CAN_SKIP && sk.mode != SKIP_NONE && t >= SKIP_MIN_LEVEL) {
+                const bool last = t - SKIP_WINDOW < SKIP_MIN_LEVEL;
+                skip_check<W, G>(v, up, group_ratio, node_ratio, st, sk, xch, skip_flags, t, last);
+            }
+            const int k = (steps - t) / SKIP_WINDOW - 1;
+            const int clamp = window_clamp(st.oc->clamp, k), before = window_clamp(st.oc->clamp, k - 1);
+            if (clamp < before) {                      // the same in every warp of the block
+                if (W > 1) __syncthreads();   // the last step's neighbours read before they are zeroed
+                stop_units<W, G>(v, up, up2, st, xch, xch2, clamp, before);
+            }
         }
-        // active groups for the step from level t: first node <= t - 1, and below the zero units
-        const int top_node = min(t - 1, st.oc->clamp - 1);
+        const int window_below = t - SKIP_WINDOW + ((steps - t) & (SKIP_WINDOW - 1));
+        const int next_window = windows && window_below >= WINDOW_MIN_LEVEL ? window_below : -1;
+        // active groups for the step from level t: first node <= t - 1, and below the units left
+        // out (zero_clamp, tail_clamp)
+        const int top_node = min(t - 1, window_clamp(st.oc->clamp, last_window(steps, t)) - 1);
         int active = 0;
 #pragma unroll
         for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= top_node;
         // the phase lasts while its last active group stays active: down to level first_node,
         // or to the next skip check
-        int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_check);
+        int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_window);
         // two levels a step: an even distance (one level further only computes nodes above the
         // level, as idle groups' do), down to level 3 or 4 (the same for every warp)
         const bool twice_now = twice && t > 4;
@@ -882,14 +1041,17 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     }
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
     const int row = sorted_row(input, n, first + o);
+    // its own load of the option's numbers, in its own function: with op's numbers used here for
+    // it, ptxas kept pu and pd otherwise, and the steps' loops grew by 3-20 % (register copies)
+    const int slot = W == 1 ? warp_in_block : 0;
+    tail_table(input, n, row, tail_units[slot], warp * 32 + lane, 32 * W);   // read after a barrier below
     const Option op = load_option(input, n, row);
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
-    const int slot = W == 1 ? warp_in_block : 0;
     const double price = op.american
-        ? price_lattice<W, G, true>(op, xch, xch2, skip_flags[slot], &consts[slot], &top_shared,
-                                    warp, lane, kept)
-        : price_lattice<W, G, false>(op, xch, xch2, skip_flags[slot], &consts[slot], &top_shared,
-                                     warp, lane, kept);
+        ? price_lattice<W, G, true>(op, xch, xch2, skip_flags[slot], &consts[slot],
+                                    &top_shared, warp, lane, kept)
+        : price_lattice<W, G, false>(op, xch, xch2, skip_flags[slot], &consts[slot],
+                                     &top_shared, warp, lane, kept);
     if (warp == 0 && lane == 0) {
         out[row] = price;
         if (BATCH_MIRROR && op.call && kept != nullptr) {   // levels 1 and 2 back in node order

@@ -265,25 +265,28 @@ def test_skip_on_the_bench_books_changes_no_bit():
         np.testing.assert_array_equal(batch_engine().price(p), full.price(p))
 
 
-def zero_region_book(rng, n):
+def zero_region_book(rng, n, rates=(0.0, 0.05, 0.3), drift_steps=(10, 20, 50, 100),
+                     steps=None, drift_vol=0.05):
     """Options whose zero region (above the last positive payoff) ranges from nothing (deep in the
     money) to the whole lattice (no positive payoff), with JR trees whose d exceeds 1 for some puts
-    (no clamp for those American puts), every class, calls and puts, American and European."""
+    (no clamp for those American puts; drift_steps and drift_vol theirs), every class, calls and puts, American
+    and European; steps by default the class edges' bottom and random ones."""
     from pricer.lattice import TREE_NAMES, lattice_parameters
     strike = rng.uniform(50, 150, n)
     moneyness = np.exp(rng.choice([-3.0, -0.5, 0.0, 0.5, 3.0], n) + rng.normal(0, 0.1, n))
+    if steps is None:
+        steps = np.r_[1, 2, 3, 127, 128, 129, rng.integers(1, MAX_STEPS + 1, n - 6)]
     cols = dict(spot=strike * moneyness, strike=strike, maturity=rng.uniform(0.05, 3.0, n),
-                rate=rng.choice([0.0, 0.05, 0.3], n), dividend=rng.uniform(-0.02, 0.1, n),
-                volatility=rng.uniform(0.02, 0.6, n),
-                steps=np.r_[1, 2, 3, 127, 128, 129, rng.integers(1, MAX_STEPS + 1, n - 6)],
+                rate=rng.choice(rates, n), dividend=rng.uniform(-0.02, 0.1, n),
+                volatility=rng.uniform(0.02, 0.6, n), steps=steps,
                 call=rng.random(n) < 0.5, american=rng.random(n) < 0.7,
                 tree=rng.integers(0, 3, n))
     cols = keep_p_inside(cols)
     drifting = slice(n - 4, n)   # JR puts whose d exceeds 1: a strong drift, a low volatility
     cols["tree"][drifting] = TREE_NAMES.index("jr")
     cols["rate"][drifting], cols["dividend"][drifting] = 0.3, 0.0
-    cols["volatility"][drifting], cols["maturity"][drifting] = 0.05, 3.0
-    cols["steps"][drifting] = [10, 20, 50, 100]
+    cols["volatility"][drifting], cols["maturity"][drifting] = drift_vol, 3.0
+    cols["steps"][drifting] = drift_steps
     cols["call"][drifting], cols["american"][drifting] = False, True
     p = lattice_parameters(cols)
     assert (p.log_down[drifting] > 0).all()
@@ -313,6 +316,39 @@ def test_zero_units_left_out_change_no_bit(rng):
         for exercise in ("american", "european"):
             q = params_of(spec, exercise, False)
             np.testing.assert_array_equal(batch_engine().price(q), full.price(q))
+
+
+def test_negligible_units_left_out_move_prices_by_rounding_only(rng):
+    """The batch kernels stop computing the units whose values a bound puts below K 2^-70
+    (cuda/batch.cu, tail_table): prices and the Greeks' levels within K 2^-60 of the same kernels
+    built without it (BATCH_TAIL=0), on books from deep in the money to far out of it (JR puts
+    with d > 1 among them, rates up to 30 % and below zero), every class, calls and puts, American
+    and European; within the tolerance of the cpu engine; and the kernels do leave work out (a
+    count build's group-steps)."""
+    from pricer.bench_batch import params_of
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.serial import LEVEL_VALUES
+    without = BatchEngine(runner=runner_built_with("-DBATCH_TAIL=0"))
+    p = zero_region_book(rng, 300, rates=(-0.03, 0.0, 0.05, 0.3), drift_steps=(512, 600, 1000, 2000),
+                         steps=rng.integers(512, MAX_STEPS + 1, 300), drift_vol=0.008)   # the tail's range
+    levels, levels_without = (np.empty((len(p), LEVEL_VALUES)) for _ in range(2))
+    got = batch_engine().price(p, levels)
+    ref = without.price(p, levels_without)
+    assert np.abs(got - ref).max() <= 2.0 ** -60 * p.strike.max()
+    assert np.abs(levels - levels_without).max() <= 2.0 ** -60 * p.strike.max()
+    assert_close(got, CpuEngine().price(p), p, "tail book")
+    counting = CudaBatchRunner(count=True)
+    counting_without = runner_built_with("-DBATCH_TAIL=0")
+    counting_without._defines.append("-DBATCH_COUNT")
+    u1 = params_of(dict(dist="uniform", count=256, steps=2048), "american", False)
+    spent = []
+    for runner in (counting, counting_without):
+        runner.group_steps(reset=True)
+        priced = BatchEngine(runner=runner).price(u1)
+        spent.append(runner.group_steps()[0])
+    print(f"TAIL U1 (256 options) group-steps computed {spent[0]} against {spent[1]} without")
+    assert spent[0] < 0.9 * spent[1]           # ~0.74 counted in numpy
+    assert np.abs(priced - batch_engine().price(u1)).max() <= 2.0 ** -60 * u1.strike.max()
 
 
 def test_european_two_levels_a_step_differ_by_rounding_only(rng):
