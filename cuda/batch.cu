@@ -718,12 +718,19 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 // (tail_table: one byte per window, the clamp in units), so a window costs a shared-memory byte
 // and every class finds the same numbers. Counted on the bench's books (numpy), the tail leaves
 // out a further 5-14 % of the triangle's nodes (U1 American: 44.5 % computed before, 32.9 %
-// after). Options below TAIL_MIN_STEPS gain too little to pay for the table.
+// after). Options below TAIL_MIN_STEPS gain too little to pay for the table; European options
+// below TAIL_MIN_STEPS_EU too little to pay for the windows, which cut their long two-level
+// phases (U2 European, N = 1 000, lost 2-4 % to them; without them it is as fast as before).
 #ifndef BATCH_TAIL
 #define BATCH_TAIL 1
 #endif
 #define TAIL_LINES 4
 #define TAIL_MIN_STEPS 512
+#define TAIL_MIN_STEPS_EU 1024
+__device__ __forceinline__ constexpr int tail_min_steps(bool american)
+{
+    return american ? TAIL_MIN_STEPS : TAIL_MIN_STEPS_EU;
+}
 #define WINDOW_MIN_LEVEL (2 * SKIP_WINDOW)   // windows (skip checks, tail clamps) at levels >= this
 #define TAIL_NONE 255                     // a window whose clamp stays (above every unit)
 #define TAIL_LOG_EPS 48.52030263919617    // 70 log 2: eps = K 2^-70 / g^2
@@ -736,7 +743,7 @@ __device__ __forceinline__ bool tail_lines(const Option& op, double (&a)[TAIL_LI
     const double log_ratio = op.log_up - op.log_down;
     const double delta = -op.log_down / log_ratio;
     if (!(BATCH_TAIL && (BATCH_MIRROR || !op.call) && op.pu > 0.0 && op.pd > 0.0 && delta > 0.0 &&
-          op.steps >= TAIL_MIN_STEPS))
+          op.steps >= tail_min_steps(op.american)))
         return false;
     const double n = (double)op.steps;
     const double log_k_eps = TAIL_LOG_EPS + 2.0 * n * fmax(0.0, log(op.pu + op.pd));
@@ -942,7 +949,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         // there), so all see the same clamps. The steps are read again here (volatile), not held
         // in a register through the steps: the largest classes have none to spare.
         const int steps = *reinterpret_cast<const volatile int*>(&st.oc->steps);
-        const bool windows = sk.mode != SKIP_NONE || steps >= TAIL_MIN_STEPS;
+        const bool windows = sk.mode != SKIP_NONE || steps >= tail_min_steps(AMERICAN);
         if (windows && t < steps && ((steps - t) & (SKIP_WINDOW - 1)) == 0 && t >= WINDOW_MIN_LEVEL) {
             // the last check (all groups back) at the window in [SKIP_MIN_LEVEL, + SKIP_WINDOW)
             if (CAN_SKIP && sk.mode != SKIP_NONE && t >= SKIP_MIN_LEVEL) {
