@@ -697,7 +697,8 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 // eps = K 2^-70 / g^2 (g = max(1, pu + pd)^n, the most a value can grow by going back a level at a
 // time): with y = i - j(t) the node's distance above the strike index j(t) (the i where S(t, i)
 // = K; j(t - 1) = j(t) - delta, delta = -log_down / log_ratio > 0), and any theta >= |log_ratio|,
-//     V(t, i) <= B(t, i) = K exp(-theta y) rho^(n - t),   rho = max(1, exp(theta delta) (pu exp(-theta) + pd)),
+//     V(t, i) <= B(t, i) = K exp(-theta y) rho^(n - t),
+//     rho = max(1, exp(theta delta) (pu exp(-theta) + pd)),
 // since B bounds the payoff and every exercise value (a put's K - S <= K; a mirrored call's S - K
 // <= K exp(|log_ratio| |y|) where y < 0), and pu B(t + 1, i + 1) + pd B(t + 1, i) <= B(t, i) when
 // pu, pd >= 0 (the lattice's step is then monotone). So V(t, i) <= eps where
@@ -708,8 +709,8 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 // every class reaches each exactly) the clamp moves down to the first unit whose nodes all lie
 // above the least line, and never up: a region of tiny values stays tiny going back (its nodes'
 // exercise values are negative, and a hold is a weighted mean of tinier values, times at most
-// pu + pd). The units above the clamp then keep the values of the level where they stopped (all
-// below eps g), which the unit below reads as its neighbour's. Each node's error then stays below
+// pu + pd). The units above the clamp become zeros (stop_units), which the unit below then reads
+// as its neighbour's, where the values were below eps g. Each node's error then stays below
 // 2 eps g^2 = K 2^-69 from level to level (a step is a mean: errors do not add up), so a price
 // moves by at most ~2e-21 K from the full lattice's: far below the 1e-11 relative bar, or 1e-19 K
 // for prices below 1e-8 K. Unit 0 is always computed, so the price is the root's.
@@ -752,7 +753,8 @@ __device__ __forceinline__ bool tail_lines(const Option& op, double (&a)[TAIL_LI
     double m = n;
 #pragma unroll
     for (int k = 0; k < TAIL_LINES; ++k, m *= 0.25) {
-        const double theta = fmax(sqrt(2.0 * log_k_eps / (m * q * (1.0 - q))), 2.0 * fabs(log_ratio));
+        const double theta = fmax(sqrt(2.0 * log_k_eps / (m * q * (1.0 - q))),
+                                  2.0 * fabs(log_ratio));
         const double log_rho = fmax(0.0, theta * delta + log(fma(op.pu, exp(-theta), op.pd)));
         // far above the roundings of these few operations (a few ulps of numbers below ~n)
         const double slack = 2.0 + 0x1p-30 * (fabs(top) + log_k_eps / theta + n);
@@ -950,16 +952,18 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         // in a register through the steps: the largest classes have none to spare.
         const int steps = *reinterpret_cast<const volatile int*>(&st.oc->steps);
         const bool windows = sk.mode != SKIP_NONE || steps >= tail_min_steps(AMERICAN);
-        if (windows && t < steps && ((steps - t) & (SKIP_WINDOW - 1)) == 0 && t >= WINDOW_MIN_LEVEL) {
+        if (windows && t < steps && ((steps - t) & (SKIP_WINDOW - 1)) == 0 &&
+            t >= WINDOW_MIN_LEVEL) {
             // the last check (all groups back) at the window in [SKIP_MIN_LEVEL, + SKIP_WINDOW)
             if (CAN_SKIP && sk.mode != SKIP_NONE && t >= SKIP_MIN_LEVEL) {
                 const bool last = t - SKIP_WINDOW < SKIP_MIN_LEVEL;
                 skip_check<W, G>(v, up, group_ratio, node_ratio, st, sk, xch, skip_flags, t, last);
             }
             const int k = (steps - t) / SKIP_WINDOW - 1;
-            const int clamp = window_clamp(st.oc->clamp, k), before = window_clamp(st.oc->clamp, k - 1);
+            const int clamp = window_clamp(st.oc->clamp, k);
+            const int before = window_clamp(st.oc->clamp, k - 1);
             if (clamp < before) {                      // the same in every warp of the block
-                if (W > 1) __syncthreads();   // the last step's neighbours read before they are zeroed
+                if (W > 1) __syncthreads();   // the last step's neighbours read before zeroing
                 stop_units<W, G>(v, up, up2, st, xch, xch2, clamp, before);
             }
         }
@@ -1051,7 +1055,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     // its own load of the option's numbers, in its own function: with op's numbers used here for
     // it, ptxas kept pu and pd otherwise, and the steps' loops grew by 3-20 % (register copies)
     const int slot = W == 1 ? warp_in_block : 0;
-    tail_table(input, n, row, tail_units[slot], warp * 32 + lane, 32 * W);   // read after a barrier below
+    tail_table(input, n, row, tail_units[slot], warp * 32 + lane, 32 * W);   // read after a barrier
     const Option op = load_option(input, n, row);
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
     const double price = op.american
