@@ -624,6 +624,12 @@ __device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top
     return clamps(op) && beyond < -0x1p-20 * op.strike ? first_zero_unit : CLAMP_FAILED;
 }
 
+// The real i where S(n, i) = K at the last level (calls mirrored: the payoff is positive below it)
+__device__ __forceinline__ double strike_index(const Option& op)
+{
+    return (log(op.strike / op.spot) - op.steps * op.log_down) / (op.log_up - op.log_down);
+}
+
 // The class key of each row of a chunk (its payoff's width, see above), and the rows per key
 // (counts, zeroed by the host; batch_key_starts and batch_sort_rows below sort by the keys): for
 // an American option, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN
@@ -642,8 +648,7 @@ extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ in
     // European options keep their steps: by width their kernels gained 0-3 % (session 17)
     if (op.american && clamps(op)) {
         // the payoff is positive below node x (put S < K, mirrored call S > K)
-        const double x = (log(op.strike / op.spot) - op.steps * op.log_down) /
-                         (op.log_up - op.log_down);
+        const double x = strike_index(op);
         const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + BATCH_WIDTH_MARGIN;
         key = max(1, (int)fmin(width, (double)op.steps));
     }
@@ -749,7 +754,7 @@ __device__ __forceinline__ bool tail_lines(const Option& op, double (&a)[TAIL_LI
     const double n = (double)op.steps;
     const double log_k_eps = TAIL_LOG_EPS + 2.0 * n * fmax(0.0, log(op.pu + op.pd));
     const double q = op.pu / (op.pu + op.pd);
-    const double top = (log(op.strike / op.spot) - n * op.log_down) / log_ratio;   // j(n)
+    const double top = strike_index(op);   // j(n)
     double m = n;
 #pragma unroll
     for (int k = 0; k < TAIL_LINES; ++k, m *= 0.25) {
@@ -976,7 +981,7 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
 #pragma unroll
         for (int g = 0; g < G; ++g) active += first_node(g, W, warp) <= top_node;
         // the phase lasts while its last active group stays active: down to level first_node,
-        // or to the next skip check
+        // or to the next window
         int t_lo = max(active > 0 ? first_node(active - 1, W, warp) : 0, next_window);
         // two levels a step: an even distance (one level further only computes nodes above the
         // level, as idle groups' do), down to level 3 or 4 (the same for every warp)
@@ -1054,7 +1059,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     const int row = sorted_row(input, n, first + o);
     // its own load of the option's numbers, in its own function: with op's numbers used here for
     // it, ptxas kept pu and pd otherwise, and the steps' loops grew by 3-20 % (register copies)
-    const int slot = W == 1 ? warp_in_block : 0;
+    const int slot = option_slot();
     tail_table(input, n, row, tail_units[slot], warp * 32 + lane, 32 * W);   // read after a barrier
     const Option op = load_option(input, n, row);
     double* kept = levels != nullptr ? levels + 5 * (size_t)row : nullptr;
