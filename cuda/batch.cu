@@ -52,6 +52,11 @@
 // blocks per SM the register allocation must allow: about 12 warps per SM (3 per scheduler) to
 // hide the FP64 and shuffle latencies; ptxas fits the largest class (G = 8) without spilling
 #define MIN_BLOCKS (BATCH_W == 1 ? 3 : BATCH_W == 2 ? 6 : BATCH_W == 4 ? 3 : 1)
+// W = 2 up to G = 5: 8 blocks (16 warps) per SM, which ptxas fits in 120 registers without spills:
+// one wave then holds 1 056 such options on 132 SMs (against 924 at 6), so that a book like
+// 1 024 x N = 2 048, whose payoffs' widths fit G = 5, runs in one wave (one_wave_by_width in
+// pricer/engines/batch_plan.py)
+#define KERNEL_MIN_BLOCKS(G) (BATCH_W == 2 && (G) <= 5 ? 8 : MIN_BLOCKS)
 
 struct Option {
     double spot, strike, log_up, log_down, pu, pd;
@@ -1081,7 +1086,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
 }
 
 #define BATCH_KERNEL(G)                                                                           \
-    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)                                   \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, KERNEL_MIN_BLOCKS(G))             \
         batch_kernel_g##G(const unsigned char* __restrict__ input, int n, int first,             \
                           double* __restrict__ out, double* __restrict__ levels, int count)       \
     {                                                                                             \

@@ -9,7 +9,7 @@ import pytest
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
                                        KERNELS, KEY_BINS, MAX_STEPS, chunk_bounds, chunk_size,
                                        class_of, counted_schedule, fill_flags, fill_floats,
-                                       input_views, schedule)
+                                       input_views, schedule, width_keys)
 from pricer.lattice import FLOAT_ROWS, lattice_parameters
 
 
@@ -139,6 +139,82 @@ def test_launches_from_the_gpu_sorts_counts_are_those_of_the_host_sort(rng):
 def test_no_split_where_the_gpu_cannot_say():
     _, _, launches = sorted_schedule([2048] * 1024, lambda cls: 0)
     assert kernels_of(launches) == [((2, 8), 0, 1024)]
+
+
+def u1_resident(cls):
+    """Options held at once on an H100 (132 SMs; registers of cuda/batch.cu's kernels there)."""
+    return {(2, 8): 792, (2, 6): 924, (2, 5): 1056, (2, 4): 1056, (4, 4): 660}.get(KERNELS[cls], 0)
+
+
+def test_a_chunk_of_one_class_over_a_wave_goes_to_the_g_of_its_widest_payoff():
+    """U1 (1 024 x N = 2 048, widths up to 1 145): (2, 5) holds them all at once, one launch in
+    row order; the widest payoff's G is asked for only where it may pay."""
+    steps, order, launches = sorted_schedule_by_width([2048] * 1024, u1_resident, 1145)
+    assert kernels_of(launches) == [((2, 5), 0, 1024)]
+    np.testing.assert_array_equal(order, np.arange(1024))
+    _, _, launches = sorted_schedule_by_width([2048] * 1024, u1_resident, 1000)   # (2, 4)
+    assert kernels_of(launches) == [((2, 4), 0, 1024)]
+
+
+@pytest.mark.parametrize("steps, widest", [
+    ([2048] * 1024, 1300),            # G = 6 holds 924 of 1 024: the split of the last wave
+    ([2048] * 1024, 2049),            # no narrower G
+    ([2048] * 1100, 1145),            # more than G = 5 holds
+])
+def test_no_narrower_g_where_it_would_not_hold_the_chunk_at_once(steps, widest):
+    _, _, launches = sorted_schedule_by_width(steps, u1_resident, widest)
+    _, _, split = sorted_schedule(steps, u1_resident)
+    assert launches == split and len(split) == 2
+
+
+def w1_resident(cls):
+    return 1584 if KERNELS[cls] == (1, 8) else 5000
+
+
+@pytest.mark.parametrize("steps, resident", [
+    ([2048] * 700, u1_resident),                   # one wave
+    ([2048] * 900 + [100] * 10, u1_resident),      # two classes
+    ([2048] * 1100, u1_resident),                  # no narrower G holds 1 100
+    ([1000] * 2000, w1_resident),                  # W = 1
+])
+def test_the_widest_payoff_is_not_asked_where_it_cannot_pay(steps, resident):
+    def refuse():
+        raise AssertionError("max_width called")
+    _, _, launches = sorted_schedule_by_width(steps, resident, refuse)
+    assert launches == sorted_schedule(steps, resident)[2]
+
+
+def sorted_schedule_by_width(steps, resident, widest):
+    steps = np.asarray(steps, dtype=np.int32)
+    order = np.full(steps.size, -1, dtype=np.int32)
+    max_width = widest if callable(widest) else (lambda: widest)
+    return steps, order, schedule(steps, order, resident, max_width)
+
+
+def test_width_keys_hold_every_positive_payoff_of_the_last_level(rng):
+    """width_keys against the last level's payoffs counted here, on the unmirrored lattice: at
+    least the nodes with a positive payoff, at most 3 more (the kernel's margin of 2 and the
+    ceiling), never more than the steps (at steps = capacity the kernel feeds the top node in as
+    a neighbour)."""
+    n = 3000
+    cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n),
+                maturity=rng.uniform(0.05, 3.0, n), volatility=rng.uniform(0.05, 0.6, n),
+                rate=rng.uniform(0.0, 0.08, n), dividend=rng.uniform(0.0, 0.05, n),
+                steps=rng.integers(1, 4000, n), call=rng.random(n) < 0.5,
+                american=rng.random(n) < 0.5)
+    params = lattice_parameters(cols)
+    views = input_views(np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8), n)
+    fill_floats(params, slice(0, n), views)
+    fill_flags(params, slice(0, n), views)
+    keys = width_keys(views.floats, views.steps, views.call, views.american,
+                      np.empty(n, dtype=np.int32))
+    for r in range(n):
+        i = np.arange(params.steps[r] + 1)
+        price = params.spot[r] * np.exp(i * params.log_up[r] + (params.steps[r] - i) * params.log_down[r])
+        payoff = price - params.strike[r] if params.call[r] else params.strike[r] - price
+        positive = min(int(np.count_nonzero(payoff > 0)), params.steps[r])  # the top: a neighbour
+        assert positive <= keys[r] <= min(positive + 3, params.steps[r]), (r, positive, keys[r])
+    assert (keys < params.steps).mean() > 0.5
 
 
 def test_chunks_are_runs_of_rows_within_the_memory_cap():

@@ -75,7 +75,7 @@ def test_a_split_last_wave_changes_no_bit(rng):
     prices bitwise those of one launch, and the CPU engine's."""
     from pricer.engines.batch import BatchEngine, CudaBatchRunner
     from pricer.engines.batch_plan import class_of
-    split = BatchEngine(runner=CudaBatchRunner())
+    split = BatchEngine(runner=CudaBatchRunner(one_wave=False))      # not one_wave_by_width
     whole = BatchEngine(runner=CudaBatchRunner(split_waves=False))
     for steps in (1100, 3000):                  # W = 2 to W = 4; W = 4 to W = 8
         at_once = split.runner.resident(int(class_of([steps])[0]))
@@ -87,6 +87,32 @@ def test_a_split_last_wave_changes_no_bit(rng):
         assert whole.runner.last_stats["launches"] == 1
         pick = rng.choice(len(p), 40, replace=False)
         assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), f"split, N = {steps}")
+
+
+def test_a_chunk_over_a_wave_in_the_g_of_its_widest_payoff_changes_no_bit(rng):
+    """A one-class chunk over a wave that the G of its widest payoff holds at once
+    (batch_plan.one_wave_by_width): one launch of that narrower class; prices and the Greeks'
+    levels bitwise those of the classes of the steps (and its split last wave), and the CPU
+    engine's."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch_plan import KERNELS, class_of
+    from pricer.engines.serial import LEVEL_VALUES
+    narrow, by_steps = CudaBatchRunner(), CudaBatchRunner(one_wave=False)
+    for steps in (2048, 1500):                  # (2, 8) to (2, 5); (2, 6) to (2, 3)
+        cls = int(class_of([steps])[0])
+        p = options(rng, [steps] * (narrow.resident(cls) + 40))
+        p.strike[:] = p.spot            # at the money on CRR trees: widths about half the steps
+        levels, ref_levels = np.empty((len(p), LEVEL_VALUES)), np.empty((len(p), LEVEL_VALUES))
+        got = BatchEngine(runner=narrow).price(p, levels)
+        stats = narrow.last_stats
+        assert stats["launches"] == 1 and stats["priced_again"] == 0, (steps, len(p), stats)
+        np.testing.assert_array_equal(got, BatchEngine(runner=by_steps).price(p, ref_levels))
+        np.testing.assert_array_equal(levels, ref_levels)
+        assert by_steps.last_stats["launches"] == 2
+        used = [KERNELS[c] for c in narrow._functions]
+        assert any(g < KERNELS[cls][1] and w == KERNELS[cls][0] for w, g in used)
+        pick = rng.choice(len(p), 40, replace=False)
+        assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), f"one wave, N = {steps}")
 
 
 def test_the_mixed_american_max_changes_no_bit(rng):
@@ -412,7 +438,7 @@ def test_classes_by_payoff_width_change_no_bit(rng):
     from pricer.engines.serial import LEVEL_VALUES
     small = zero_region_book(rng, 300)
     big = options(rng, rng.integers(1, 6000, WIDTH_ROWS + 200))
-    by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False))
+    by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False, one_wave=False))
     short = runner_built_with("-DBATCH_WIDTH_MARGIN=-300")
     for book in (big, small_in_a_big_chunk(small, big)):
         ref_levels = np.empty((len(book), LEVEL_VALUES))
@@ -433,7 +459,9 @@ def test_the_gpu_sorts_large_chunks_by_key_descending(rng):
     through both buffer sets, the last on the host) prices are bitwise those of one chunk by
     steps."""
     from pricer.engines.batch import BatchEngine, CudaBatchRunner
-    from pricer.engines.batch_plan import KEY_BINS, WIDTH_ROWS, order_span
+    from pricer.engines.batch_plan import (INPUT_BYTES_PER_OPTION, KEY_BINS, WIDTH_ROWS,
+                                           fill_flags, fill_floats, input_views, order_span,
+                                           width_keys)
     runner = CudaBatchRunner()
     p = options(rng, rng.integers(1, MAX_STEPS + 1, WIDTH_ROWS + 500))
     got = BatchEngine(runner=runner).price(p)
@@ -446,6 +474,14 @@ def test_the_gpu_sorts_large_chunks_by_key_descending(rng):
     np.testing.assert_array_equal(buf["counts"], np.bincount(keys, minlength=KEY_BINS))
     np.testing.assert_array_equal(keys[~p.american], p.steps[~p.american])
     assert np.all(keys[p.american] <= p.steps[p.american]) and (keys < p.steps).any()
+    # the host's width_keys (one_wave_by_width) are the GPU's for American rows; an asset price
+    # rounded apart by an ulp may move a ceiling by one
+    views = input_views(np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8), n)
+    fill_floats(p, slice(0, n), views)
+    fill_flags(p, slice(0, n), views)
+    host = width_keys(views.floats, views.steps, views.call, views.american, np.empty(n, np.int32))
+    apart = np.abs(host[p.american].astype(int) - keys[p.american])
+    assert apart.max() <= 1 and np.count_nonzero(apart) <= n // 1000
     by_steps = BatchEngine(runner=CudaBatchRunner(by_width=False)).price(p)
     np.testing.assert_array_equal(got, by_steps)
     q = options(rng, rng.integers(1, 3000, 2 * WIDTH_ROWS + 700))

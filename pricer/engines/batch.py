@@ -34,7 +34,7 @@ from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS,
                                        INPUT_BYTES_PER_OPTION, MAX_STEPS, WIDTH_ROWS, chunk_bounds,
                                        check_steps, chunk_size, class_of, counted_schedule,
                                        fill_flags, fill_floats, input_views, options_per_block,
-                                       order_span, schedule)
+                                       order_span, schedule, width_keys)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -49,18 +49,23 @@ class CudaBatchRunner:
     """Prices options (all with steps <= MAX_STEPS) with the batch kernels on this rank's GPU."""
 
     def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS, skip: bool = True,
-                 count: bool = False, split_waves: bool = True, by_width: bool = True):
+                 count: bool = False, split_waves: bool = True, by_width: bool = True,
+                 one_wave: bool = True):
         """skip=False builds the kernels without the skipping of surely exercised nodes (the same
         prices, bit for bit: the tests compare them); count=True builds them with group-step
         counters (group_steps()), for measurements; split_waves=False keeps a one-class chunk in
         one launch (batch_plan.split_last_wave; the same prices, bit for bit); by_width=False
         picks each option's class by its steps, not by the nodes its payoff needs
-        (cuda/batch.cu, batch_width_keys; the same prices, bit for bit)."""
+        (cuda/batch.cu, batch_width_keys; the same prices, bit for bit); one_wave=False keeps a
+        one-class chunk of more than one wave in the class of its steps where the G of its
+        payoffs' widths would hold it in one (batch_plan.one_wave_by_width; the same prices, bit
+        for bit)."""
         from pricer.engines.gpu import GpuRuntime
         self.rt = runtime or GpuRuntime.get()
         self.chunk_options = int(chunk_options)
         self.split_waves = split_waves
         self.by_width = by_width
+        self.one_wave = one_wave
         self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
         self._modules: dict = {}
         self._functions: dict = {}
@@ -127,7 +132,9 @@ class CudaBatchRunner:
                                   levels=(cuda.pagelocked_empty((size, LEVEL_VALUES), np.float64)
                                           if with_levels else None),
                                   levels_d=self.rt.alloc(8 * LEVEL_VALUES * size) if with_levels else None,
-                                  marks=[cuda.Event() for _ in range(6)])
+                                  # input copied from 0 to 1, (GPU sort to 2,) kernels to 3,
+                                  # prices home at 4
+                                  marks=[cuda.Event() for _ in range(5)])
                              for _ in range(2)]
             self._streams = [cuda.Stream(), cuda.Stream()]
         return self._buffers, self._streams
@@ -141,27 +148,29 @@ class CudaBatchRunner:
         self._buffers = None
 
     def price(self, params: LatticeParams, index: np.ndarray | None = None,
-              levels: np.ndarray | None = None, by_width: bool | None = None):
+              levels: np.ndarray | None = None, by_width: bool | None = None,
+              one_wave: bool | None = None):
         """Prices of options `index` (None: all of params), in that order; with `levels`
         ((len(index), LEVEL_VALUES)) also their first levels' values (for Greeks). Options that
-        a class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more) could not price
-        (NaN: cuda/batch.cu zero_clamp) are priced again in the class of their steps. by_width
-        None takes the runner's."""
+        a class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more, and chunks
+        held in one wave) could not price (NaN: cuda/batch.cu zero_clamp) are priced again in the
+        class of their steps. by_width and one_wave None take the runner's."""
         by_width = self.by_width if by_width is None else by_width
-        prices = self._price(params, index, levels, by_width)
+        one_wave = self.one_wave if one_wave is None else one_wave
+        prices = self._price(params, index, levels, by_width, one_wave)
         if by_width:
             again = np.flatnonzero(np.isnan(prices))
             if again.size:
                 stats = self.last_stats
                 rows = again if index is None else np.asarray(index)[again]
                 kept = None if levels is None else np.empty((again.size, levels.shape[1]))
-                prices[again] = self._price(params, rows, kept, by_width=False)
+                prices[again] = self._price(params, rows, kept, by_width=False, one_wave=False)
                 if levels is not None:
                     levels[again] = kept
                 self.last_stats = dict(stats, priced_again=int(again.size))
         return prices
 
-    def _price(self, params: LatticeParams, index, levels, by_width: bool):
+    def _price(self, params: LatticeParams, index, levels, by_width: bool, one_wave: bool):
         start = time.perf_counter()
         index = None if index is None else np.asarray(index)
         count = len(params) if index is None else index.size
@@ -183,44 +192,43 @@ class CudaBatchRunner:
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
             views = input_views(buf["input"], n)
-            order_at, order_end = order_span(n)
             marks = buf["marks"]          # the slot's events, read in _collect before reuse
             fill_floats(params, rows, views)
             fill_flags(params, rows, views)
-            marks[0].record(stream)           # all but the order, which the sort writes
-            cuda.memcpy_htod_async(buf["input_d"], buf["input"][:order_at], stream)
-            cuda.memcpy_htod_async(int(buf["input_d"]) + order_end,
-                                   buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
-            marks[1].record(stream)
             if by_width and n >= WIDTH_ROWS:
-                chunk_launches = self._sort_on_gpu(views, buf, n, stream, marks)
+                ready, chunk_launches = self._sort_on_gpu(views, buf, n, stream, marks)
             else:
-                chunk_launches = self._sort_on_host(views, buf, n, stream, marks)
+                ready, chunk_launches = self._sort_on_host(views, buf, n, stream, marks, one_wave)
             launches += len(chunk_launches)
-            self._launch_all(chunk_launches, n, buf, stream, marks[3])
-            marks[4].record(stream)
+            self._launch_all(chunk_launches, n, buf, stream, ready)
+            marks[3].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
             if levels is not None:
                 cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
-            marks[5].record(stream)
-            pending[slot] = (lo, hi, buf)
+            marks[4].record(stream)
+            pending[slot] = (lo, hi, buf, ready)
         for slot, job in pending.items():
             self._collect(job, prices, levels, streams[slot], spent)
         self.last_stats = dict(wall=time.perf_counter() - start, **spent,
                                chunks=len(bounds), launches=launches, priced_again=0)
         return prices
 
-    def _sort_on_host(self, views, buf, n: int, stream, marks) -> tuple:
-        """The launches of a chunk sorted here by the steps (batch_plan.schedule); the order goes
-        to the device between marks 2 and 3."""
+    def _sort_on_host(self, views, buf, n: int, stream, marks, one_wave: bool) -> tuple:
+        """(the event the launches start from, the launches) of a chunk sorted here by the steps
+        (batch_plan.schedule; with `one_wave`, a one-class chunk of more than one wave may go to
+        the G of its largest payoff width, width_keys). The whole input, order included, then
+        goes to the device in one copy (marks 0 to 1)."""
+        max_width = None
+        if one_wave:
+            max_width = lambda: width_keys(views.floats, views.steps, views.call,  # noqa: E731
+                                           views.american, np.empty(n, dtype=np.int32)).max()
         chunk_launches = schedule(views.steps, views.order,
-                                  self.resident if self.split_waves else None)
-        order_at, order_end = order_span(n)
-        marks[2].record(stream)
-        self.rt.cuda.memcpy_htod_async(int(buf["input_d"]) + order_at,
-                                       buf["input"][order_at:order_end], stream)
-        marks[3].record(stream)
-        return chunk_launches
+                                  self.resident if self.split_waves else None, max_width)
+        marks[0].record(stream)
+        self.rt.cuda.memcpy_htod_async(buf["input_d"], buf["input"][:INPUT_BYTES_PER_OPTION * n],
+                                       stream)
+        marks[1].record(stream)
+        return marks[1], chunk_launches
 
     def _sort_on_gpu(self, views, buf, n: int, stream, marks) -> tuple:
         """The launches of a chunk whose rows the GPU keys and sorts from the input already there
@@ -239,6 +247,12 @@ class CudaBatchRunner:
                 fn.prepare(args)
         keys_fn, starts_fn, sort_fn = self._sort_fns
         check_steps(views.steps)            # the keys (at most the steps) index KEY_BINS counters
+        order_at, order_end = order_span(n)
+        marks[0].record(stream)             # all but the order, which the sort writes
+        cuda.memcpy_htod_async(buf["input_d"], buf["input"][:order_at], stream)
+        cuda.memcpy_htod_async(int(buf["input_d"]) + order_end,
+                               buf["input"][order_end:INPUT_BYTES_PER_OPTION * n], stream)
+        marks[1].record(stream)
         rows_grid = ((n + SORT_BLOCK - 1) // SORT_BLOCK, 1)
         cuda.memset_d32_async(buf["counts_d"], 0, KEY_BINS, stream)
         keys_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["input_d"]),
@@ -250,17 +264,20 @@ class CudaBatchRunner:
                                       np.int32(KEY_BINS), int(buf["starts_d"]))
         sort_fn.prepared_async_call(rows_grid, (SORT_BLOCK, 1, 1), stream, int(buf["keys_d"]),
                                     np.int32(n), int(buf["starts_d"]),
-                                    int(buf["input_d"]) + order_span(n)[0])
-        marks[2].record(stream)           # no copy in between: the order is on the device
-        marks[3].record(stream)
+                                    int(buf["input_d"]) + order_at)
+        marks[2].record(stream)
         counted.synchronize()
-        return counted_schedule(buf["counts"], self.resident if self.split_waves else None)
+        return marks[2], counted_schedule(buf["counts"],
+                                          self.resident if self.split_waves else None)
 
     def _launch_all(self, chunk_launches, n: int, buf, stream, input_ready):
         """One launch per class, each on its own stream so that they run side by side (a class's
         launch lasts as long as its largest option, and few options can leave most SMs idle);
         the largest classes come first in the schedule and start first. The chunk's stream waits
         for all of them."""
+        if len(chunk_launches) == 1:    # the chunk's stream has the input in order before it
+            self._launch(chunk_launches[0], n, buf, stream)
+            return
         cuda = self.rt.cuda
         while len(self._launch_streams) < min(len(chunk_launches), LAUNCH_STREAMS):
             self._launch_streams.append((cuda.Stream(), cuda.Event()))
@@ -287,16 +304,16 @@ class CudaBatchRunner:
     @staticmethod
     def _collect(job, prices, levels, stream, spent: dict):
         """A chunk's prices (and levels) home, and its event times added to `spent`."""
-        lo, hi, buf = job
+        lo, hi, buf, ready = job
         stream.synchronize()
         prices[lo:hi] = buf["prices"][:hi - lo]
         if levels is not None:
             levels[lo:hi] = buf["levels"][:hi - lo]
         m = buf["marks"]
         seconds = lambda a, b: b.time_since(a) / 1e3  # noqa: E731
-        spent["copy_in"] += seconds(m[0], m[1]) + seconds(m[2], m[3])
-        spent["kernels"] += seconds(m[3], m[4])
-        spent["copy_out"] += seconds(m[4], m[5])
+        spent["copy_in"] += seconds(m[0], m[1])
+        spent["kernels"] += seconds(ready, m[3])
+        spent["copy_out"] += seconds(m[3], m[4])
 
 
 class BatchEngine:
@@ -328,7 +345,8 @@ class BatchEngine:
                     maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
                     volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
                     american=np.ones(count, bool))
-        self.runner.price(lattice_parameters(cols, "crr"))   # < WIDTH_ROWS rows: classes by steps
+        # fewer than WIDTH_ROWS rows and one_wave off: each in the class of its steps
+        self.runner.price(lattice_parameters(cols, "crr"), one_wave=False)
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The one-time set-up for options with these steps, done before pricing so that it can be

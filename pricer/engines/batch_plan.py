@@ -131,16 +131,49 @@ def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     return (Launch(launch.cls, launch.lo, split), Launch(tail_cls, split, launch.hi))
 
 
-def schedule(steps: np.ndarray, order_out: np.ndarray, resident=None) -> tuple:
+def schedule(steps: np.ndarray, order_out: np.ndarray, resident=None, max_width=None) -> tuple:
     """The chunk's rows sorted by steps, descending and stable, into order_out (int32, as many as
     steps); returns its launches, one per class, largest class first. With `resident` (options
-    of kernel cls the GPU holds at once, a function of cls), a chunk of one class also has its
-    last partial wave split off (split_last_wave); chunks of several classes run their launches
-    side by side, which fill each other's tails."""
+    of kernel cls the GPU holds at once, a function of cls), a chunk of one class that the GPU
+    holds in one wave at the G of its largest payoff width (max_width(), called only then) is
+    priced so (one_wave_by_width), else has its last partial wave split off
+    (split_last_wave); chunks of several classes run their launches side by side, which fill
+    each other's tails."""
     launches = _launches(steps, order_out)
     if resident is None or len(launches) != 1:
         return launches
+    if max_width is not None:
+        narrowed = one_wave_by_width(launches[0], max_width, resident)
+        if narrowed is not None:
+            return narrowed
     return split_last_wave(launches[0], lambda k: steps[order_out[k]], resident)
+
+
+def one_wave_by_width(launch: Launch, max_width, resident) -> tuple | None:
+    """A one-class launch of W >= 2 that the GPU holds in more than one wave, as one launch of
+    the same W at the G of the largest payoff width among its options (max_width():
+    width_keys' largest; the kernels leave the zero units above it out, so fewer registers hold
+    them, and more options fit at once), if the GPU holds that in one wave; else None. U1
+    (1 024 x N = 2 048, widths 919-1 145) on an H100: (2, 5) in one wave, 0.67 ms of kernels,
+    against 0.86 for (2, 8) and its last wave on (4, 4) (docs/performance.md, session 20).
+    max_width() costs the GPU machine's host ~45 ns a row, so it is asked only where a narrower
+    G could hold the launch; W = 1's partial waves gained nothing (2 000 x N = 1 000: 0.506 ms
+    of kernels either way)."""
+    count = launch.hi - launch.lo
+    held = resident(launch.cls)
+    warps = launch.warps
+    if warps == 1 or held <= 0 or count <= held:
+        return None
+    holding = [g for g in range(1, launch.groups) if resident(_KERNEL_OF[warps, g]) >= count]
+    if not holding:
+        return None
+    groups = max(1, -(-int(max_width()) // (32 * NODES_PER_LANE * warps)))
+    if groups > max(holding):
+        return None
+    return (Launch(_KERNEL_OF[warps, groups], launch.lo, launch.hi),)
+
+
+_KERNEL_OF = {shape: k for k, shape in enumerate(KERNELS)}
 
 
 def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
@@ -183,6 +216,27 @@ def counted_schedule(counts: np.ndarray, resident=None) -> tuple:
         return launches
     # the key at sorted position p: the largest k with more than p rows at or above it
     return split_last_wave(launches[0], lambda p: np.count_nonzero(at_least > p) - 1, resident)
+
+
+@njit(cache=True, nogil=True)
+def width_keys(floats, steps, call, american, keys_out):
+    """Each row's payoff width (cuda/batch.cu, batch_width_keys, for every row): on the mirrored
+    lattice, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN = 2 more,
+    at most the steps; the steps where the kernel refuses the zero clamp (clamps). floats, steps,
+    call and american as in InputViews."""
+    for r in range(steps.size):
+        spot, strike = floats[0, r], floats[1, r]
+        log_up, log_down = (floats[3, r], floats[2, r]) if call[r] else (floats[2, r], floats[3, r])
+        n = steps[r]
+        sign = 1.0 if call[r] else -1.0
+        eta = 2.0 ** -52 * (n * abs(log_down) + 2.0 * n * abs(log_up - log_down) + 16.0)
+        key = n
+        if not american[r] or -sign * log_down < -(2.0 ** -20 + 64.0 * eta):
+            x = (np.log(strike / spot) - n * log_down) / (log_up - log_down)
+            width = np.ceil(min(max(x, -1.0), float(n))) + 2.0
+            key = max(1, int(min(width, float(n))))
+        keys_out[r] = key
+    return keys_out
 
 
 @njit(cache=True, nogil=True)
