@@ -53,7 +53,7 @@
 // hide the FP64 and shuffle latencies; ptxas fits the largest class (G = 8) without spilling
 #define MIN_BLOCKS (BATCH_W == 1 ? 3 : BATCH_W == 2 ? 6 : BATCH_W == 4 ? 3 : 1)
 // W = 2 up to G = 5: 8 blocks (16 warps) per SM, which ptxas fits in 120 registers without spills:
-// one wave then holds 1 056 such options on 132 SMs (against 924 at 6), so that a book like
+// one wave then holds 1 056 such options on 132 SMs (against 792 at 6), so that a book like
 // 1 024 x N = 2 048, whose payoffs' widths fit G = 5, runs in one wave (one_wave_by_width in
 // pricer/engines/batch_plan.py)
 #define KERNEL_MIN_BLOCKS(G) (BATCH_W == 2 && (G) <= 5 ? 8 : MIN_BLOCKS)

@@ -142,8 +142,8 @@ def test_no_split_where_the_gpu_cannot_say():
 
 
 def u1_resident(cls):
-    """Options held at once on an H100 (132 SMs; registers of cuda/batch.cu's kernels there)."""
-    return {(2, 8): 792, (2, 6): 924, (2, 5): 1056, (2, 4): 1056, (4, 4): 660}.get(KERNELS[cls], 0)
+    """Options held at once, as on an H100 (132 SMs) for W = 2 (their registers there)."""
+    return {(2, 8): 792, (2, 6): 792, (2, 5): 1056, (2, 4): 1056, (4, 4): 660}.get(KERNELS[cls], 0)
 
 
 def test_a_chunk_of_one_class_over_a_wave_goes_to_the_g_of_its_widest_payoff():
@@ -157,7 +157,7 @@ def test_a_chunk_of_one_class_over_a_wave_goes_to_the_g_of_its_widest_payoff():
 
 
 @pytest.mark.parametrize("steps, widest", [
-    ([2048] * 1024, 1300),            # G = 6 holds 924 of 1 024: the split of the last wave
+    ([2048] * 1024, 1300),            # G = 6 holds 792 of 1 024: the split of the last wave
     ([2048] * 1024, 2049),            # no narrower G
     ([2048] * 1100, 1145),            # more than G = 5 holds
 ])

@@ -4,16 +4,18 @@ pricer.engines.batch_plan; options wider than the largest class (MAX_STEPS) go t
 
 Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
 are copied as they are into a page-locked input buffer (INPUT_BYTES_PER_OPTION per option, with the
-chunk's sorted order) and on to the device asynchronously (all but the order first). The rows are
-then sorted by their class keys, descending, and one launch per class prices them:
+chunk's sorted order) and on to the device asynchronously. The rows are sorted by their class keys,
+descending, and one launch per class prices them:
 - in chunks of WIDTH_ROWS rows or more, on the GPU (cuda/batch.cu): a small kernel keys each
   American row by the width of its payoff (an option needs registers only for its nodes up to the
   last positive payoff, zero_clamp) and every other row by its steps, counts the rows per key, and
   two more write the sorted order in place; only the counts (64 KiB) come back, from which the host
   makes the launches (batch_plan.counted_schedule);
-- in smaller ones (and where by_width is off), on the host by the steps (batch_plan.schedule),
-  which then sends the order.
-The launches run side by side on their own streams; each reads its rows through the order and
+- in smaller ones (and where by_width is off), on the host by the steps (batch_plan.schedule)
+  before the input, order included, goes in one copy; a one-class chunk of W >= 2 over a wave
+  goes to the G of its widest payoff (width_keys) where that holds it in one wave
+  (batch_plan.one_wave_by_width: U1, 1 024 x N = 2 048, in one launch of (2, 5)).
+The launches run side by side on their own streams (a lone launch on the chunk's own); each reads its rows through the order and
 writes each price at its row, and the prices (8 bytes per option) come back asynchronously, already
 in the order given. An option that the class of its width cannot price comes back NaN and is priced
 again in the class of its steps. Two buffer sets and two streams alternate, so the host fills

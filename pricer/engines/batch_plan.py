@@ -15,7 +15,9 @@ are left out.
 
 A chunk of one class (a uniform book) is one launch, or, for W = 2, 4 and 8, two where its last
 wave would leave most of the GPU idle: those options then take twice the warps each
-(split_last_wave).
+(split_last_wave). Before that, a chunk sorted on the host whose options all fit one wave of the
+same W at the G of its widest payoff (width_keys: the kernels never compute the zero units above
+the last positive payoff) is priced so, in one launch (one_wave_by_width).
 
 A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
 sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
