@@ -210,7 +210,8 @@ def test_width_keys_hold_every_positive_payoff_of_the_last_level(rng):
                       np.empty(n, dtype=np.int32))
     for r in range(n):
         i = np.arange(params.steps[r] + 1)
-        price = params.spot[r] * np.exp(i * params.log_up[r] + (params.steps[r] - i) * params.log_down[r])
+        log_price = i * params.log_up[r] + (params.steps[r] - i) * params.log_down[r]
+        price = params.spot[r] * np.exp(log_price)
         payoff = price - params.strike[r] if params.call[r] else params.strike[r] - price
         positive = min(int(np.count_nonzero(payoff > 0)), params.steps[r])  # the top: a neighbour
         assert positive <= keys[r] <= min(positive + 3, params.steps[r]), (r, positive, keys[r])

@@ -112,7 +112,8 @@ def test_a_chunk_over_a_wave_in_the_g_of_its_widest_payoff_changes_no_bit(rng):
         used = [KERNELS[c] for c in narrow._functions]
         assert any(g < KERNELS[cls][1] and w == KERNELS[cls][0] for w, g in used)
         pick = rng.choice(len(p), 40, replace=False)
-        assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), f"one wave, N = {steps}")
+        assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick),
+                     f"one wave, N = {steps}")
 
 
 def test_the_mixed_american_max_changes_no_bit(rng):

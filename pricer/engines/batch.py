@@ -15,12 +15,12 @@ descending, and one launch per class prices them:
   before the input, order included, goes in one copy; a one-class chunk of W >= 2 over a wave
   goes to the G of its widest payoff (width_keys) where that holds it in one wave
   (batch_plan.one_wave_by_width: U1, 1 024 x N = 2 048, in one launch of (2, 5)).
-The launches run side by side on their own streams (a lone launch on the chunk's own); each reads its rows through the order and
-writes each price at its row, and the prices (8 bytes per option) come back asynchronously, already
-in the order given. An option that the class of its width cannot price comes back NaN and is priced
-again in the class of its steps. Two buffer sets and two streams alternate, so the host fills
-chunk k + 1 while chunk k computes; a portfolio of any size streams through 2 chunks of device
-memory.
+The launches run side by side on their own streams (a lone launch on the chunk's own); each reads
+its rows through the order and writes each price at its row, and the prices (8 bytes per option)
+come back asynchronously, already in the order given. An option that the class of its width cannot
+price comes back NaN and is priced again in the class of its steps. Two buffer sets and two streams
+alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
+through 2 chunks of device memory.
 
 `last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
 summed over chunks; and the wall time of the whole call) for `pricer bench batch`.
@@ -160,7 +160,7 @@ class CudaBatchRunner:
         by_width = self.by_width if by_width is None else by_width
         one_wave = self.one_wave if one_wave is None else one_wave
         prices = self._price(params, index, levels, by_width, one_wave)
-        if by_width:
+        if by_width or one_wave:
             again = np.flatnonzero(np.isnan(prices))
             if again.size:
                 stats = self.last_stats
@@ -233,7 +233,8 @@ class CudaBatchRunner:
         return marks[1], chunk_launches
 
     def _sort_on_gpu(self, views, buf, n: int, stream, marks) -> tuple:
-        """The launches of a chunk whose rows the GPU keys and sorts from the input already there
+        """(the event the launches start from, the launches) of a chunk whose rows the GPU keys
+        and sorts from the input already there
         (cuda/batch.cu: batch_width_keys, the American rows by their payoff's width, the others
         by their steps; batch_key_starts and batch_sort_rows write the order in place). Only the
         rows per key come back (64 KiB), and the host waits for them alone: the keys' 4 bytes a
