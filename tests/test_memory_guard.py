@@ -402,7 +402,7 @@ STAND_IN = textwrap.dedent('''
             pass
         def _ensure_buffers(self, size, levels):
             pass
-        def price(self, params, index=None, levels=None):   # the warm-up's call too
+        def price(self, params, index=None, levels=None, one_wave=None):   # warm_up: one_wave
             rows = np.arange(len(params)) if index is None else index
             chunks = len(chunk_bounds(rows.size, self.chunk_options))
             print(f"stand-in rank {MPI.COMM_WORLD.Get_rank()}: chunk_options "
