@@ -46,6 +46,7 @@ CLASSES = tuple((w, g) for w in WARPS for g in range(1, MAX_GROUPS + 1)
 # every kernel a launch may use: the classes, then those left out of them, which price only the
 # last partial wave of a one-launch chunk (split_last_wave); indices into CLASSES stay the same
 KERNELS = CLASSES + tuple((w, g) for w in WARPS[1:] for g in range(1, MAX_GROUPS // 2 + 1))
+_KERNEL_OF = {shape: k for k, shape in enumerate(KERNELS)}     # (W, G) -> index into KERNELS
 CAPACITY = np.array([32 * NODES_PER_LANE * w * g for w, g in CLASSES], dtype=np.int64)
 MAX_STEPS = int(CAPACITY[-1]) - 1  # wider options go through `hybrid`
 DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on the device per chunk
@@ -113,12 +114,13 @@ def chunk_bounds(options: int, chunk_options: int = DEFAULT_CHUNK_OPTIONS) -> li
 
 def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     """A launch over a chunk's rows sorted by key (key_at(p): the key at sorted position p), as
-    it runs best when nothing runs beside it. The GPU holds resident(cls) of a class's options at once; past the first wave, a
-    last wave of at most half of that would leave most of the GPU idle, so its options (the
-    smallest, at the end of the sorted order) go to twice the warps per option and finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 + (4, 4) x 232 took 1.10 ms of
-    kernels against 1.21 ms, docs/performance.md session 10). Only for W = 2, 4, 8: W = 16 has no
-    wider kernel, and W = 1's tail (U2: 208 of 100 000 options) is too short to gain (measured
-    0.6-0.8 % slower)."""
+    it runs best when nothing runs beside it. The GPU holds resident(cls) of a class's options
+    at once; past the first wave, a last wave of at most half of that would leave most of the
+    GPU idle, so its options (the smallest, at the end of the sorted order) go to twice the
+    warps per option and finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 +
+    (4, 4) x 232 took 1.10 ms of kernels against 1.21 ms, docs/performance.md session 10).
+    Only for W = 2, 4, 8: W = 16 has no wider kernel, and W = 1's tail (U2: 208 of 100 000
+    options) is too short to gain (measured 0.6-0.8 % slower)."""
     warps = launch.warps
     held = int(resident(launch.cls)) if 1 < warps < WARPS[-1] else 0
     count = launch.hi - launch.lo
@@ -128,7 +130,7 @@ def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     wide = 2 * warps
     tail_steps = int(key_at(launch.hi - tail))               # the tail's largest
     groups = -(-tail_steps // (32 * NODES_PER_LANE * wide))
-    tail_cls = KERNELS.index((wide, groups))
+    tail_cls = _KERNEL_OF[wide, groups]
     split = launch.hi - tail
     return (Launch(launch.cls, launch.lo, split), Launch(tail_cls, split, launch.hi))
 
@@ -173,9 +175,6 @@ def one_wave_by_width(launch: Launch, max_width, resident) -> tuple | None:
     if groups > max(holding):
         return None
     return (Launch(_KERNEL_OF[warps, groups], launch.lo, launch.hi),)
-
-
-_KERNEL_OF = {shape: k for k, shape in enumerate(KERNELS)}
 
 
 def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
