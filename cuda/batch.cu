@@ -700,6 +700,76 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
     if (row < n) order[atomicAdd(&starts[keys[row]], 1)] = row;
 }
 
+// ---- A one-wave launch's rows, heaviest first (batch_work_order) ----
+//
+// When a launch's options all fit on the GPU at once, each SM gets the blocks dispatched to it at
+// the start, and the launch lasts as long as the SM with the most work. The blocks go round the
+// SMs in order, so the rows sorted by their work, heaviest first, spread the heavy options evenly
+// (U1 American on (2, 5) x 1 024, an H100: 0.631 ms of kernel heaviest first, 0.670-0.703 in row
+// order; docs/performance.md, session 20). Prices do not depend on the order.
+//
+// work_estimate: a rough count of the nodes the kernel computes, at 8 levels t: those between the
+// surely exercised prefix (American: below the one-step bound, where exercise beats holding for
+// one step; calls mirrored) and the strike index plus 5 sqrt(n - t + 1) (the tail clamp cuts
+// near there). Its rank correlation with the counted work of U1's options is 0.92.
+#define WORK_LEVELS 8
+#ifndef WORK_ORDER_THREADS
+#define WORK_ORDER_THREADS 1024
+#endif
+#ifndef WORK_RANK_LANES
+#define WORK_RANK_LANES 8                 // threads that rank one row together
+#endif
+
+// in FP32: an estimate to order by, never a price
+__device__ float work_estimate(const Option& op)
+{
+    const float n = (float)op.steps, log_down = (float)op.log_down;
+    const float per_node = 1.0f / (float)(op.log_up - op.log_down);
+    const float log_strike = __logf((float)(op.strike / op.spot));
+    // the one-step bound's 1 - discount and 1 - growth are ~r dt: in FP64 (growth is the same on
+    // the mirrored lattice)
+    const double discount = op.pu + op.pd;
+    const double growth = op.pu * exp(op.log_up) + op.pd * exp(op.log_down);
+    const bool bounded = op.american && growth < 1.0 && discount < 1.0;
+    const float log_bound =
+        bounded ? log_strike + __logf((float)((1.0 - discount) / (1.0 - growth))) : 0.0f;
+    float nodes = 0.0f;
+    for (int k = 0; k < WORK_LEVELS; ++k) {
+        const float t = (k + 0.5f) * n / WORK_LEVELS;
+        const float strike_at = (log_strike - t * log_down) * per_node;
+        const float hi = fminf(t + 1.0f, fmaxf(strike_at + 5.0f * sqrtf(n - t + 1.0f), 0.0f));
+        const float lo = bounded ? fmaxf((log_bound - t * log_down) * per_node, 0.0f) : 0.0f;
+        nodes += fmaxf(hi - lo, 0.0f);
+    }
+    return nodes;
+}
+
+// order[p] = the row of rank p, heaviest first, for the n rows of the input. Each block
+// estimates every row's work into shared memory (n ints: the floats' bits) and ranks its own
+// WORK_ORDER_THREADS / WORK_RANK_LANES rows against them, WORK_RANK_LANES threads a row: a row's
+// rank is the number of rows with more work, or the same work and a lower row, so the ranks are
+// a permutation whatever the estimates (compared as integers, NaN included).
+extern "C" __global__ void __launch_bounds__(WORK_ORDER_THREADS)
+    batch_work_order(unsigned char* __restrict__ input, int n)
+{
+    extern __shared__ int work_bits[];
+    for (int r = threadIdx.x; r < n; r += blockDim.x)
+        work_bits[r] = __float_as_int(work_estimate(load_option(input, n, r)));
+    __syncthreads();
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) / WORK_RANK_LANES;
+    const int part = threadIdx.x % WORK_RANK_LANES;
+    const int mine = row < n ? work_bits[row] : 0;
+    int rank = 0;
+#pragma unroll 4
+    for (int r = part; r < n; r += WORK_RANK_LANES) {
+        const int other = work_bits[r];
+        rank += other > mine || (other == mine && r < row);
+    }
+    for (int d = 1; d < WORK_RANK_LANES; d <<= 1) rank += __shfl_xor_sync(FULL_MASK, rank, d);
+    if (row < n && part == 0)
+        reinterpret_cast<int*>(input + 52 * (size_t)n)[rank] = row;     // the order (input_views)
+}
+
 // ---- Units whose values are negligible are left out (BATCH_TAIL = 0 builds without it) ----
 //
 // Far above the strike (a put's high asset prices; a mirrored call's high i) the values are tiny,

@@ -8,8 +8,9 @@ import pytest
 
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
                                        KERNELS, KEY_BINS, MAX_STEPS, chunk_bounds, chunk_size,
-                                       class_of, counted_schedule, fill_flags, fill_floats,
-                                       input_views, schedule, width_keys)
+                                       WORK_ORDER_ROWS, Launch, class_of, counted_schedule,
+                                       fill_flags, fill_floats, heaviest_first, input_views,
+                                       schedule, widest_payoff, width_keys)
 from pricer.lattice import FLOAT_ROWS, lattice_parameters
 
 
@@ -184,6 +185,42 @@ def test_the_widest_payoff_is_not_asked_where_it_cannot_pay(steps, resident):
     assert launches == sorted_schedule(steps, resident)[2]
 
 
+H100_SMS = 132
+
+
+def held_at_once(cls):
+    """Options held at once, as on an H100 (132 SMs)."""
+    return {(2, 8): 792, (2, 5): 1056, (1, 4): 2112}[KERNELS[cls]]
+
+
+@pytest.mark.parametrize("launches, rows, american, expected", [
+    ([((2, 5), 0, 1024)], 1024, True, True),        # U1 American: 7.8 blocks per SM, one wave
+    ([((2, 5), 0, 1024)], 1024, False, False),      # all European
+    ([((2, 8), 0, 300)], 300, True, False),         # 2.3 blocks per SM
+    ([((2, 8), 0, 700)], 700, True, False),         # 88 % of what (2, 8) holds at once
+    ([((2, 8), 0, 720)], 720, True, True),          # 91 %, 5.5 blocks per SM
+    ([((1, 4), 0, 1200)], 1200, True, False),       # W = 1: 4 options a block, 300 blocks
+    ([((2, 8), 0, 1024)], 1024, True, False),       # more than one wave
+    ([((2, 5), 0, 600), ((1, 8), 600, 1024)], 1024, True, False),   # two launches
+    ([((2, 5), 0, 1000)], 1024, True, False),       # a launch over part of the chunk
+])
+def test_a_one_wave_launch_with_several_blocks_per_sm_runs_heaviest_first(launches, rows,
+                                                                          american, expected):
+    launches = tuple(Launch(KERNELS.index(shape), lo, hi) for shape, lo, hi in launches)
+    flags = np.zeros(rows, dtype=bool)
+    flags[rows // 2] = american                     # one American row is enough
+    assert heaviest_first(launches, rows, held_at_once, H100_SMS, flags) is expected
+
+
+def test_no_order_by_work_without_the_sms_or_past_the_shared_memory():
+    american = np.ones(WORK_ORDER_ROWS + 1, dtype=bool)
+    u1 = (Launch(KERNELS.index((2, 5)), 0, 1024),)
+    assert not heaviest_first(u1, 1024, held_at_once, 0, american[:1024])
+    for rows, expected in ((WORK_ORDER_ROWS, True), (WORK_ORDER_ROWS + 1, False)):
+        launch = (Launch(KERNELS.index((1, 1)), 0, rows),)
+        assert heaviest_first(launch, rows, lambda cls: rows, 1, american[:rows]) is expected
+
+
 def sorted_schedule_by_width(steps, resident, widest):
     steps = np.asarray(steps, dtype=np.int32)
     order = np.full(steps.size, -1, dtype=np.int32)
@@ -216,6 +253,7 @@ def test_width_keys_hold_every_positive_payoff_of_the_last_level(rng):
         positive = min(int(np.count_nonzero(payoff > 0)), params.steps[r])  # the top: a neighbour
         assert positive <= keys[r] <= min(positive + 3, params.steps[r]), (r, positive, keys[r])
     assert (keys < params.steps).mean() > 0.5
+    assert widest_payoff(views.floats, views.steps, views.call, views.american) == keys.max()
 
 
 def test_chunks_are_runs_of_rows_within_the_memory_cap():

@@ -116,6 +116,51 @@ def test_a_chunk_over_a_wave_in_the_g_of_its_widest_payoff_changes_no_bit(rng):
                      f"one wave, N = {steps}")
 
 
+def work_estimates(p):
+    """cuda/batch.cu's work_estimate in numpy (FP64 here, FP32 there): the nodes between the
+    surely exercised prefix and the strike index plus 5 sqrt(n - t + 1), at 8 levels."""
+    log_up = np.where(p.call, p.log_down, p.log_up)            # calls mirrored
+    log_down = np.where(p.call, p.log_up, p.log_down)
+    n, log_strike = p.steps.astype(float), np.log(p.strike / p.spot)
+    discount, growth = p.pu + p.pd, p.pu * np.exp(p.log_up) + p.pd * np.exp(p.log_down)
+    bounded = p.american & (growth < 1) & (discount < 1)
+    log_bound = log_strike + np.log(np.where(bounded, (1 - discount) / (1 - growth), 1.0))
+    nodes = np.zeros(len(p))
+    for k in range(8):
+        t = (k + 0.5) * n / 8
+        hi = np.minimum(t + 1, np.maximum((log_strike - t * log_down) / (log_up - log_down)
+                                          + 5 * np.sqrt(n - t + 1), 0))
+        lo = np.where(bounded, np.maximum((log_bound - t * log_down) / (log_up - log_down), 0), 0)
+        nodes += np.maximum(hi - lo, 0)
+    return nodes
+
+
+def test_a_one_wave_launch_heaviest_first_changes_no_bit(rng):
+    """A one-class chunk in one wave with several blocks per SM (batch_plan.heaviest_first): the
+    GPU writes its order heaviest first (cuda/batch.cu, batch_work_order), a permutation of the
+    rows, descending in the work estimate computed here; prices and the Greeks' levels bitwise
+    those of the order by steps, and the CPU engine's."""
+    from pricer.engines.batch import BatchEngine, CudaBatchRunner
+    from pricer.engines.batch_plan import order_span
+    from pricer.engines.serial import LEVEL_VALUES
+    by_work, by_steps = CudaBatchRunner(), CudaBatchRunner(by_work=False)
+    p = options(rng, [2048] * (5 * by_work.sms()))      # (2, 8) holds 6 per SM at once
+    levels, ref_levels = np.empty((len(p), LEVEL_VALUES)), np.empty((len(p), LEVEL_VALUES))
+    got = BatchEngine(runner=by_work).price(p, levels)
+    n = len(p)
+    order = np.empty(n, dtype=np.int32)
+    by_work.rt.cuda.memcpy_dtoh(order, int(by_work._buffers[0]["input_d"]) + order_span(n)[0])
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    estimates = work_estimates(p)[order]
+    assert np.all(np.diff(estimates) <= 1e-4 * estimates.max()), "not heaviest first"
+    assert not np.array_equal(order, np.arange(n))      # not the rows' order by steps
+    np.testing.assert_array_equal(got, BatchEngine(runner=by_steps).price(p, ref_levels))
+    np.testing.assert_array_equal(levels, ref_levels)
+    assert by_work.last_stats["launches"] == by_steps.last_stats["launches"] == 1
+    pick = rng.choice(n, 40, replace=False)
+    assert_close(got[pick], CpuEngine().price(p.take(pick)), p.take(pick), "heaviest first")
+
+
 def test_the_mixed_american_max_changes_no_bit(rng):
     """cuda/batch.cu compares nodes 1 and 3 of each lane's four as doubles, the others as integers
     (BATCH_MAX_MIX): prices bitwise those of the integer compare on every node, in every class."""

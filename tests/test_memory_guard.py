@@ -116,7 +116,7 @@ class FakeFunction:
     def prepare(self, signature):
         pass
 
-    def prepared_async_call(self, *args):
+    def prepared_async_call(self, *args, **kwargs):
         pass
 
 

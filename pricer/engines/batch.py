@@ -13,8 +13,11 @@ descending, and one launch per class prices them:
   makes the launches (batch_plan.counted_schedule);
 - in smaller ones (and where by_width is off), on the host by the steps (batch_plan.schedule)
   before the input, order included, goes in one copy; a one-class chunk of W >= 2 over a wave
-  goes to the G of its widest payoff (width_keys) where that holds it in one wave
-  (batch_plan.one_wave_by_width: U1, 1 024 x N = 2 048, in one launch of (2, 5)).
+  goes to the G of its widest payoff (widest_payoff) where that holds it in one wave
+  (batch_plan.one_wave_by_width: U1, 1 024 x N = 2 048, in one launch of (2, 5)); where one
+  launch holds the chunk in one wave with several blocks per SM, a small kernel then writes the
+  order over the copied one, heaviest first by an estimate of each option's work, so that the
+  SMs' shares even out (batch_plan.heaviest_first; cuda/batch.cu, batch_work_order).
 The launches run side by side on their own streams (a lone launch on the chunk's own); each reads
 its rows through the order and writes each price at its row, and the prices (8 bytes per option)
 come back asynchronously, already in the order given. An option that the class of its width cannot
@@ -35,8 +38,8 @@ import numpy as np
 from pricer.engines.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS, KEY_BINS,
                                        INPUT_BYTES_PER_OPTION, MAX_STEPS, WIDTH_ROWS, chunk_bounds,
                                        check_steps, chunk_size, class_of, counted_schedule,
-                                       fill_flags, fill_floats, input_views, options_per_block,
-                                       order_span, schedule, width_keys)
+                                       fill_flags, fill_floats, heaviest_first, input_views,
+                                       options_per_block, order_span, schedule, widest_payoff)
 from pricer.engines.serial import LEVEL_VALUES
 from pricer.lattice import LatticeParams, lattice_parameters
 from pricer.portfolio import lattice_nodes
@@ -45,6 +48,8 @@ from pricer.portfolio import lattice_nodes
 LAUNCH_STREAMS = 8     # streams the launches of one chunk spread over
 SORT_BLOCK = 256       # threads per block of the GPU's keys and sort (one row each)
 SORT_THREADS = 1024    # cuda/batch.cu's batch_key_starts: one block of this many
+WORK_ORDER_THREADS = 1024  # cuda/batch.cu's batch_work_order: threads per block,
+WORK_RANK_LANES = 8        # and threads per row
 
 
 class CudaBatchRunner:
@@ -52,7 +57,7 @@ class CudaBatchRunner:
 
     def __init__(self, runtime=None, chunk_options: int = DEFAULT_CHUNK_OPTIONS, skip: bool = True,
                  count: bool = False, split_waves: bool = True, by_width: bool = True,
-                 one_wave: bool = True):
+                 one_wave: bool = True, by_work: bool = True):
         """skip=False builds the kernels without the skipping of surely exercised nodes (the same
         prices, bit for bit: the tests compare them); count=True builds them with group-step
         counters (group_steps()), for measurements; split_waves=False keeps a one-class chunk in
@@ -61,18 +66,21 @@ class CudaBatchRunner:
         (cuda/batch.cu, batch_width_keys; the same prices, bit for bit); one_wave=False keeps a
         one-class chunk of more than one wave in the class of its steps where the G of its
         payoffs' widths would hold it in one (batch_plan.one_wave_by_width; the same prices, bit
-        for bit)."""
+        for bit); by_work=False keeps a one-wave launch's rows in the order of their steps
+        instead of heaviest first (batch_plan.heaviest_first; the same prices, bit for bit)."""
         from pricer.engines.gpu import GpuRuntime
         self.rt = runtime or GpuRuntime.get()
         self.chunk_options = int(chunk_options)
         self.split_waves = split_waves
         self.by_width = by_width
         self.one_wave = one_wave
+        self.by_work = by_work
         self._defines = ([] if skip else ["-DBATCH_SKIP=0"]) + (["-DBATCH_COUNT"] if count else [])
         self._modules: dict = {}
         self._functions: dict = {}
         self._sort_fns = None
         self._resident: dict = {}
+        self._sms = None
         self._buffers = None
         self._streams = None
         self._launch_streams: list = []     # (stream, event its launches' end is recorded in)
@@ -102,6 +110,16 @@ class CudaBatchRunner:
                 held = 0
             self._resident[cls] = held
         return self._resident[cls]
+
+    def sms(self) -> int:
+        """The GPU's SMs (0 where the runtime cannot say)."""
+        if self._sms is None:
+            try:
+                attr = self.rt.cuda.device_attribute
+                self._sms = int(self.rt.device.get_attribute(attr.MULTIPROCESSOR_COUNT))
+            except Exception:  # noqa: BLE001 -- a runtime without device attributes
+                self._sms = 0
+        return self._sms
 
     def group_steps(self, reset: bool = False) -> tuple[int, int]:
         """(group-steps computed, group-steps of a kernel that skips none) since the last reset,
@@ -136,7 +154,8 @@ class CudaBatchRunner:
                                   levels_d=self.rt.alloc(8 * LEVEL_VALUES * size) if with_levels else None,
                                   # input copied from 0 to 1, (GPU sort to 2,) kernels to 3,
                                   # prices home at 4
-                                  marks=[cuda.Event() for _ in range(5)])
+                                  marks=[cuda.Event() for _ in range(5)],
+                                  views=None)       # (n, input_views of the input for n rows)
                              for _ in range(2)]
             self._streams = [cuda.Stream(), cuda.Stream()]
         return self._buffers, self._streams
@@ -193,7 +212,9 @@ class CudaBatchRunner:
                 self._collect(pending.pop(slot), prices, levels, stream, spent)
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
-            views = input_views(buf["input"], n)
+            if buf["views"] is None or buf["views"][0] != n:     # kept: ~8 us a call to make
+                buf["views"] = (n, input_views(buf["input"], n))
+            views = buf["views"][1]
             marks = buf["marks"]          # the slot's events, read in _collect before reuse
             fill_floats(params, rows, views)
             fill_flags(params, rows, views)
@@ -218,18 +239,25 @@ class CudaBatchRunner:
     def _sort_on_host(self, views, buf, n: int, stream, marks, one_wave: bool) -> tuple:
         """(the event the launches start from, the launches) of a chunk sorted here by the steps
         (batch_plan.schedule; with `one_wave`, a one-class chunk of more than one wave may go to
-        the G of its largest payoff width, width_keys). The whole input, order included, then
-        goes to the device in one copy (marks 0 to 1)."""
+        the G of its largest payoff width, widest_payoff). The whole input, order included, then
+        goes to the device in one copy (marks 0 to 1). A chunk that one launch holds in one wave
+        may then have its rows put heaviest first by the GPU (batch_plan.heaviest_first)."""
         max_width = None
         if one_wave:
-            max_width = lambda: width_keys(views.floats, views.steps, views.call,  # noqa: E731
-                                           views.american, np.empty(n, dtype=np.int32)).max()
+            max_width = lambda: widest_payoff(views.floats, views.steps, views.call,  # noqa: E731
+                                              views.american)
         chunk_launches = schedule(views.steps, views.order,
                                   self.resident if self.split_waves else None, max_width)
         marks[0].record(stream)
         self.rt.cuda.memcpy_htod_async(buf["input_d"], buf["input"][:INPUT_BYTES_PER_OPTION * n],
                                        stream)
         marks[1].record(stream)
+        if self.by_work and heaviest_first(chunk_launches, n, self.resident, self.sms(),
+                                           views.american):
+            # the GPU writes the order over the copied one; the launch's clock starts before it
+            self._order_kernels()[3].prepared_async_call(
+                (-(-n * WORK_RANK_LANES // WORK_ORDER_THREADS), 1), (WORK_ORDER_THREADS, 1, 1),
+                stream, int(buf["input_d"]), np.int32(n), shared_size=4 * n)
         return marks[1], chunk_launches
 
     def _sort_on_gpu(self, views, buf, n: int, stream, marks) -> tuple:
@@ -242,13 +270,7 @@ class CudaBatchRunner:
         docs/performance.md, session 18) are gone. Behind another chunk's launches the small
         kernels can wait for a block slot."""
         cuda = self.rt.cuda
-        if self._sort_fns is None:
-            module = self.rt.module(["-DBATCH_W=1", *self._defines], "batch.cu")
-            self._sort_fns = [module.get_function(name) for name in
-                              ("batch_width_keys", "batch_key_starts", "batch_sort_rows")]
-            for fn, args in zip(self._sort_fns, ("PiPP", "PiP", "PiPP")):
-                fn.prepare(args)
-        keys_fn, starts_fn, sort_fn = self._sort_fns
+        keys_fn, starts_fn, sort_fn, _ = self._order_kernels()
         check_steps(views.steps)            # the keys (at most the steps) index KEY_BINS counters
         order_at, order_end = order_span(n)
         marks[0].record(stream)             # all but the order, which the sort writes
@@ -272,6 +294,17 @@ class CudaBatchRunner:
         counted.synchronize()
         return marks[2], counted_schedule(buf["counts"],
                                           self.resident if self.split_waves else None)
+
+    def _order_kernels(self) -> tuple:
+        """cuda/batch.cu's kernels that order a chunk's rows on the GPU (loaded on first use):
+        batch_width_keys, batch_key_starts, batch_sort_rows and batch_work_order."""
+        if self._sort_fns is None:
+            module = self.rt.module(["-DBATCH_W=1", *self._defines], "batch.cu")
+            names = ("batch_width_keys", "batch_key_starts", "batch_sort_rows", "batch_work_order")
+            self._sort_fns = tuple(module.get_function(name) for name in names)
+            for fn, args in zip(self._sort_fns, ("PiPP", "PiP", "PiPP", "Pi")):
+                fn.prepare(args)
+        return self._sort_fns
 
     def _launch_all(self, chunk_launches, n: int, buf, stream, input_ready):
         """One launch per class, each on its own stream so that they run side by side (a class's
@@ -367,13 +400,13 @@ class BatchEngine:
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        out = np.empty(len(params))
         if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
             from pricer.engines.cpu import CpuEngine
             return CpuEngine().price(params, levels)
+        if len(params) == 0 or params.steps.max() <= MAX_STEPS:
+            return self.runner.price(params, None, levels)   # rows as given: copied, no gather
+        out = np.empty(len(params))
         wide = params.steps > MAX_STEPS
-        if not wide.any():              # rows as given: the runner copies them without a gather
-            return self.runner.price(params, None, levels)
         for rows, engine in ((np.flatnonzero(~wide), None), (np.flatnonzero(wide), self.hybrid)):
             if rows.size == 0:
                 continue

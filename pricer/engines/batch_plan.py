@@ -17,7 +17,10 @@ A chunk of one class (a uniform book) is one launch, or, for W = 2, 4 and 8, two
 wave would leave most of the GPU idle: those options then take twice the warps each
 (split_last_wave). Before that, a chunk sorted on the host whose options all fit one wave of the
 same W at the G of its widest payoff (width_keys: the kernels never compute the zero units above
-the last positive payoff) is priced so, in one launch (one_wave_by_width).
+the last positive payoff) is priced so, in one launch (one_wave_by_width). A launch that holds its
+whole chunk in one wave, with several blocks on each SM and some American options, runs its rows
+heaviest first (heaviest_first: the GPU orders them by an estimate of their work), so that the SMs'
+shares even out.
 
 A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
 sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
@@ -177,17 +180,65 @@ def one_wave_by_width(launch: Launch, max_width, resident) -> tuple | None:
     return (Launch(_KERNEL_OF[warps, groups], launch.lo, launch.hi),)
 
 
+# rows a chunk may have for its order to be made by work (cuda/batch.cu, batch_work_order: a
+# 4-byte estimate per row in a block's shared memory, at most 48 KiB)
+WORK_ORDER_ROWS = 12288
+# A one-wave launch runs heaviest first where it fills the GPU: at least this share of the
+# options the GPU holds at once, and at least this many blocks per SM. An SM that is nearly full
+# finishes when the sum of its blocks' work is done, which the order evens out; one with room
+# finishes with its heaviest block, whatever the order. Measured on an H100 (docs/performance.md,
+# session 21): U1 American (97 % of (2, 5)'s 1 056, 7.8 blocks per SM) gained 0.06 ms of 0.69;
+# 300, 600 and 700 options of N = 2 048 and 1 500 (38-88 % full) gained nothing and paid the
+# ordering's ~0.01 ms.
+WORK_ORDER_FILL = 0.9
+WORK_ORDER_BLOCKS_PER_SM = 4
+
+
+def heaviest_first(launches: tuple, rows: int, resident, sms: int, american: np.ndarray) -> bool:
+    """Whether a chunk of `rows` rows with these launches runs them heaviest first (the GPU
+    orders them by an estimate of their work, cuda/batch.cu's batch_work_order): where one
+    launch prices them all in one wave that fills the GPU (WORK_ORDER_FILL of what it holds at
+    once, WORK_ORDER_BLOCKS_PER_SM blocks on each of its `sms` SMs), so that each SM's share of
+    the work evens out, and some are American (`american`, the rows' flags: European options'
+    work varies too little to gain)."""
+    if len(launches) != 1 or not 0 < rows <= WORK_ORDER_ROWS or sms <= 0:
+        return False
+    launch = launches[0]
+    held = resident(launch.cls)
+    blocks = -(-rows // options_per_block(launch.warps))
+    return (launch.lo == 0 and launch.hi == rows and WORK_ORDER_FILL * held <= rows <= held
+            and blocks >= WORK_ORDER_BLOCKS_PER_SM * sms and bool(american.any()))
+
+
 def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
-    least, most = (int(steps.min()), int(steps.max())) if steps.size else (1, 1)
+    least, most = _steps_range(steps)
     _check_range(least, most)
     if least == most:                   # one N (U books): already sorted, one launch
-        order_out[:] = np.arange(steps.size)
+        _row_order(order_out)
         return (Launch(int(_CLASS_OF_STEPS[most]), 0, steps.size),) if steps.size else ()
     # a counting sort over [least, most]: linear, and its counts give the classes' runs
     greater = _sort_by_steps_descending(steps, order_out, least, most)
     at = np.minimum(CAPACITY, MAX_STEPS)
     return _class_runs(np.where(at < least, steps.size, greater[np.clip(at, least, most) - least]),
                        steps.size)
+
+
+@njit(cache=True, nogil=True)
+def _steps_range(steps):
+    """(least, most) of the steps, (1, 1) for none: one pass, where numpy's min and max took two
+    calls of a few microseconds each on the GPU machine's host (a U1 call's schedule)."""
+    if steps.size == 0:
+        return 1, 1
+    least = most = steps[0]
+    for s in steps:
+        least, most = min(least, s), max(most, s)
+    return int(least), int(most)
+
+
+@njit(cache=True, nogil=True)
+def _row_order(order_out):
+    for k in range(order_out.size):
+        order_out[k] = k
 
 
 def _class_runs(above: np.ndarray, rows: int) -> tuple:
@@ -220,24 +271,39 @@ def counted_schedule(counts: np.ndarray, resident=None) -> tuple:
 
 
 @njit(cache=True, nogil=True)
+def _width_key(spot, strike, log_up, log_down, steps, call, american):
+    """One row's payoff width (width_keys)."""
+    if call:
+        log_up, log_down = log_down, log_up
+    sign = 1.0 if call else -1.0
+    eta = 2.0 ** -52 * (steps * abs(log_down) + 2.0 * steps * abs(log_up - log_down) + 16.0)
+    if american and not -sign * log_down < -(2.0 ** -20 + 64.0 * eta):
+        return steps
+    x = (np.log(strike / spot) - steps * log_down) / (log_up - log_down)
+    width = np.ceil(min(max(x, -1.0), float(steps))) + 2.0
+    return max(1, int(min(width, float(steps))))
+
+
+@njit(cache=True, nogil=True)
 def width_keys(floats, steps, call, american, keys_out):
     """Each row's payoff width (cuda/batch.cu, batch_width_keys, for every row): on the mirrored
     lattice, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN = 2 more,
     at most the steps; the steps where the kernel refuses the zero clamp (clamps). floats, steps,
     call and american as in InputViews."""
     for r in range(steps.size):
-        spot, strike = floats[0, r], floats[1, r]
-        log_up, log_down = (floats[3, r], floats[2, r]) if call[r] else (floats[2, r], floats[3, r])
-        n = steps[r]
-        sign = 1.0 if call[r] else -1.0
-        eta = 2.0 ** -52 * (n * abs(log_down) + 2.0 * n * abs(log_up - log_down) + 16.0)
-        key = n
-        if not american[r] or -sign * log_down < -(2.0 ** -20 + 64.0 * eta):
-            x = (np.log(strike / spot) - n * log_down) / (log_up - log_down)
-            width = np.ceil(min(max(x, -1.0), float(n))) + 2.0
-            key = max(1, int(min(width, float(n))))
-        keys_out[r] = key
+        keys_out[r] = _width_key(floats[0, r], floats[1, r], floats[2, r], floats[3, r], steps[r],
+                                 call[r], american[r])
     return keys_out
+
+
+@njit(cache=True, nogil=True)
+def widest_payoff(floats, steps, call, american):
+    """The largest of width_keys (1 for no rows), with no array of keys."""
+    widest = 1
+    for r in range(steps.size):
+        widest = max(widest, _width_key(floats[0, r], floats[1, r], floats[2, r], floats[3, r],
+                                        steps[r], call[r], american[r]))
+    return widest
 
 
 @njit(cache=True, nogil=True)
@@ -310,10 +376,24 @@ def fill_floats(params, rows, views: InputViews) -> None:
 
 
 def fill_flags(params, rows, views: InputViews) -> None:
-    """The steps and the two flags of `rows` of params."""
+    """The steps and the two flags of `rows` of params (a run of rows in one numba pass, not
+    three numpy copies)."""
+    if isinstance(rows, slice) and rows.step in (None, 1):
+        lo, hi, _ = rows.indices(len(params))
+        _copy_flags(params.steps, params.call, params.american, lo, hi, views.steps, views.call,
+                    views.american)
+        return
     _put(views.steps, params.steps, rows)
     _put(views.call, params.call, rows)
     _put(views.american, params.american, rows)
+
+
+@njit(cache=True, nogil=True)
+def _copy_flags(steps, call, american, lo, hi, steps_out, call_out, american_out):
+    for r in range(lo, hi):
+        steps_out[r - lo] = steps[r]
+        call_out[r - lo] = call[r]
+        american_out[r - lo] = american[r]
 
 
 # Chunks of at least this many rows are keyed and sorted on the GPU, American options by their
