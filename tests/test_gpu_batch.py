@@ -141,10 +141,11 @@ def test_a_one_wave_launch_heaviest_first_changes_no_bit(rng):
     rows, descending in the work estimate computed here; prices and the Greeks' levels bitwise
     those of the order by steps, and the CPU engine's."""
     from pricer.engines.batch import BatchEngine, CudaBatchRunner
-    from pricer.engines.batch_plan import order_span
+    from pricer.engines.batch_plan import class_of, order_span
     from pricer.engines.serial import LEVEL_VALUES
     by_work, by_steps = CudaBatchRunner(), CudaBatchRunner(by_work=False)
-    p = options(rng, [2048] * (5 * by_work.sms()))      # (2, 8) holds 6 per SM at once
+    held = by_work.resident(int(class_of([2048])[0]))   # (2, 8): 792 on an H100
+    p = options(rng, [2048] * (held - 8))               # 99 % of a wave
     levels, ref_levels = np.empty((len(p), LEVEL_VALUES)), np.empty((len(p), LEVEL_VALUES))
     got = BatchEngine(runner=by_work).price(p, levels)
     n = len(p)
