@@ -9,7 +9,8 @@ import pytest
 from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
                                        KERNELS, KEY_BINS, MAX_STEPS, chunk_bounds, chunk_size,
                                        WORK_ORDER_ROWS, Launch, class_of, counted_schedule,
-                                       fill_flags, fill_floats, heaviest_first, input_views,
+                                       fill_flags, fill_floats, fill_input, heaviest_first,
+                                       input_views,
                                        schedule, widest_payoff, width_keys)
 from pricer.lattice import FLOAT_ROWS, lattice_parameters
 
@@ -292,6 +293,22 @@ def test_a_run_of_many_rows_is_copied_whole(rng):
     fill_floats(params, rows, views)
     for k, name in enumerate(FLOAT_FIELDS):
         np.testing.assert_array_equal(views.floats[k], getattr(params, name)[rows])
+
+
+@pytest.mark.parametrize("rows", [slice(0, 3000), slice(7, 2007), slice(2999, 3000),
+                                  np.array([7, 0, 3, 3, 11])], ids=["all", "run", "last", "index"])
+def test_fill_input_writes_the_bytes_of_fill_floats_and_fill_flags(rng, rows):
+    """fill_input's numba pass over a run of LatticeParams.packed (and its gather of an index)
+    against the numpy copies, byte for byte; the order's bytes are left alone."""
+    params = book(rng, 3000)
+    n = np.arange(3000)[rows].size
+    by_numpy = np.full(n * INPUT_BYTES_PER_OPTION + 5, 7, dtype=np.uint8)
+    by_pass = by_numpy.copy()
+    views = input_views(by_numpy, n)
+    fill_floats(params, rows, views)
+    fill_flags(params, rows, views)
+    fill_input(params, rows, by_pass, input_views(by_pass, n))
+    np.testing.assert_array_equal(by_pass, by_numpy)
 
 
 @pytest.mark.parametrize("rows", [slice(3, 9), np.array([7, 0, 3, 3, 11])], ids=["slice", "index"])

@@ -251,6 +251,22 @@ def test_batch_estimate_counts_the_largest_call(rng):
     assert memory.device_need(auto, small.steps, np.array([0, 50]), Analytics()).total == 0
 
 
+def test_batch_stats_sum_every_chunks_event_times(rng, monkeypatch):
+    """The batch runner's last_stats: each chunk's copies and kernels as its events say (here
+    1 ms between any two), summed over the chunks. A buffer's events are read before its next
+    chunk records them again; the last two chunks' only when last_stats is read (once)."""
+    reads = []
+    monkeypatch.setattr(FakeEvent, "time_since", lambda self, other: reads.append(1) or 1.0)
+    engine = counted_batch_engine(Tracker(), chunk_options=100)
+    params = lattice_parameters(columns(book(rng.integers(16, 200, 450))))
+    engine.price(params)                                    # 5 chunks on 2 buffers
+    assert len(reads) == 3 * 3                              # chunks 0-2, before their reuse
+    stats = engine.runner.last_stats
+    assert len(reads) == 5 * 3 and stats["chunks"] == 5
+    assert stats["copy_in"] == stats["kernels"] == stats["copy_out"] == pytest.approx(5e-3)
+    assert engine.runner.last_stats == stats and len(reads) == 5 * 3
+
+
 @pytest.mark.parametrize("mode", ["gpu", "hybrid"])
 @pytest.mark.parametrize("analytics", ANALYTICS, ids=["price", "greeks", "richardson", "both"])
 def test_gpu_estimate_is_what_the_kernels_allocate(mode, analytics, rng):
