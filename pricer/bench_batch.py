@@ -8,10 +8,13 @@ and NVIDIA's CUDA sample workload (binomialOptions: 1 024 European calls x 2 048
 
 Each case is priced end to end from Python (lattice numbers in host memory -> prices in host memory:
 rows filled, copies both ways, kernels), once to warm up (kernel compilation, buffers), then
-`repeats` times; the median wall time counts (time.perf_counter). Reported: backward-induction
-node updates (N(N+1)/2 per option) per second; that rate as a share of the FP64 bound measured in
-the same run (FMA peak / 4 per American node, / 2 per European node: the FP64 instructions a node
-needs, as in `pricer bench gpu`); the event-timed copies in and out as a share of the wall time.
+`repeats` times and for at least `min_seconds` (as timeit's autorange: 5 calls of U1, 0.7 ms
+each, are 4 ms of a host whose speed drifts over seconds); the median wall time counts
+(time.perf_counter), and the JSON keeps the calls timed and their 10th and 90th percentiles.
+Reported: backward-induction node updates (N(N+1)/2 per option) per second; that rate as a share
+of the FP64 bound measured in the same run (FMA peak / 4 per American node, / 2 per European
+node: the FP64 instructions a node needs, as in `pricer bench gpu`); the event-timed copies in and
+out as a share of the wall time.
 """
 
 from __future__ import annotations
@@ -52,19 +55,22 @@ def params_of(spec: dict, exercise: str, calls_only: bool):
     return lattice_parameters(cols)
 
 
-def time_case(engine, params, repeats: int):
+def time_case(engine, params, repeats: int, min_seconds: float = 0.0):
+    """(median wall, that call's runner stats, the walls of all timed calls)."""
     engine.price(params)                    # warm-up: compilation, buffers
     walls, stats = [], []
-    for _ in range(repeats):
+    started = time.perf_counter()
+    while len(walls) < repeats or time.perf_counter() - started < min_seconds:
         t0 = time.perf_counter()
         engine.price(params)
         walls.append(time.perf_counter() - t0)
         stats.append(dict(engine.runner.last_stats))
     k = int(np.argsort(walls)[len(walls) // 2])
-    return walls[k], stats[k]
+    return walls[k], stats[k], np.array(walls)
 
 
-def bench_batch(quick: bool = False, repeats: int = 5, out: str | None = None) -> dict:
+def bench_batch(quick: bool = False, repeats: int = 5, out: str | None = None,
+                min_seconds: float = 0.2) -> dict:
     from pricer.bench_gpu import fp64_fma_peak
     from pricer.engines.batch import BatchEngine
     engine = BatchEngine()
@@ -77,17 +83,18 @@ def bench_batch(quick: bool = False, repeats: int = 5, out: str | None = None) -
     for name, kind, spec, exercise, calls_only in portfolios(quick):
         params = params_of(spec, exercise, calls_only)
         nodes = float((params.steps * (params.steps + 1) // 2).sum())
-        wall, stats = time_case(engine, params, repeats)
+        wall, stats, walls = time_case(engine, params, repeats, min_seconds)
         rate = nodes / wall
         share = rate * FP64_PER_NODE[kind] / peak
         copies = (stats.get("copy_in", 0.0) + stats.get("copy_out", 0.0)) / wall
         row = dict(portfolio=name, exercise=kind, options=len(params), nodes=nodes, wall_s=wall,
-                   nodes_per_s=rate, share_of_fp64_bound=share, copy_share=copies, stats=stats)
+                   nodes_per_s=rate, share_of_fp64_bound=share, copy_share=copies, stats=stats,
+                   calls=int(walls.size), wall_p10_p90_s=np.percentile(walls, [10, 90]).tolist())
         rows.append(row)
         print(f"| {name} | {kind} | {nodes:.3e} | {wall * 1e3:.2f} | {rate:.3e} | {share:.0%} | "
               f"{copies:.1%} | {stats.get('chunks')}, {stats.get('launches')} |", flush=True)
-    result = dict(gpu=rt.name, arch=rt.arch, fp64_fma_peak=peak, repeats=repeats, rows=rows,
-                  verdicts=verdicts(rows))
+    result = dict(gpu=rt.name, arch=rt.arch, fp64_fma_peak=peak, repeats=repeats,
+                  min_seconds=min_seconds, rows=rows, verdicts=verdicts(rows))
     for line in result["verdicts"]:
         print(line)
     if out:
@@ -109,13 +116,20 @@ def verdicts(rows) -> list[str]:
     return lines
 
 
+def add_arguments(ap) -> None:
+    ap.add_argument("--quick", action="store_true", help="U2, R and S with 10x fewer options")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed calls per portfolio, at least (the median counts)")
+    ap.add_argument("--min-seconds", type=float, default=0.2,
+                    help="time each portfolio for at least this long (default 0.2 s)")
+    ap.add_argument("--out", default=None, help="also write the measurements as JSON here")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pricer bench batch", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="U2, R and S with 10x fewer options")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", help="write the results as JSON here")
+    add_arguments(ap)
     a = ap.parse_args(argv)
-    bench_batch(a.quick, a.repeats, a.out)
+    bench_batch(a.quick, a.repeats, a.out, a.min_seconds)
     return 0
 
 

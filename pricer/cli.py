@@ -126,9 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pricer.bench_gpu import add_arguments
     add_arguments(b)
     b = which.add_parser("batch", help="the batch backend on U/R/S portfolios and NVIDIA's sample workload")
-    b.add_argument("--quick", action="store_true", help="U2, R and S with 10x fewer options")
-    b.add_argument("--repeats", type=int, default=5, help="timed runs per portfolio (median counts)")
-    b.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    from pricer.bench_batch import add_arguments as batch_arguments
+    batch_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
     from pricer.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
@@ -219,7 +218,8 @@ def _bench(args) -> int:
         return bench_gpu(args)
     if args.what == "batch":
         from pricer.bench_batch import bench_batch
-        bench_batch(quick=args.quick, repeats=args.repeats, out=args.out)
+        bench_batch(quick=args.quick, repeats=args.repeats, out=args.out,
+                    min_seconds=args.min_seconds)
         return 0
     if args.what == "accuracy":
         from pricer.bench_accuracy import run as bench_accuracy

@@ -551,3 +551,29 @@ def test_analytics_bad_input_exit_2_nothing_written(tmp_path, case, ranks):
         pytest.fail(f"{flag} with bad input hung: {exc}")
     refused(proc, str(path), str(portfolio.id[11]), *needles)
     assert sorted(os.listdir(tmp_path)) == ["book.h5"]
+
+
+def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
+    """`pricer bench batch` times `repeats` calls and, past those, calls for `min_seconds` (the
+    U1 book's 0.7 ms calls, 5 of them, saw 4 ms of a host whose speed drifts over seconds);
+    the median call's wall and stats come back. A stand-in engine whose calls sleep 1 ms."""
+    import time
+    from types import SimpleNamespace
+    from pricer.bench_batch import time_case
+
+    class Sleeper:
+        def __init__(self):
+            self.calls, self.runner = 0, SimpleNamespace(last_stats={})
+
+        def price(self, params):
+            self.calls += 1
+            self.runner.last_stats = dict(call=self.calls)
+            time.sleep(0.001)
+
+    engine = Sleeper()
+    wall, stats, walls = time_case(engine, None, repeats=5, min_seconds=0.0)
+    assert walls.size == 5 and engine.calls == 6                  # a warm-up, then 5
+    assert wall == np.sort(walls)[2] and stats["call"] == 2 + int(np.argsort(walls)[2])
+    engine = Sleeper()
+    _, _, walls = time_case(engine, None, repeats=5, min_seconds=0.05)
+    assert walls.size >= 25 and walls.sum() >= 0.045
