@@ -703,10 +703,11 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 // ---- A one-wave launch's rows, heaviest first (batch_work_order) ----
 //
 // When a launch's options all fit on the GPU at once, each SM gets the blocks dispatched to it at
-// the start, and the launch lasts as long as the SM with the most work. The blocks go round the
-// SMs in order, so the rows sorted by their work, heaviest first, spread the heavy options evenly
-// (U1 American on (2, 5) x 1 024, an H100: 0.631 ms of kernel heaviest first, 0.670-0.703 in row
-// order; docs/performance.md, session 20). Prices do not depend on the order.
+// the start, and a nearly full SM finishes when the sum of its blocks' work is done. The blocks
+// go round the SMs in order, so the rows sorted by their work, heaviest first, spread the heavy
+// options evenly (U1 American on (2, 5) x 1 024, an H100: 0.639 ms of kernels, this one's
+// included, against 0.691 in row order; docs/performance.md, session 21). Prices do not depend
+// on the order. batch_plan.heaviest_first says when the host launches it.
 //
 // work_estimate: a rough count of the nodes the kernel computes, at 8 levels t: those between the
 // surely exercised prefix (American: below the one-step bound, where exercise beats holding for
