@@ -190,7 +190,7 @@ WORK_ORDER_ROWS = 12288
 # options the GPU holds at once, and at least this many blocks per SM. An SM that is nearly full
 # finishes when the sum of its blocks' work is done, which the order evens out; one with room
 # finishes with its heaviest block, whatever the order. Measured on an H100 (docs/performance.md,
-# session 21): U1 American (97 % of (2, 5)'s 1 056, 7.8 blocks per SM) gained 0.06 ms of 0.69;
+# session 21): U1 American (97 % of (2, 5)'s 1 056, 7.8 blocks per SM) gained 0.05 ms of 0.69;
 # 300, 600 and 700 options of N = 2 048 and 1 500 (38-88 % full) gained nothing and paid the
 # ordering's ~0.01 ms.
 WORK_ORDER_FILL = 0.9
@@ -275,8 +275,7 @@ def counted_schedule(counts: np.ndarray, resident=None) -> tuple:
 
 @njit(cache=True, nogil=True)
 def _width_key(log_moneyness, log_up, log_down, steps, call, american):
-    """One row's payoff width (width_keys), from log(strike / spot); as selects, not branches,
-    so that the loops over rows vectorize."""
+    """One row's payoff width (width_keys), from log(strike / spot)."""
     up, down = (log_down, log_up) if call else (log_up, log_down)         # calls mirrored
     sign = 1.0 if call else -1.0
     n = float(steps)
@@ -395,8 +394,8 @@ def fill_flags(params, rows, views: InputViews) -> None:
 def fill_input(params, rows, buffer: np.ndarray, views: InputViews) -> None:
     """fill_floats and fill_flags: the kernel's input for `rows` of params, all but the order,
     into `buffer` (views: input_views of it). A run of rows is one numba pass over
-    LatticeParams.packed: numpy's four copies and their calls cost a U1 call (1 024 rows)
-    ~0.02 ms on the GPU machine's host, where this costs ~0.005 (session 21)."""
+    LatticeParams.packed (a numpy copy and a numba pass took a U1 call 23 us under cProfile on
+    the GPU machine's host, this pass 17 us: session 21)."""
     if isinstance(rows, slice) and rows.step in (None, 1):
         lo, hi, _ = rows.indices(len(params))
         _fill_run(params.packed, lo, hi, buffer)
