@@ -165,8 +165,8 @@ def one_wave_by_width(launch: Launch, max_width, resident) -> tuple | None:
     them, and more options fit at once), if the GPU holds that in one wave; else None. U1
     (1 024 x N = 2 048, widths 919-1 145) on an H100: (2, 5) in one wave, 0.67 ms of kernels,
     against 0.86 for (2, 8) and its last wave on (4, 4) (docs/performance.md, session 20).
-    max_width() costs the GPU machine's host ~45 ns a row, so it is asked only where a narrower
-    G could hold the launch; W = 1's partial waves gained nothing (2 000 x N = 1 000: 0.506 ms
+    max_width() costs the GPU machine's host ~20 us for U1's 1 024 rows (cProfile, session 21),
+    so it is asked only where a narrower G could hold the launch; W = 1's partial waves gained nothing (2 000 x N = 1 000: 0.506 ms
     of kernels either way)."""
     count = launch.hi - launch.lo
     held = resident(launch.cls)
