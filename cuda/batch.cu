@@ -29,9 +29,11 @@
 // no flush of tiny values (subnormal FP64 is full speed on the GPU).  Prices equal the CPU engine's
 // to rounding, not bitwise.
 //
-// Input: one byte buffer per chunk of n rows (pricer/engines/batch_plan.py, input_views): 6 columns
-// of n doubles (column k of row r at k * n + r: spot, strike, log_up, log_down, pu, pd), then n int32
-// steps, n int32 `order` (the chunk's rows sorted by steps, descending), n bytes call, n bytes American.
+// Input: one byte buffer per chunk of n rows (pricer/engines/batch_plan.py, input_views): columns
+// of n doubles (column k of row r at double index k * n + r; k = IN_SPOT, IN_STRIKE, IN_LOG_UP,
+// IN_LOG_DOWN, IN_PU, IN_PD), then the n int32 steps from byte IN_STEPS_AT * n, the n int32 `order`
+// (the chunk's rows sorted by steps, descending) from IN_ORDER_AT * n, n bytes call from
+// IN_CALL_AT * n and n bytes American from IN_AMERICAN_AT * n.
 // A launch prices the rows order[first .. first + count - 1] (one class); each is read and priced
 // where it lies, so the host copies rows as given and gets prices back in that order.  Output:
 // out[r], the price of row r, and, if `levels` is not null, levels[5 r .. 5 r + 4] = V(1,0), V(1,1),
@@ -39,13 +41,88 @@
 // 32 * VT * G * W (the scheduler picks the class): at steps = capacity the payoff's top node lies
 // above the registers, and only the first step reads it (as the top lane's neighbour).
 //
-// Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16).
+// Kernels: batch_kernel_g{G}, G = 1..8, for the W of this build (-DBATCH_W=1, 2, 4, 8 or 16);
+// batch_width_keys, batch_key_starts and batch_sort_rows (the chunk's rows sorted on the GPU) and
+// batch_work_order (a one-wave launch's rows, heaviest first).
+//
+// Required -D flags: the input layout and the constants the host's launches and buffers use. They
+// come from pricer's batch layout module, which writes them once for both sides, so none has a
+// default here: a build without one fails instead of reading another layout.
+//   VT                       nodes per lane (4)
+//   IN_SPOT .. IN_PD         the float64 column of each lattice number (see Input above)
+//   IN_STEPS_AT, IN_ORDER_AT, IN_CALL_AT, IN_AMERICAN_AT
+//                            byte offset per row of the chunk at which each column starts
+//   SORT_THREADS             threads of batch_key_starts' one block
+//   WORK_ORDER_THREADS       threads per block of batch_work_order
+//   WORK_RANK_LANES          threads that rank one row together in batch_work_order
+//   WIDTH_MARGIN             nodes added to an American payoff's width (batch_width_keys)
 
 #ifndef BATCH_W
 #define BATCH_W 1
 #endif
 
-#define VT 4
+#ifndef VT
+#error "VT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_SPOT
+#error "IN_SPOT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_STRIKE
+#error "IN_STRIKE must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_LOG_UP
+#error "IN_LOG_UP must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_LOG_DOWN
+#error "IN_LOG_DOWN must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_PU
+#error "IN_PU must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_PD
+#error "IN_PD must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_STEPS_AT
+#error "IN_STEPS_AT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_ORDER_AT
+#error "IN_ORDER_AT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_CALL_AT
+#error "IN_CALL_AT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef IN_AMERICAN_AT
+#error "IN_AMERICAN_AT must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef SORT_THREADS
+#error "SORT_THREADS must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef WORK_ORDER_THREADS
+#error "WORK_ORDER_THREADS must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef WORK_RANK_LANES
+#error "WORK_RANK_LANES must be given (-D), from pricer's batch layout module"
+#endif
+#ifndef WIDTH_MARGIN
+#error "WIDTH_MARGIN must be given (-D), from pricer's batch layout module"
+#endif
+
+// the columns must not overlap: six float64 columns below the int32 steps and order, then one byte
+// each for call and American
+static_assert(IN_SPOT >= 0 && IN_STRIKE >= 0 && IN_LOG_UP >= 0 && IN_LOG_DOWN >= 0 && IN_PU >= 0 &&
+              IN_PD >= 0 && 8 * (IN_SPOT + 1) <= IN_STEPS_AT && 8 * (IN_STRIKE + 1) <= IN_STEPS_AT &&
+              8 * (IN_LOG_UP + 1) <= IN_STEPS_AT && 8 * (IN_LOG_DOWN + 1) <= IN_STEPS_AT &&
+              8 * (IN_PU + 1) <= IN_STEPS_AT && 8 * (IN_PD + 1) <= IN_STEPS_AT,
+              "the float64 columns must lie below the steps column");
+static_assert(IN_STEPS_AT % 4 == 0 && IN_ORDER_AT % 4 == 0 &&
+              (IN_STEPS_AT + 4 <= IN_ORDER_AT || IN_ORDER_AT + 4 <= IN_STEPS_AT) &&
+              IN_CALL_AT >= IN_STEPS_AT + 4 && IN_CALL_AT >= IN_ORDER_AT + 4 &&
+              IN_AMERICAN_AT >= IN_STEPS_AT + 4 && IN_AMERICAN_AT >= IN_ORDER_AT + 4 &&
+              IN_CALL_AT != IN_AMERICAN_AT,
+              "the int32 columns must be aligned and below the flags, which must differ");
+static_assert(WORK_ORDER_THREADS % WORK_RANK_LANES == 0 && WORK_RANK_LANES <= 32 &&
+              (WORK_RANK_LANES & (WORK_RANK_LANES - 1)) == 0,
+              "WORK_RANK_LANES must be a power of two <= 32 dividing WORK_ORDER_THREADS");
 #define FULL_MASK 0xffffffffu
 #define OPTIONS_PER_BLOCK (BATCH_W == 1 ? 4 : 1)
 #define BLOCK_THREADS (32 * BATCH_W * OPTIONS_PER_BLOCK)
@@ -53,9 +130,9 @@
 // hide the FP64 and shuffle latencies; ptxas fits the largest class (G = 8) without spilling
 #define MIN_BLOCKS (BATCH_W == 1 ? 3 : BATCH_W == 2 ? 6 : BATCH_W == 4 ? 3 : 1)
 // W = 2 up to G = 5: 8 blocks (16 warps) per SM, which ptxas fits in 120 registers without spills:
-// one wave then holds 1 056 such options on 132 SMs (against 792 at 6), so that a book like
-// 1 024 x N = 2 048, whose payoffs' widths fit G = 5, runs in one wave (one_wave_by_width in
-// pricer/engines/batch_plan.py)
+// one wave then holds a third more such options than at 6, so that a book of ~1 000 options of
+// N = 2 048, whose payoffs' widths fit G = 5, runs in one wave on a GPU of ~130 SMs
+// (one_wave_by_width in pricer/engines/batch_plan.py)
 #define KERNEL_MIN_BLOCKS(G) (BATCH_W == 2 && (G) <= 5 ? 8 : MIN_BLOCKS)
 
 struct Option {
@@ -68,26 +145,23 @@ struct Option {
 // pd swapped; the same nodes, so the same price to rounding). Every option's lattice then has its
 // exercise region at the bottom (low i) and its zero region at the top, which is what the skip of
 // surely exercised units (a prefix) and the clamp of zero units (a suffix) rely on.
-#ifndef BATCH_MIRROR
-#define BATCH_MIRROR 1
-#endif
 
 __device__ __forceinline__ Option load_option(const unsigned char* __restrict__ input, int n, int row)
 {
     const double* col = reinterpret_cast<const double*>(input) + row;
-    const int* steps = reinterpret_cast<const int*>(input + 48 * (size_t)n);
-    const unsigned char* call = input + 56 * (size_t)n;
+    const int* steps = reinterpret_cast<const int*>(input + IN_STEPS_AT * (size_t)n);
+    const unsigned char* call = input + IN_CALL_AT * (size_t)n;
     Option x;
-    x.spot = col[0];
-    x.strike = col[(size_t)n];
-    x.log_up = col[2 * (size_t)n];
-    x.log_down = col[3 * (size_t)n];
-    x.pu = col[4 * (size_t)n];
-    x.pd = col[5 * (size_t)n];
+    x.spot = col[IN_SPOT * (size_t)n];
+    x.strike = col[IN_STRIKE * (size_t)n];
+    x.log_up = col[IN_LOG_UP * (size_t)n];
+    x.log_down = col[IN_LOG_DOWN * (size_t)n];
+    x.pu = col[IN_PU * (size_t)n];
+    x.pd = col[IN_PD * (size_t)n];
     x.steps = steps[row];
     x.call = call[row] != 0;
-    x.american = call[(size_t)n + row] != 0;
-    if (BATCH_MIRROR && x.call) {
+    x.american = call[(ptrdiff_t)(IN_AMERICAN_AT - IN_CALL_AT) * n + row] != 0;   // from call's
+    if (x.call) {
         const double log_up = x.log_up, pu = x.pu;
         x.log_up = x.log_down;
         x.log_down = log_up;
@@ -100,7 +174,7 @@ __device__ __forceinline__ Option load_option(const unsigned char* __restrict__ 
 // row of the chunk at position k of its sorted order
 __device__ __forceinline__ int sorted_row(const unsigned char* __restrict__ input, int n, int k)
 {
-    return reinterpret_cast<const int*>(input + 52 * (size_t)n)[k];
+    return reinterpret_cast<const int*>(input + IN_ORDER_AT * (size_t)n)[k];
 }
 
 // sign * spot * exp(level * log_down), the pre-signed price of node (level, 0)
@@ -160,14 +234,9 @@ __device__ __forceinline__ void exercise_group(double (&vg)[VT], const StepState
 // nodes q = 1 and 3 of each lane's four, which compare as doubles (DSETP) on the FP64 pipe: the
 // two halves of the node's work then load the two pipes more evenly (integer max on every node:
 // 4 integer and 3 FP64 instructions; this mix 3 and 3.5 on average). Prices are bitwise the same
-// either way. BATCH_MAX_MIX = 0 builds the integer max on every node; the W = 16, G = 8 kernel
-// keeps it, as the mix spills there.
-#ifndef BATCH_MAX_MIX
-#define BATCH_MAX_MIX 1
-#endif
-
+// either way. The W = 16, G = 8 kernel keeps the integer max on every node, as the mix spills there.
 template <int W, int G>
-__device__ __forceinline__ constexpr bool mixed_max() { return BATCH_MAX_MIX && !(W == 16 && G == 8); }
+__device__ __forceinline__ constexpr bool mixed_max() { return !(W == 16 && G == 8); }
 
 template <bool AMERICAN, bool MIXED = false>
 __device__ __forceinline__ double node_value(const StepState& st, double v_up, double v_down,
@@ -287,26 +356,22 @@ __device__ __forceinline__ void steps_with_groups(double (&v)[G][VT], double (&u
     }
 }
 
-// ---- European options: two levels per step (BATCH_TWICE = 0 builds one level per step) ----
+// ---- European options: two levels per step ----
 //
 // V(t - 2, i) = pd^2 V(t, i) + 2 pu pd V(t, i + 1) + pu^2 V(t, i + 2): 3 FP64 instructions a node
 // per two levels instead of 4, and one exchange (two values: the next lane's nodes 0 and 1) and
 // one barrier per two levels. Every class steps through the same levels (n, n - 2, ... down to 3
 // or 4, then one at a time), so prices stay bitwise the same whatever the class (but W = 16,
 // G = 8, below); they differ from one level at a time by rounding only: the three coefficients are
-// rounded once, and that bias adds up over the steps (at most 3e-13 of the price on the bench's
-// books). Calls that keep levels for Greeks step one level at a time, as before: theta divides a
+// rounded once, and that bias adds up over the steps (a few 1e-13 of the price at most). Calls that keep levels for Greeks step one level at a time, as before: theta divides a
 // difference of levels by 2 dt, which at N = 5 000 can carry that rounding to ~1e-8 of theta, the
-// Greeks test's bar (estimated; that test failed with two-level steps for such calls, session 18).
+// Greeks test's bar (estimated: with two-level steps such calls fail the Greeks test).
 // American options need the max at every level and step one at a time.
-#ifndef BATCH_TWICE
-#define BATCH_TWICE 1
-#endif
 
-// not W = 16, G = 8, whose European path then spills on sm_80 (16 bytes); on every GPU alike, so
-// that prices do not depend on the GPU
+// not W = 16, G = 8, whose European path then spills on sm_80; on every GPU alike, so that prices
+// do not depend on the GPU
 template <int W, int G>
-__device__ __forceinline__ constexpr bool twice_class() { return BATCH_TWICE && !(W == 16 && G == 8); }
+__device__ __forceinline__ constexpr bool twice_class() { return !(W == 16 && G == 8); }
 
 struct TwiceCoef {
     double a, b, c;                       // pd^2, 2 pu pd, pu^2
@@ -375,7 +440,7 @@ __device__ __forceinline__ void twice_steps(double (&v)[G][VT], double (&up1)[G]
     }
 }
 
-// ---- Surely exercised groups are skipped (American options; BATCH_SKIP = 0 builds without it) ----
+// ---- Surely exercised groups are skipped (American options) ----
 //
 // A node whose two successors hold their exercise values takes the exercise value itself wherever
 // exercise - hold = K (1 - pu - pd) - S (1 - pu u - pd d) (put; the negative for a call) exceeds
@@ -384,39 +449,30 @@ __device__ __forceinline__ void twice_steps(double (&v)[G][VT], double (&up1)[G]
 // ratios, each from exp()), all widened 4-fold. Such nodes then need no computing: the kernel
 // stops computing whole groups (32 lanes x VT nodes of one warp, "units" u = g * W + warp in node
 // order) and writes their exercise values back when it needs them again. Prices are bitwise those
-// of the kernel that computes every node (BATCH_SKIP = 0; tests/test_gpu_batch.py checks it).
+// of a kernel that computes every node.
 //
 // Every SKIP_WINDOW steps, at level t, skip_check looks at which nodes hold their exercise value
-// (v == the exercise value the step would compute, bit for bit) and decides the next window:
-// - put, and call on the mirrored lattice (BATCH_MIRROR; exercise region below the boundary): units
-//   [0, U) are skipped when all their nodes and the first SKIP_WINDOW nodes of unit U hold exercise
-//   values: the run of such nodes loses at most one node at its top per step, so units [0, U) stay
-//   exercised through the window;
-// - call on the lattice as given (BATCH_MIRROR = 0; exercise region above): units [U, top) are
-//   skipped when all their nodes hold exercise values: node i of level t - 1 lies over nodes i and
-//   i + 1, so that suffix stays exercised (its lowest unit's node 0 is computed every step as the
-//   exercise value, since the unit below reads it: `topx`);
-// and the margin must hold at the price of the nodes the window relies on (both window ends, as
+// (v == the exercise value the step would compute, bit for bit) and decides the next window: for
+// a put, and a call on the mirrored lattice (exercise region below the boundary), units [0, U) are
+// skipped when all their nodes and the first SKIP_WINDOW nodes of unit U hold exercise values: the
+// run of such nodes loses at most one node at its top per step, so units [0, U) stay exercised
+// through the window; and the margin must hold at the price of the nodes the window relies on (both window ends, as
 // S(t, i) is monotone in t). Groups that leave the skipped set get their exercise values at level
 // t. Below level SKIP_MIN_LEVEL nothing is skipped, so the last steps (and the Greeks' levels) run
 // as before. The check costs about as much as one step of the warp's groups every 32 steps.
 
-#ifndef BATCH_SKIP
-#define BATCH_SKIP 1
-#endif
-#ifndef BATCH_W1_SKIP_G
-#define BATCH_W1_SKIP_G 6                   // W = 1 kernels skip up to this G
-#endif
+#define BATCH_W1_SKIP_G 6                   // W = 1 kernels skip up to this G (price_lattice)
 #define SKIP_WINDOW 32
 #define SKIP_MIN_LEVEL 96
 #define UNIT_NODES (32 * VT)
 #define MAX_UNITS 128                       // G * W <= 8 * 16
-#ifdef BATCH_COUNT   // measurement builds: group-steps computed, and those of a kernel that skips none
-__device__ unsigned long long batch_counts[2];
-#endif
 #define SKIP_NONE 0
 #define SKIP_PUT 1                          // skipped: units [0, U); exercise where S <= limit
-#define SKIP_CALL 2                         // skipped: units [U, top); exercise where S >= limit
+// A call on the lattice as given would skip a suffix, units [U, top), where S >= limit (SKIP_CALL;
+// the lowest skipped group's node 0 then carries its exercise value, `topx`). Calls are always
+// mirrored, so exercise_bound never chooses it; its branches stay because the kernels' code is laid
+// out with them (without them the compiled steps differ).
+#define SKIP_CALL 2
 #define SKIP_MCALL 3                        // mirrored call: units [0, U); exercise where S >= limit
 
 __device__ __forceinline__ bool skips_prefix(int mode) { return mode != SKIP_CALL; }
@@ -451,7 +507,7 @@ __device__ __forceinline__ void exercise_bound(const Option& op, SkipState& sk, 
         oc.log_limit = lim_b > 0.0 ? log(lim_a / (op.spot * lim_b)) : ALWAYS;
     } else {
         const double lim_a = op.strike * (a + SLACK), lim_b = b - 12.0 * eta - SLACK;
-        sk.mode = lim_b > 0.0 ? (BATCH_MIRROR ? SKIP_MCALL : SKIP_CALL) : SKIP_NONE;
+        sk.mode = lim_b > 0.0 ? SKIP_MCALL : SKIP_NONE;
         oc.log_limit = lim_a > 0.0 ? log(lim_a / (op.spot * lim_b)) : -ALWAYS;
     }
 }
@@ -585,7 +641,7 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
     if (W > 1 && st.topx && st.lane == 0) xch[t & 1][sk.hi * W + st.warp] = node0(v, sk.hi);
 }
 
-// ---- Units that stay zero are never computed (BATCH_CLAMP = 0 builds without it) ----
+// ---- Units that stay zero are never computed ----
 //
 // With calls mirrored, every option's payoff is positive on a prefix of the last level's nodes and
 // zero above it. A node (t, i) depends on the payoffs of nodes i .. i + n - t, so above the last
@@ -595,17 +651,14 @@ __device__ __forceinline__ void skip_check(double (&v)[G][VT], double (&up)[G], 
 // S(n, i) >= S(n, top + 1), whose computed payoff is not positive. That holds bit for bit where
 // |log d| exceeds every rounding of a computed asset price by far (asset_price_eta). So
 // the units above the one holding `top` keep their payoff zeros and are never computed, bit for
-// bit what computing them gives: about a quarter of all node updates on the bench's books,
-// European and American alike. Returns the first node of the first unit never computed.
+// bit what computing them gives: typically about a quarter of all node updates, European and
+// American alike. Returns the first node of the first unit never computed.
 //
 // So an option needs registers only for its nodes up to `top`: one with more steps than the
 // kernel's capacity is priced where its payoff at node `capacity` is negative by far (all above
 // it then are too), and the clamp holds; otherwise it gets CLAMP_FAILED (its price NaN, and the
 // host prices it again in the class of its steps). The host picks classes by that width, which
 // batch_width_keys estimates.
-#ifndef BATCH_CLAMP
-#define BATCH_CLAMP 1
-#endif
 #define CLAMP_FAILED (-1)
 
 // whether the option's zero units may be left out (see above)
@@ -613,10 +666,9 @@ __device__ __forceinline__ bool clamps(const Option& op)
 {
     const double sign = op.call ? 1.0 : -1.0;
     const double eta = asset_price_eta(op);
-    // a call's zeros lie below unless it is mirrored; American: put d < 1 - mu, mirrored call
+    // (calls mirrored, so every option's zeros lie above) American: put d < 1 - mu, mirrored call
     // d (the original u) > 1 + mu
-    return BATCH_CLAMP && (BATCH_MIRROR || !op.call) &&
-           (!op.american || -sign * op.log_down < -(0x1p-20 + 64.0 * eta));
+    return !op.american || -sign * op.log_down < -(0x1p-20 + 64.0 * eta);
 }
 
 __device__ __forceinline__ int zero_clamp(const Option& op, double sign, int top, int capacity,
@@ -637,11 +689,9 @@ __device__ __forceinline__ double strike_index(const Option& op)
 
 // The class key of each row of a chunk (its payoff's width, see above), and the rows per key
 // (counts, zeroed by the host; batch_key_starts and batch_sort_rows below sort by the keys): for
-// an American option, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN
-// more, at most the steps; the steps where the clamp is refused, and for European options.
-#ifndef BATCH_WIDTH_MARGIN
-#define BATCH_WIDTH_MARGIN 2
-#endif
+// an American option, the nodes of the last level with a positive payoff and WIDTH_MARGIN more
+// (the host's width_keys computes the same keys), at most the steps; the steps where the clamp is
+// refused, and for European options.
 
 extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ input, int n,
                                             int* __restrict__ keys, int* __restrict__ counts)
@@ -650,11 +700,11 @@ extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ in
     if (row >= n) return;
     const Option op = load_option(input, n, row);   // calls mirrored
     int key = op.steps;
-    // European options keep their steps: by width their kernels gained 0-3 % (session 17)
+    // European options keep their steps: their kernels gain next to nothing by width
     if (op.american && clamps(op)) {
         // the payoff is positive below node x (put S < K, mirrored call S > K)
         const double x = strike_index(op);
-        const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + BATCH_WIDTH_MARGIN;
+        const double width = ceil(fmin(fmax(x, -1.0), (double)op.steps)) + WIDTH_MARGIN;
         key = max(1, (int)fmin(width, (double)op.steps));
     }
     keys[row] = key;
@@ -665,7 +715,6 @@ extern "C" __global__ void batch_width_keys(const unsigned char* __restrict__ in
 // particular order, which changes no price): batch_width_keys counts the rows of each key,
 // batch_key_starts turns the counts into each key's first position, batch_sort_rows puts each
 // row there. The order then never travels, and the host needs only the counts for its launches.
-#define SORT_THREADS 1024
 
 // starts[k] = the rows with a key above k (keys 0 .. bins - 1; one block of SORT_THREADS)
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -705,21 +754,14 @@ extern "C" __global__ void batch_sort_rows(const int* __restrict__ keys, int n,
 // When a launch's options all fit on the GPU at once, each SM gets the blocks dispatched to it at
 // the start, and a nearly full SM finishes when the sum of its blocks' work is done. The blocks
 // go round the SMs in order, so the rows sorted by their work, heaviest first, spread the heavy
-// options evenly (U1 American on (2, 5) x 1 024, an H100: 0.639 ms of kernels, this one's
-// included, against 0.691 in row order; docs/performance.md, session 21). Prices do not depend
-// on the order. batch_plan.heaviest_first says when the host launches it.
+// options evenly and no SM is left with more than its share. Prices do not depend on the order.
+// batch_plan.heaviest_first says when the host launches it.
 //
 // work_estimate: a rough count of the nodes the kernel computes, at 8 levels t: those between the
 // surely exercised prefix (American: below the one-step bound, where exercise beats holding for
 // one step; calls mirrored) and the strike index plus 5 sqrt(n - t + 1) (the tail clamp cuts
-// near there). Its rank correlation with the counted work of U1's options is 0.92.
+// near there). An estimate to order by: it only has to rank the rows' work roughly.
 #define WORK_LEVELS 8
-#ifndef WORK_ORDER_THREADS
-#define WORK_ORDER_THREADS 1024
-#endif
-#ifndef WORK_RANK_LANES
-#define WORK_RANK_LANES 8                 // threads that rank one row together
-#endif
 
 // in FP32: an estimate to order by, never a price
 __device__ float work_estimate(const Option& op)
@@ -768,10 +810,10 @@ extern "C" __global__ void __launch_bounds__(WORK_ORDER_THREADS)
     }
     for (int d = 1; d < WORK_RANK_LANES; d <<= 1) rank += __shfl_xor_sync(FULL_MASK, rank, d);
     if (row < n && part == 0)
-        reinterpret_cast<int*>(input + 52 * (size_t)n)[rank] = row;     // the order (input_views)
+        reinterpret_cast<int*>(input + IN_ORDER_AT * (size_t)n)[rank] = row;   // the order (input_views)
 }
 
-// ---- Units whose values are negligible are left out (BATCH_TAIL = 0 builds without it) ----
+// ---- Units whose values are negligible are left out ----
 //
 // Far above the strike (a put's high asset prices; a mirrored call's high i) the values are tiny,
 // and the zero clamp still computes them down to the last level. A bound says which are below
@@ -798,14 +840,9 @@ extern "C" __global__ void __launch_bounds__(WORK_ORDER_THREADS)
 //
 // The clamp of each window is found once, at the start, by the option's threads together
 // (tail_table: one byte per window, the clamp in units), so a window costs a shared-memory byte
-// and every class finds the same numbers. Counted on the bench's books (numpy), the tail leaves
-// out a further 5-14 % of the triangle's nodes (U1 American: 44.5 % computed before, 32.9 %
-// after). Options below TAIL_MIN_STEPS gain too little to pay for the table; European options
-// below TAIL_MIN_STEPS_EU too little to pay for the windows, which cut their long two-level
-// phases (U2 European, N = 1 000, lost 2-4 % to them; without them it is as fast as before).
-#ifndef BATCH_TAIL
-#define BATCH_TAIL 1
-#endif
+// and every class finds the same numbers. Options below TAIL_MIN_STEPS leave out too few nodes to
+// pay for the table; European options below TAIL_MIN_STEPS_EU too few to pay for the windows,
+// which cut their long two-level phases.
 #define TAIL_LINES 4
 #define TAIL_MIN_STEPS 512
 #define TAIL_MIN_STEPS_EU 1024
@@ -824,8 +861,8 @@ __device__ __forceinline__ bool tail_lines(const Option& op, double (&a)[TAIL_LI
 {
     const double log_ratio = op.log_up - op.log_down;
     const double delta = -op.log_down / log_ratio;
-    if (!(BATCH_TAIL && (BATCH_MIRROR || !op.call) && op.pu > 0.0 && op.pd > 0.0 && delta > 0.0 &&
-          op.steps >= tail_min_steps(op.american)))
+    // (calls mirrored: every option's tiny values lie above the strike index)
+    if (!(op.pu > 0.0 && op.pd > 0.0 && delta > 0.0 && op.steps >= tail_min_steps(op.american)))
         return false;
     const double n = (double)op.steps;
     const double log_k_eps = TAIL_LOG_EPS + 2.0 * n * fmax(0.0, log(op.pu + op.pd));
@@ -972,14 +1009,14 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
     if (warp == 0 && lane == 0)
         c.clamp = zero_clamp(op, sign, top, CAPACITY, base_n, log_ratio);
     // only where the check fits the registers without spills: not W = 16 from G = 6, nor G = 8
-    // for sm_80's allocation, nor W = 1 from G = 7 (W = 1, G = 8 spilled and was slower, session
-    // 7; since the classes follow the payoff's width, W = 1's options mostly run at G <= 6)
+    // for sm_80's allocation, nor W = 1 above BATCH_W1_SKIP_G (since the classes follow the
+    // payoff's width, W = 1's options mostly run at G <= 6)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     constexpr bool ARCH_OK = G < 8;
 #else
     constexpr bool ARCH_OK = true;
 #endif
-    constexpr bool CAN_SKIP = BATCH_SKIP && AMERICAN && (W > 1 || G <= BATCH_W1_SKIP_G) &&
+    constexpr bool CAN_SKIP = AMERICAN && (W > 1 || G <= BATCH_W1_SKIP_G) &&
                               !(W == 16 && G >= 6) && ARCH_OK;
     if (CAN_SKIP && n > SKIP_MIN_LEVEL + SKIP_WINDOW) exercise_bound(op, sk, c);
     if (warp == 0 && lane == 0) *consts = c;
@@ -1067,15 +1104,6 @@ __device__ __forceinline__ double price_lattice(const Option& op, double (*xch)[
         const int computed = !CAN_SKIP ? active
                            : skips_prefix(sk.mode) ? max(active - st.lo, 0)
                            : min(active, sk.hi);
-#ifdef BATCH_COUNT       // straight to memory: counters kept in registers would spill
-        if (lane == 0) {
-            atomicAdd(&batch_counts[0], (unsigned long long)computed * (t - t_lo));
-            int every = 0;   // a kernel that skips none and clamps none: group g computes the
-#pragma unroll       // steps from levels s in (t_lo, t] with first node <= s - 1
-            for (int g = 0; g < G; ++g) every += max(0, t - max(t_lo, first_node(g, W, warp)));
-            atomicAdd(&batch_counts[1], (unsigned long long)every);
-        }
-#endif
         if (twice_now) {
             switch (computed) {
             case 0: twice_steps<W, G, 0>(v, up, up2, coef, st, xch2, t, t_lo); break;
@@ -1134,7 +1162,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
     if (o >= count) return;   // uniform: the whole warp (W = 1) or the whole block (W > 1)
     const int row = sorted_row(input, n, first + o);
     // its own load of the option's numbers, in its own function: with op's numbers used here for
-    // it, ptxas kept pu and pd otherwise, and the steps' loops grew by 3-20 % (register copies)
+    // it, ptxas keeps pu and pd in extra registers through the steps' loops (register copies)
     const int slot = option_slot();
     tail_table(input, n, row, tail_units[slot], warp * 32 + lane, 32 * W);   // read after a barrier
     const Option op = load_option(input, n, row);
@@ -1146,7 +1174,7 @@ __device__ __forceinline__ void batch_price(const unsigned char* __restrict__ in
                                      &top_shared, warp, lane, kept);
     if (warp == 0 && lane == 0) {
         out[row] = price;
-        if (BATCH_MIRROR && op.call && kept != nullptr) {   // levels 1 and 2 back in node order
+        if (op.call && kept != nullptr) {   // levels 1 and 2 back in node order
             const double v10 = kept[0], v20 = kept[2];
             kept[0] = kept[1];
             kept[1] = v10;

@@ -5,8 +5,8 @@
 //     exercise  = sign * (level_base[t] * ratio[i] - strike)        (American only)
 //     V[t][i]   = exercise > hold ? exercise : hold
 // level_base[t] = spot * exp(t * log_down) and ratio[i] = exp(i * (log_up - log_down)) are tables
-// built once per option (on the host by pricer.engines.serial.power_tables, or on the device by
-// power_tables below); asset prices are never updated incrementally.  Every kernel takes the
+// built once per option on the host (pricer.engines.serial.power_tables); asset prices are never
+// updated incrementally.  Every kernel takes the
 // per-option numbers as arguments (pu, pd, strike, sign, american, tables), so any tree type that
 // produces them reuses these kernels unchanged.
 //
@@ -15,7 +15,7 @@
 // engine, so the prices are bitwise equal to it when the tables are the host's.  PRICER_FMA=1 lets
 // hold and exercise use fused multiply-adds (fewer instructions, results differ by rounding only).
 //
-// Kernels (seed 002, section 5):
+// Kernels:
 //   terminal_values  payoff at maturity
 //   wavefront_step   one launch per time step, one thread per node (baseline)
 //   tiled_steps      K steps fused per launch; TILED_B threads x TILED_VT nodes per thread in
@@ -24,9 +24,13 @@
 //   warp_steps       32-thread blocks, WARP_VT nodes per thread in registers, neighbour through
 //                    __shfl_down_sync; no shared memory, no __syncthreads; many steps per launch
 //   pers_steps       persistent: one launch for all the narrow levels, warp tiles exchanging
-//                    PERS_K-node halos through global memory every PERS_K steps (run 9, below)
+//                    PERS_K-node halos through memory every PERS_K steps (below)
 // Level buffers are double-buffered (in -> out) because a block's halo overlaps the next block's
 // output region.
+//
+// -D parameters (the GPU engine passes them from its configuration; the defaults below are its
+// defaults): PRICER_FMA (0: the exact mode, 1: fused multiply-adds), TILED_B, TILED_VT, WARP_VT,
+// PERS_VT, PERS_K, PERS_WARPS.
 
 #ifndef PRICER_FMA
 #define PRICER_FMA 0
@@ -143,18 +147,7 @@ __device__ __forceinline__ bool may_exercise(const double* __restrict__ level_ba
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tables and payoff.
-
-extern "C" __global__ void power_tables(double* __restrict__ level_base, double* __restrict__ ratio,
-                                        int steps, double spot, double log_up, double log_down)
-{
-    // Device alternative to the host tables (exp on the device: within an ulp of the host's).
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t <= steps) {
-        level_base[t] = spot * exp((double)t * log_down);
-        ratio[t] = exp((double)t * (log_up - log_down));
-    }
-}
+// Payoff.
 
 extern "C" __global__ void terminal_values(double* __restrict__ values,
                                            const double* __restrict__ level_base,
@@ -228,7 +221,7 @@ __device__ __forceinline__ void tiled_body(const double* __restrict__ vin, doubl
         halo[1][TILED_B] = 0.0;
     }
     const double mstrike = -sign * strike;
-    // The level base, off the per-step chain (run 6): lane l of each warp holds the pre-signed
+    // The level base, off the per-step chain: lane l of each warp holds the pre-signed
     // sign * level_base[t - (c + 1 + l)] for the chunk of steps c+1 .. c+32 (cur) and the next chunk
     // (nxt); refilled once per chunk, outside the step loop (no per-step branch or address math),
     // and each step's base is shuffled out one step ahead, so the shuffle is not between the
@@ -343,97 +336,8 @@ warp_steps(const double* __restrict__ vin, double* __restrict__ vout,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch: one block per option, the whole lattice in one launch (steps + 1 <= TILED_W).  Per-option
-// arrays; option o's tables are level_base = tables + offsets[o] (steps + 1 entries) followed by
-// ratio (steps + 1 entries).  The terminal payoff is formed in registers, the nodes stay in
-// registers for all steps (neighbour through the shared-memory halo, as in tiled_steps), and
-// thread 0 writes the price.  With `levels` (KEEP), thread 0 also stores V(1,0), V(1,1), V(2,0),
-// V(2,1), V(2,2) at levels + 5 o (NaN for N < 2), for Greeks: nodes 0..2 are its own for
-// TILED_VT >= 3, as in every class gpu.py builds.  Compile one module per size class (TILED_B, TILED_VT).
-
-template <bool AMERICAN, bool KEEP>
-__device__ __forceinline__ double batch_body(const double* __restrict__ lb, const double* __restrict__ ratio,
-                                             int n, double pu, double pd, double strike, double sign,
-                                             double* __restrict__ kept, double (*halo)[TILED_B + 1])
-{
-    const int tid = threadIdx.x;
-    const double base_n = lb[n];
-    double v[TILED_VT], r[TILED_VT];
-#pragma unroll
-    for (int q = 0; q < TILED_VT; ++q) {
-        const int i = tid * TILED_VT + q;
-        if (i <= n) {
-            const double ri = ratio[i];
-            const double payoff = sign * __dadd_rn(__dmul_rn(base_n, ri), -strike);
-            v[q] = payoff > 0.0 ? payoff : 0.0;
-            r[q] = ri;
-        } else {
-            v[q] = 0.0;
-            r[q] = 0.0;
-        }
-    }
-    if (tid == 0) {
-        halo[0][TILED_B] = 0.0;
-        halo[1][TILED_B] = 0.0;
-    }
-    const double mstrike = -sign * strike;
-    if (KEEP && tid == 0 && n <= 2) {
-        for (int k = 0; k < 5; ++k) kept[k] = __longlong_as_double(0x7ff8000000000000LL);   // NaN
-        if (n == 2) {   // level 2 is the payoff
-            kept[2] = v[0];
-            kept[3] = v[TILED_VT > 1 ? 1 : 0];
-            kept[4] = v[TILED_VT > 2 ? 2 : 0];
-        }
-    }
-    LevelBaseCache lbc(lb, n, tid & 31);
-    for (int s = 1; s <= n; ++s) {
-        const double sbase = AMERICAN ? sign * lbc.next(s) : 0.0;
-        halo[s & 1][tid] = v[0];
-        __syncthreads();
-        const double nb = halo[s & 1][tid + 1];
-#pragma unroll
-        for (int q = 0; q < TILED_VT - 1; ++q)
-            v[q] = node<AMERICAN>(pu, pd, v[q + 1], v[q], sbase, r[q], mstrike);
-        v[TILED_VT - 1] = node<AMERICAN>(pu, pd, nb, v[TILED_VT - 1], sbase, r[TILED_VT - 1], mstrike);
-        if (KEEP && tid == 0 && s == n - 2) {          // level 2
-            kept[2] = v[0];
-            kept[3] = v[TILED_VT > 1 ? 1 : 0];
-            kept[4] = v[TILED_VT > 2 ? 2 : 0];
-        } else if (KEEP && tid == 0 && s == n - 1) {   // level 1
-            kept[0] = v[0];
-            kept[1] = v[TILED_VT > 1 ? 1 : 0];
-        }
-    }
-    return v[0];
-}
-
-extern "C" __global__ void __launch_bounds__(TILED_B)
-batch_price(const double* __restrict__ tables, const long long* __restrict__ offsets,
-            const int* __restrict__ steps, const double* __restrict__ pu,
-            const double* __restrict__ pd, const double* __restrict__ strike,
-            const double* __restrict__ sign, const int* __restrict__ american,
-            double* __restrict__ out, double* __restrict__ levels, int count)
-{
-    const int o = blockIdx.x;
-    if (o >= count) return;   // uniform per block
-    const int n = steps[o];
-    const double* lb = tables + offsets[o];
-    const double* ratio = lb + n + 1;
-    double* kept = levels != nullptr ? levels + 5 * (size_t)o : nullptr;
-    __shared__ double halo[2][TILED_B + 1];   // one for all four bodies (shared memory is per block)
-    double price;
-    if (kept != nullptr)
-        price = american[o] ? batch_body<true, true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo)
-                            : batch_body<false, true>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo);
-    else
-        price = american[o] ? batch_body<true, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo)
-                            : batch_body<false, false>(lb, ratio, n, pu[o], pd[o], strike[o], sign[o], kept, halo);
-    if (threadIdx.x == 0) out[o] = price;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Persistent narrow regime (issue 3, run 9): ONE launch from level t (in) down to level t_stop
-// (out), no launch gaps and no block barrier per step.
+// Persistent narrow regime: ONE launch from level t (in) down to level t_stop (out), no launch
+// gaps and no block barrier per step.
 //
 // Tile j = warp (blockIdx.x * PERS_WARPS + warp index) owns the output nodes [j*OUT, j*OUT + OUT),
 // OUT = PERS_W - PERS_K, for the whole launch (node i of level t-1 sits above nodes i, i+1 of
@@ -452,19 +356,17 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 // waits until tile j-1 has published progress >= e - PERS_D + 1 (it stores that after reading).
 // gen (1..4095) changes every launch, so words of earlier launches never match; the host zeroes
 // the ring and progress words when gen wraps.  Epochs of one launch < 2^20 (host checks).
-// Where tile j-1 is a warp of the same block (PERS_SMEM, default), ring slots and progress word
-// live in the block's shared memory instead (zeroed at the launch's start); the global ones carry
-// only the hops between blocks.  Run 12 (docs/gpu-notes.md): tile 0's halo waits at N = 100k
-// 1.3 -> 1.06 ms; the tiles still wait at every epoch: in lockstep the data is not there yet, and
-// where it is (a neighbour that runs ahead), the epoch start still cost ~800 cycles; run 13: the
-// whole warp polls (no divergence around the wait), tile 0's waits 1.07 -> 0.75 ms.
+// Where tile j-1 is a warp of the same block, ring slots and progress word live in the block's
+// shared memory instead (zeroed at the launch's start; the ring's words are then addressed
+// generically); the global ones carry only the hops between blocks, the slowest link.  The whole
+// warp polls, one vote per round, so that it never diverges around the wait.
 //
 // Never hangs: the host launches only as many blocks as fit on the GPU at once (registers,
 // threads, blocks per SM), tiles that run out of nodes stop only when no neighbour needs them any
 // more (tile j-1 waits for tile j at epoch e only if tile j has nodes at level t_e, i.e. computed
 // epoch e-1), and every wait gives up after PERS_SPIN = 2^26 polls (each an L2 round trip, so
-// seconds to tens of seconds; not measured): the tile then writes NaN
-// over its output nodes and sets *status, so the host raises instead of returning a price.
+// seconds to tens of seconds): the tile then writes NaN over its output nodes and sets *status,
+// so the host raises instead of returning a price.
 //
 // Arithmetic: PRICER_FMA=0 uses node() (bitwise the serial engine's operations); PRICER_FMA=1 with
 // scaled != 0 works, inside an epoch, on X = V / pd^s (s = steps into the epoch):
@@ -489,28 +391,19 @@ batch_price(const double* __restrict__ tables, const long long* __restrict__ off
 #define PERS_D 4                             // ring slots per tile
 #define PERS_KC ((PERS_K + 31) / 32)         // 32-step chunks of one epoch
 #define PERS_SPIN (1 << 26)
-#ifndef PERS_PF
 #define PERS_PF 8                            // steps before an epoch's end its next halo is loaded
-#endif
+#define PERS_UNROLL 8                        // unroll of an epoch's steps
 
 static_assert(PERS_K % PERS_VT == 0 && PERS_K >= PERS_VT && PERS_K < PERS_W,
               "PERS_K must be a multiple of PERS_VT in [PERS_VT, 32 * PERS_VT)");
 
-// PERS_SMEM=1: neighbour tiles of one block (warps w and w+1) exchange halos and progress through
-// a ring in the block's shared memory, the same protocol as the global ring; only the hops between
-// blocks go through global memory (L2).  The words are then addressed generically.
-#ifndef PERS_SMEM
-#define PERS_SMEM 1
-#endif
-#if PERS_SMEM
-#define PERS_SPACE ""
-#else
-#define PERS_SPACE ".global"
-#endif
-
+// Neighbour tiles of one block (warps w and w+1) exchange halos and progress through a ring in the
+// block's shared memory, the same protocol as the global ring; only the hops between blocks go
+// through global memory (L2).  The words are therefore addressed generically (no state space in
+// the volatile loads and stores below).
 __device__ __forceinline__ void ll_store(uint4* p, double v, unsigned flag)
 {
-    asm volatile("st.volatile" PERS_SPACE ".v4.u32 [%0], {%1, %2, %3, %4};"
+    asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "r"(__double2loint(v)), "r"(flag), "r"(__double2hiint(v)), "r"(flag)
                  : "memory");
 }
@@ -518,7 +411,7 @@ __device__ __forceinline__ void ll_store(uint4* p, double v, unsigned flag)
 __device__ __forceinline__ uint4 ll_load(const uint4* p)
 {
     uint4 w;
-    asm volatile("ld.volatile" PERS_SPACE ".v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
     return w;
 }
@@ -526,55 +419,32 @@ __device__ __forceinline__ uint4 ll_load(const uint4* p)
 __device__ __forceinline__ unsigned ld_volatile_u32(const unsigned* p)
 {
     unsigned x;
-    asm volatile("ld.volatile" PERS_SPACE ".u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
+    asm volatile("ld.volatile.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
     return x;
 }
 
-#ifndef PERS_INTMAX
-#define PERS_INTMAX 0
-#endif
 // A ring slot holds the first PERS_K nodes of a level: node w * PERS_VT + q (publishing lane w,
-// its node q) at word PERS_SLOT_WORD(w, q).  PERS_RING_T=1 (default) lays them out q-major, so
-// that the 8 lanes of one store or load touch 128 contiguous bytes (one line, no shared-memory
-// bank conflicts) instead of 8 lines 128 bytes apart.  Halo lane l reads publishing lane
-// l - (32 - PERS_HL).
-#ifndef PERS_RING_T
-#define PERS_RING_T 1
-#endif
-#if PERS_RING_T
+// its node q) at word PERS_SLOT_WORD(w, q), q-major, so that the 8 lanes of one store or load
+// touch 128 contiguous bytes (one line, no shared-memory bank conflicts) instead of 8 lines 128
+// bytes apart.  Halo lane l reads publishing lane l - (32 - PERS_HL).
 #define PERS_SLOT_WORD(w, q) ((q) * PERS_HL + (w))
-#else
-#define PERS_SLOT_WORD(w, q) ((w) * PERS_VT + (q))
-#endif
 #define PERS_HALO_WORD(lane, q) PERS_SLOT_WORD((lane) - (32 - PERS_HL), q)
-#ifndef PERS_EXPIPE
-#define PERS_EXPIPE 1
-#endif
-#ifndef PERS_UNROLL
-#define PERS_UNROLL 8
-#endif
-// PERS_EU_TILES=1: an American tile whose nodes cannot be worth exercising during an epoch (the
+// European tiles: an American tile whose nodes cannot be worth exercising during an epoch (the
 // test of may_exercise, on the level_base and ratio values the steps use, over the epoch's extreme
 // levels and the tile's extreme ratios) runs that epoch's steps with the European node, bit for
 // bit the same values: there every computed exercise value is negative (the 1e-9 margin covers
 // the roundings of level_base * sign / pd^s and -sign * strike / pd^s, a few ulps, and pd^-s > 0
 // keeps the sign), hold >= +0, so the max is hold.  Such tiles (a put's above the strike, a
-// call's below) take ~35 instead of ~100 cycles a step.  Run 12 (docs/gpu-notes.md): every tile
-// still waits for its halo at every epoch, so the gain is small: N = 100k -2 %, 500k -4 %.
-#ifndef PERS_EU_TILES
-#define PERS_EU_TILES 1
-#endif
-// PERS_SKIP=1: a put's tile whose W nodes all hold, bit for bit, the exercise value the last epoch
-// gave them (its last step took the exercise value at each) skips the epoch's steps: each of its
+// call's below) take about a third of the American node's instructions a step.
+//
+// Exercised tiles: a put's tile whose W nodes all hold, bit for bit, the exercise value the last
+// epoch gave them (its last step took the exercise value at each) skips the epoch's steps: each of its
 // nodes is exercised at every step of the epoch, so its values at the epoch's end are the last
 // step's exercise values, the same bits.  Why it is exercised: where both successors hold their
 // exercise value, exercise - hold = K(1 - pu - pd) - S(1 - pu u - pd d) in exact arithmetic, and the
 // host's skip_lim (pers_skip_limit) is an S below which that is positive whatever the rounding
 // (NaN: never).  Scaled fma arithmetic only.  Deep in-the-money tiles then cost next to nothing,
 // so that more, smaller tiles (the narrow shape) can share the SM sub-partitions from the top.
-#ifndef PERS_SKIP
-#define PERS_SKIP 1
-#endif
 
 template <bool B>
 struct BoolTag {
@@ -582,7 +452,7 @@ struct BoolTag {
 };
 
 // A scaled step's exercise value from its steps_sm entry {sign * level_base / pd^s,
-// -sign * strike / pd^s}: every step, the step-ahead values (PERS_EXPIPE) and PERS_SKIP take it so.
+// -sign * strike / pd^s}: every step, the step-ahead values and the exercised tiles take it so.
 __device__ __forceinline__ double pers_exercise(double2 st, double r)
 {
     return fma(st.x, r, st.y);
@@ -591,11 +461,7 @@ __device__ __forceinline__ double pers_exercise(double2 st, double r)
 // The scaled American node's max (hold >= +0)
 __device__ __forceinline__ double pers_max(double exercise, double hold)
 {
-#if PERS_INTMAX     // hold >= +0, so the bit patterns as integers order them as the doubles
-    return __double_as_longlong(exercise) > __double_as_longlong(hold) ? exercise : hold;
-#else
     return exercise > hold ? exercise : hold;
-#endif
 }
 
 template <bool AMERICAN, bool SCALED>
@@ -608,13 +474,6 @@ __device__ __forceinline__ double pers_node(double pu, double pd, double up, dou
     }
     return node<AMERICAN>(pu, pd, up, down, sbase, r, mstrike);
 }
-
-#ifdef PERS_PROFILE   // measurement builds only: per tile, cycles spent where (clock64 of its SM)
-__device__ unsigned long long pers_prof[8192 * 8];
-#define PERS_CLOCK(x) const long long x = clock64()
-#else
-#define PERS_CLOCK(x)
-#endif
 
 template <bool AMERICAN, bool SCALED>
 __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double* __restrict__ vout,
@@ -632,11 +491,6 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
     const long long a0 = (long long)tile * PERS_OUT;
     const long long base = a0 + (long long)lane * PERS_VT;
     const bool halo_lane = lane >= 32 - PERS_HL;
-#ifdef PERS_PROFILE
-    long long p_wait = 0, p_back = 0, p_steps = 0, p_am = 0, p_eu = 0;
-    unsigned n_am = 0, n_eu = 0, n_skip = 0;
-    PERS_CLOCK(p_start);
-#endif
     double v[PERS_VT], r[PERS_VT];
 #pragma unroll
     for (int q = 0; q < PERS_VT; ++q) {
@@ -660,24 +514,15 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         lbn[c] = AMERICAN ? level_base[max(t - s, 0)] : 0.0;   // levels below 0: never a step's
     }
     const double pd_k = SCALED ? pows[PERS_K] : 1.0;
-#if PERS_EU_TILES || PERS_SKIP
     // the tile's least and greatest node ratios over the launch (the ratio table increases with i;
     // a tile with no node at level t leaves the loop before it reads them)
     const bool has_nodes = a0 <= (long long)t;
-#if PERS_EU_TILES
     const double r_lo = (AMERICAN && has_nodes) ? ratio[a0] : 0.0;
-#endif
     const double r_hi = (AMERICAN && has_nodes) ? ratio[min(a0 + PERS_W - 1, (long long)t)] : 0.0;
-#endif
     // this tile's ring (it publishes for tile j-1) and tile j+1's, and the progress words: in the
     // block's shared memory where the neighbour is a warp of this block, else in global memory
-#if PERS_SMEM
     const int warp = threadIdx.x >> 5;
     const bool left_local = warp > 0, right_local = warp + 1 < PERS_WARPS;
-#else
-    const int warp = 0;
-    const bool left_local = false, right_local = false;
-#endif
     uint4* const mine = left_local ? sring + warp * PERS_D * PERS_K
                                    : ring + (size_t)tile * PERS_D * PERS_K;
     const uint4* const right = right_local ? sring + (warp + 1) * PERS_D * PERS_K
@@ -697,23 +542,17 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         bool may_skip = false;
         double2 last_ex = make_double2(0.0, 0.0);  // the last epoch's last step's exercise numbers
         if (AMERICAN) {
-#if PERS_EU_TILES || PERS_SKIP
             // level_base[t - 1] and level_base[max(t - PERS_K, 0)]: the levels of this epoch's k
             // steps lie between them, and level_base is monotone (lbn holds level_base[max(t - s,
             // 0)] for s = 32 c + lane + 1 until it is refilled below)
             const double l_a = __shfl_sync(FULL, lbn[0], 0);
             const double l_b = __shfl_sync(FULL, lbn[PERS_KC - 1], (PERS_K - 1) & 31);
-#endif
-#if PERS_EU_TILES
             may_ex = may_exercise_within(l_a, l_b, r_lo, r_hi, strike, sign);
-#endif
-#if PERS_SKIP
             // an epoch e > 0 follows one of PERS_K steps; skip_lim NaN: the compare is false
             if (SCALED && e > 0 && sign < 0.0 && fmax(l_a, l_b) * r_hi < skip_lim) {
                 may_skip = true;
                 last_ex = steps_sm[PERS_K - 1];    // read before the refill below overwrites it
             }
-#endif
             __syncwarp();                          // every lane is done with the last epoch's
 #pragma unroll
             for (int c = 0; c < PERS_KC; ++c) {
@@ -724,7 +563,6 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             __syncwarp();
         }
         if (e > 0) {
-            PERS_CLOCK(p0);
             if (a0 + PERS_OUT <= (long long)t) {  // tile j+1 has nodes at level t: its epoch e-1
                 bool late = false;
                 const unsigned want = (gen << 20) | (e - 1);
@@ -755,13 +593,12 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 }
                 // every halo lane holds its words (the vote above read them) before this store
                 if (lane == 0)
-                    asm volatile("st.volatile" PERS_SPACE ".u32 [%0], %1;"
+                    asm volatile("st.volatile.u32 [%0], %1;"
                                  :: "l"(my_progress), "r"((gen << 20) | e) : "memory");
             } else if (halo_lane) {               // above level t: nothing to read, keep it finite
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q) v[q] = 0.0;
             }
-#if PERS_SKIP
             if (may_skip) {   // every node, the halo's too, holds the last epoch's exercise value
                 bool exercised = true;
 #pragma unroll
@@ -769,16 +606,10 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                     exercised = exercised && v[q] == pers_exercise(last_ex, r[q]) * pd_k;
                 may_skip = __all_sync(FULL, exercised);
             }
-#endif
-#ifdef PERS_PROFILE
-            PERS_CLOCK(p1);
-            p_wait += p1 - p0;
-#endif
         }
-        PERS_CLOCK(p2);
         const double msc = -sign * strike;
         // tag: BoolTag<true> for the American node, BoolTag<false> for the European one
-        // PERS_EXPIPE (scaled American steps): step s's exercise values ex[] were computed during
+        // Scaled American steps: step s's exercise values ex[] were computed during
         // step s-1, so that a step issues its holds, compares and selects back to back instead of
         // waiting, in order, for its table load and exercise DFMAs first.
         double ex[PERS_VT];
@@ -790,7 +621,7 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
         auto step = [&](int s, auto tag) {
             constexpr bool AM = decltype(tag)::value;
             const double nb = __shfl_down_sync(FULL, v[0], 1);
-            if (AM && SCALED && PERS_EXPIPE) {
+            if (AM && SCALED) {
 #pragma unroll
                 for (int q = 0; q < PERS_VT; ++q) {
                     v[q] = pers_max(ex[q], fma(a, q < PERS_VT - 1 ? v[q + 1] : nb, v[q]));
@@ -829,13 +660,13 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                 for (int s = split; s < k; ++s) step(s, tag);
             }
         };
-        if (PERS_SKIP && may_skip) {   // the epoch's last step's exercise values, as the step has them
+        if (may_skip) {   // the epoch's last step's exercise values, as the step has them
             exercise_at(k - 1);
 #pragma unroll
             for (int q = 0; q < PERS_VT; ++q) v[q] = ex[q];
             prefetched = false;
         } else if (may_ex) {
-            if (SCALED && PERS_EXPIPE) exercise_at(0);
+            if (SCALED) exercise_at(0);
             epoch_steps(BoolTag<AMERICAN>{});
         }
         else epoch_steps(BoolTag<false>{});
@@ -844,16 +675,8 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
 #pragma unroll
             for (int q = 0; q < PERS_VT; ++q) v[q] *= back;
         }
-#ifdef PERS_PROFILE
-        PERS_CLOCK(p3);
-        p_steps += p3 - p2;
-        if (PERS_SKIP && may_skip) ++n_skip;
-        else if (may_ex) { ++n_am; p_am += p3 - p2; }
-        else { ++n_eu; p_eu += p3 - p2; }
-#endif
         if (tn > t_stop && tile > 0) {             // publish level tn's first PERS_K nodes
             if (e >= PERS_D) {
-                PERS_CLOCK(p4);
                 bool late = false;
                 const unsigned need = e - PERS_D + 1;
                 // every lane reads the same word with one load, so the loop stays converged
@@ -862,10 +685,6 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
                     seen = ld_volatile_u32(left_progress);
                 }
                 if (__any_sync(FULL, late)) { failed = true; break; }
-#ifdef PERS_PROFILE
-                PERS_CLOCK(p5);
-                p_back += p5 - p4;
-#endif
             }
             if (lane < PERS_HL) {
                 const unsigned flag = (gen << 20) | e;
@@ -890,21 +709,6 @@ __device__ __forceinline__ void pers_body(const double* __restrict__ vin, double
             if (local < PERS_OUT && g <= (long long)t_stop) vout[g] = v[q];
         }
     }
-#ifdef PERS_PROFILE
-    PERS_CLOCK(p_end);
-    if (lane == 0 && tile < 8192) {
-        pers_prof[8 * tile + 4] = p_am;
-        pers_prof[8 * tile + 5] = n_am | ((unsigned long long)n_eu << 32);
-        pers_prof[8 * tile + 6] = p_eu;
-        pers_prof[8 * tile + 7] = n_skip;
-        pers_prof[8 * tile + 0] = p_end - p_start;
-        pers_prof[8 * tile + 1] = p_wait;
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        pers_prof[8 * tile + 2] = p_back | ((unsigned long long)smid << 48);
-        pers_prof[8 * tile + 3] = p_steps | ((unsigned long long)e << 48);
-    }
-#endif
 }
 
 // min blocks 1: without it ptxas caps the registers at 96 on sm_80 and spills (fma builds)
@@ -916,7 +720,6 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
            double skip_lim, int american, int scaled, unsigned gen)
 {
     __shared__ double2 steps_sm[PERS_WARPS][PERS_K];
-#if PERS_SMEM
     // zeroed, so that no word of an earlier launch on this SM can carry this launch's flags
     __shared__ uint4 sring[PERS_WARPS * PERS_D * PERS_K];
     __shared__ unsigned sprog[PERS_WARPS];
@@ -924,10 +727,6 @@ pers_steps(const double* __restrict__ vin, double* __restrict__ vout,
         sring[i] = make_uint4(0u, 0u, 0u, 0u);
     if (threadIdx.x < PERS_WARPS) sprog[threadIdx.x] = 0u;
     __syncthreads();
-#else
-    uint4* const sring = nullptr;
-    unsigned* const sprog = nullptr;
-#endif
     if (blockIdx.x * PERS_WARPS + (threadIdx.x >> 5) >= tiles) return;   // whole warps
     double2* mine = steps_sm[threadIdx.x >> 5];
     // the four instantiations (American or not, scaled or not) take the same arguments

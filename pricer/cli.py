@@ -34,13 +34,13 @@ def _mpi_excepthook():
 
 
 def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
-    from pricer.distributed import DISTRIBUTIONS
-    from pricer.engines import BACKENDS
-    from pricer.lattice import TREES
-    from pricer.partition import PARTITIONERS
+    from pricer.engines import backends
+    from pricer.model.lattice import TREES
+    from pricer.model.partition import PARTITIONERS
+    from pricer.run.config import DISTRIBUTIONS
 
     d = (lambda value: value) if defaults else (lambda value: None)
-    p.add_argument("--backend", choices=BACKENDS, default=d("auto"),
+    p.add_argument("--backend", choices=backends(), default=d("auto"),
                    help="pricing engine (default: auto, the fastest this machine has)")
     p.add_argument("--tree", choices=tuple(TREES), default=d("crr"),
                    help="binomial tree (default: crr, the textbook CRR; the others are QuantLib's, "
@@ -86,7 +86,7 @@ def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pricer.generate import DISTRIBUTIONS, EXERCISE
+    from pricer.tools.generate import DISTRIBUTIONS, EXERCISE
 
     parser = argparse.ArgumentParser(prog="pricer", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pricer {__version__}")
@@ -123,18 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--out", default=None, help="also write the measurements as JSON here")
     b = which.add_parser("gpu", help="the seed's Table 5 layout: GPU regimes and hybrid by N")
-    from pricer.bench_gpu import add_arguments
+    from pricer.tools.bench_gpu import add_arguments
     add_arguments(b)
     b = which.add_parser("batch", help="the batch backend on U/R/S portfolios and NVIDIA's sample workload")
-    from pricer.bench_batch import add_arguments as batch_arguments
+    from pricer.tools.bench_batch import add_arguments as batch_arguments
     batch_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
-    from pricer.bench_accuracy import add_arguments as accuracy_arguments
+    from pricer.tools.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
 
     p = sub.add_parser("scaling", help="strong scaling of a job over rank counts, or (--simulate) "
                                        "partition quality at scale")
-    from pricer.scaling import add_arguments as scaling_arguments
+    from pricer.tools.scaling import add_arguments as scaling_arguments
     scaling_arguments(p)
 
     p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
@@ -144,17 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _price(args, prepare=None) -> int:
-    _mpi_excepthook()
-    from pricer.distributed import RunConfig, run
+def _price(args) -> int:
+    from pricer.run.config import RunConfig
+    return _run(args, RunConfig.from_args(args))   # checked by rank 0 before any work
 
-    cfg = RunConfig(input=args.input, output=args.output, backend=args.backend, tree=args.tree,
-                    partition=args.partition, distribute=args.distribute,
-                    overwrite=bool(args.overwrite), threads=args.threads, t1=args.t1, t2=args.t2,
-                    greeks=args.greeks, richardson=args.richardson, checkpoint=args.checkpoint,
-                    resume=bool(args.resume), progress=not args.quiet)
-    if args.chunk_nodes is not None:
-        cfg.chunk_nodes = args.chunk_nodes
+
+def _run_job(args) -> int:
+    from pricer.run.config import RunConfig
+    from pricer.tools.generate import ensure_generated
+
+    try:
+        cfg, job = RunConfig.from_job(args.job, args)
+    except InputError as exc:   # every rank finds the same fault: one message, every rank exits 2
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"pricer: error: {exc}", file=sys.stderr)
+        return 2
+    spec = job["portfolio"].get("generate")
+    prepare = (lambda: ensure_generated(cfg.input, spec)) if spec else None
+    return _run(args, cfg, prepare)
+
+
+def _run(args, cfg, prepare=None) -> int:
+    _mpi_excepthook()
+    from pricer.run.driver import run
+
     summary = run(cfg, prepare=prepare)
     if summary is not None and not args.quiet:
         print(f"wrote {cfg.output}")
@@ -163,36 +177,11 @@ def _price(args, prepare=None) -> int:
     return 0
 
 
-def _run_job(args) -> int:
-    from pricer.jobs import ensure_generated, load_job
-
-    try:
-        job = load_job(args.job)
-    except InputError as exc:
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"pricer: error: {exc}", file=sys.stderr)
-        return 2
-    pricing, output = job.get("pricing", {}), job["output"]
-    defaults = {"backend": "auto", "tree": "crr", "partition": "cost", "distribute": "scatter",
-                "threads": None, "t1": None, "t2": None, "greeks": False, "richardson": False}
-    for key, default in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, pricing.get(key, default))
-    args.input = job["portfolio"]["path"]
-    args.output = args.output or output["path"]
-    if args.overwrite is None:
-        args.overwrite = bool(output.get("overwrite", False))
-    spec = job["portfolio"].get("generate")
-    prepare = (lambda: ensure_generated(args.input, spec)) if spec else None
-    return _price(args, prepare=prepare)
-
-
 def _generate(args) -> int:
     import os
 
-    from pricer.generate import generate
-    from pricer.portfolio import write_portfolio
+    from pricer.io.portfolio import write_portfolio
+    from pricer.tools.generate import generate
 
     if os.path.exists(args.output) and not args.overwrite:
         raise InputError(f"{args.output}: exists; pass --overwrite to replace it")
@@ -205,7 +194,7 @@ def _generate(args) -> int:
 
 
 def _info(args) -> int:
-    from pricer.info import describe
+    from pricer.tools.info import describe
 
     for line in describe(args.file):
         print(line)
@@ -214,29 +203,29 @@ def _info(args) -> int:
 
 def _bench(args) -> int:
     if args.what == "gpu":
-        from pricer.bench_gpu import bench_gpu
+        from pricer.tools.bench_gpu import bench_gpu
         return bench_gpu(args)
     if args.what == "batch":
-        from pricer.bench_batch import bench_batch
+        from pricer.tools.bench_batch import bench_batch
         bench_batch(quick=args.quick, repeats=args.repeats, out=args.out,
                     min_seconds=args.min_seconds)
         return 0
     if args.what == "accuracy":
-        from pricer.bench_accuracy import run as bench_accuracy
+        from pricer.tools.bench_accuracy import run as bench_accuracy
         bench_accuracy(args)
         return 0
-    from pricer.bench import bench_cpu
+    from pricer.tools.bench_cpu import bench_cpu
     bench_cpu(quick=args.quick, out=args.out)
     return 0
 
 
 def _calibrate(args) -> int:
-    from pricer.calibrate import main
+    from pricer.tools.calibrate import main
     return main(quick=args.quick, out=args.out)
 
 
 def _scaling(args) -> int:
-    from pricer.scaling import run
+    from pricer.tools.scaling import run
     return run(args)
 
 

@@ -19,8 +19,8 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from pricer.lattice import TREE_NAMES
-from pricer.portfolio import ALL_COLUMNS, FLOAT_COLUMNS, OPTIONAL_COLUMNS, max_steps_for_memory
+from pricer.model.lattice import TREE_NAMES
+from pricer.io.portfolio import ALL_COLUMNS, FLOAT_COLUMNS, OPTIONAL_COLUMNS, max_steps_for_memory
 
 REQUIRED = [c for c in ALL_COLUMNS if c not in OPTIONAL_COLUMNS]
 POSITIVE = ("spot", "strike", "maturity", "volatility")

@@ -14,13 +14,13 @@ import pytest
 
 from helpers import ROOT, env, run_pricer
 from pricer import __version__
-from pricer.engines.serial import SerialEngine
-from pricer.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
-from pricer.greeks import GREEKS, Analytics, price_with_analytics
-from pricer.lattice import lattice_parameters
-from pricer.portfolio import Portfolio, columns_from_matrix, read_portfolio, write_portfolio
-from pricer.results import SCHEMA as RESULTS_SCHEMA
-from pricer.results import read_results
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.tools.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
+from pricer.model.greeks import GREEKS, Analytics, price_with_analytics
+from pricer.model.lattice import lattice_parameters
+from pricer.io.portfolio import Portfolio, columns_from_matrix, read_portfolio, write_portfolio
+from pricer.io.results import SCHEMA as RESULTS_SCHEMA
+from pricer.io.results import read_results
 
 BAD_INPUT = 2
 
@@ -346,7 +346,7 @@ def test_run_job_unknown_key(tmp_path, table, key):
 
 
 def test_demo_job_file_is_valid():
-    from pricer.jobs import load_job
+    from pricer.io.jobs import load_job
 
     job = load_job(str(ROOT / "jobs" / "demo.toml"))
     assert job["portfolio"]["generate"]["dist"] in ("uniform", "random", "skewed", "scenarios")
@@ -555,19 +555,22 @@ def test_analytics_bad_input_exit_2_nothing_written(tmp_path, case, ranks):
 
 def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
     """`pricer bench batch` times `repeats` calls and, past those, calls for `min_seconds` (the
-    U1 book's 0.7 ms calls, 5 of them, saw 4 ms of a host whose speed drifts over seconds);
+    a few sub-millisecond calls would see only a moment of a host whose speed drifts);
     the median call's wall and stats come back. A stand-in engine whose calls sleep 1 ms."""
     import time
     from types import SimpleNamespace
-    from pricer.bench_batch import time_case
+    from pricer.tools.bench_batch import time_case
 
     class Sleeper:
         def __init__(self):
-            self.calls, self.runner = 0, SimpleNamespace(last_stats={})
+            self.calls, self._runner = 0, SimpleNamespace(last_stats={})
+
+        def runner(self):
+            return self._runner
 
         def price(self, params):
             self.calls += 1
-            self.runner.last_stats = dict(call=self.calls)
+            self._runner.last_stats = dict(call=self.calls)
             time.sleep(0.001)
 
     engine = Sleeper()

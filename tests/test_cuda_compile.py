@@ -1,5 +1,6 @@
-"""Every cuda/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed), so a kernel that does not
-compile fails CI. Without nvcc this skips with the reason, unless CI is set: then it fails."""
+"""Every cuda/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed), with the -D flags the
+engines pass, so a kernel that does not compile fails CI. Without nvcc this skips with the reason,
+unless CI is set: then it fails."""
 
 from __future__ import annotations
 
@@ -11,13 +12,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "cuda").glob("*.cu"))
-# the default build and the tunings the GPU engine may ask for
-VARIANTS = [[], ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16", "-DBATCH_W=4",
-                 "-DBATCH_COUNT", "-DPERS_VT=4", "-DPERS_K=64"],   # the persistent kernel's narrow shape
-            ["-DTILED_B=1024", "-DTILED_VT=8", "-DBATCH_W=16", "-DPERS_SKIP=0"], ["-DBATCH_W=2", "-DBATCH_SKIP=0", "-DPERS_EU_TILES=0",
-                                                               "-DPERS_SMEM=0", "-DPERS_EXPIPE=0",
-                                                               "-DPERS_RING_T=0", "-DPERS_UNROLL=2"]]
+CUDA = ROOT / "cuda"
+SOURCES = sorted(CUDA.glob("*.cu"))
+
+# batch.cu's required -D flags: its input layout and the constants the host's launches use. The
+# values come from pricer's batch layout module (the engine passes them); these copies only let
+# the kernels compile here, and the GPU tests check the real ones against the kernels' results.
+BATCH_LAYOUT = ["-DVT=4", "-DIN_SPOT=0", "-DIN_STRIKE=1", "-DIN_LOG_UP=2", "-DIN_LOG_DOWN=3",
+                "-DIN_PU=4", "-DIN_PD=5", "-DIN_STEPS_AT=48", "-DIN_ORDER_AT=52", "-DIN_CALL_AT=56",
+                "-DIN_AMERICAN_AT=57", "-DSORT_THREADS=1024", "-DWORK_ORDER_THREADS=1024",
+                "-DWORK_RANK_LANES=8", "-DWIDTH_MARGIN=2"]
+
+# (source, flags): the builds the engines ask for, each compiled for both architectures
+VARIANTS = [
+    # the batch kernels, one module per warp count W (the default W = 1, and the wide families)
+    ("batch.cu", BATCH_LAYOUT),
+    *(("batch.cu", [f"-DBATCH_W={w}", *BATCH_LAYOUT]) for w in (2, 4, 16)),
+    # the lattice kernels: the defaults (exact mode), the production fma module, the persistent
+    # kernel's narrow shape, the exact mode with it, the mid-regime module, a wide tiled block
+    ("binomial.cu", []),
+    ("binomial.cu", ["-DPRICER_FMA=1", "-DTILED_B=256", "-DTILED_VT=8", "-DWARP_VT=8", "-DPERS_VT=8",
+                     "-DPERS_K=64", "-DPERS_WARPS=4"]),
+    ("binomial.cu", ["-DPRICER_FMA=1", "-DTILED_B=512", "-DTILED_VT=4", "-DWARP_VT=16",
+                     "-DPERS_VT=4", "-DPERS_K=64", "-DPERS_WARPS=4"]),
+    ("binomial.cu", ["-DPRICER_FMA=0", "-DTILED_B=256", "-DTILED_VT=8", "-DWARP_VT=8", "-DPERS_VT=4",
+                     "-DPERS_K=64", "-DPERS_WARPS=4"]),
+    ("binomial.cu", ["-DPRICER_FMA=1", "-DTILED_B=256", "-DTILED_VT=2", "-DWARP_VT=8"]),
+    ("binomial.cu", ["-DTILED_B=1024", "-DTILED_VT=8"]),
+    ("fp64_peak.cu", ["-DCHAINS=8"]),
+]
 
 
 def _nvcc() -> str:
@@ -35,17 +58,43 @@ def test_sources_exist():
     assert SOURCES, "no cuda/*.cu found"
 
 
+def test_every_source_has_variants():
+    assert {s.name for s in SOURCES} == {name for name, _ in VARIANTS}
+
+
+def _variant_id(variant) -> str:
+    name, flags = variant
+    return f"{name}[{' '.join(f.removeprefix('-D') for f in flags if f not in BATCH_LAYOUT)}]"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
-def test_compiles(source, arch, variant, tmp_path):
+@pytest.mark.parametrize("variant", VARIANTS, ids=[_variant_id(v) for v in VARIANTS])
+def test_compiles(variant, arch, tmp_path):
     nvcc = _nvcc()
+    name, flags = variant
+    source = CUDA / name
     out = tmp_path / f"{source.stem}.cubin"
     cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-Werror", "all-warnings",
-           *VARIANTS[variant], "-o", str(out), str(source)]
+           *flags, "-o", str(out), str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     assert out.stat().st_size > 0
     # no register spills in any kernel
     spills = [line for line in proc.stderr.splitlines() if "spill stores" in line]
     assert spills and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), proc.stderr
+
+
+@pytest.mark.parametrize("missing", [None, *BATCH_LAYOUT],
+                         ids=["all", *(f.removeprefix("-D").split("=")[0] for f in BATCH_LAYOUT)])
+def test_batch_layout_is_required(missing, tmp_path):
+    """batch.cu has no default for its layout: a build without one of its flags (or without any)
+    fails with the #error that names it, so the contract with the host cannot silently go."""
+    nvcc = _nvcc()
+    flags = [] if missing is None else [f for f in BATCH_LAYOUT if f != missing]
+    want = (BATCH_LAYOUT[0] if missing is None else missing).removeprefix("-D").split("=")[0]
+    # preprocessing alone reaches the #error (a fraction of a second)
+    cmd = [nvcc, "-arch=sm_90", "-E", *flags, "-o", str(tmp_path / "batch.ii"),
+           str(CUDA / "batch.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, f"{' '.join(cmd)} succeeded without {want}"
+    assert f"{want} must be given (-D)" in proc.stdout + proc.stderr, proc.stderr

@@ -9,11 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from pricer.engines.cpu import CpuEngine
-from pricer.engines.serial import LEVEL_VALUES, SerialEngine
+from pricer.engines.cpu.parallel import CpuEngine
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.model.lattice import LEVEL_VALUES
 from pricer.errors import InputError
-from pricer.greeks import Analytics, price_with_analytics
-from pricer.lattice import lattice_parameters
+from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.model.lattice import lattice_parameters
 from test_engines import bitwise_equal, make_columns, random_market
 
 SERIAL, CPU = SerialEngine(), CpuEngine()
@@ -130,7 +131,7 @@ def test_greeks_are_the_same_on_both_cpu_backends_and_leave_the_price_alone(rng)
 
 
 def test_richardson_coarse_lattice_keeps_the_parity():
-    from pricer.greeks import richardson_steps
+    from pricer.model.greeks import richardson_steps
     steps = np.arange(3, 2000)
     coarse = richardson_steps(steps)
     assert np.all(coarse % 2 == steps % 2) and np.all(coarse < steps)
@@ -173,9 +174,9 @@ def test_richardson_is_second_order_at_the_money(rng, tree):
 def test_bench_accuracy_counts_the_coarse_lattice_richardson_prices():
     """`pricer bench accuracy` charges Richardson for the N-step lattice plus the one it really
     prices (richardson_steps: N's parity, 13 steps for N = 25), not N // 2."""
-    from pricer.bench_accuracy import STEPS, nodes_per_option
-    from pricer.greeks import richardson_steps
-    from pricer.portfolio import lattice_nodes
+    from pricer.tools.bench_accuracy import STEPS, nodes_per_option
+    from pricer.model.greeks import richardson_steps
+    from pricer.model.cost import lattice_nodes
     assert nodes_per_option(25, False) == 26 * 27 / 2
     assert nodes_per_option(25, True) == 26 * 27 / 2 + 14 * 15 / 2
     for n in STEPS:

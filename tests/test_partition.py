@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricer.generate import generate
-from pricer.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
+from pricer.tools.generate import generate
+from pricer.model.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
                               min_bottleneck, option_cost, part_costs, partition,
                               partition_by_cost, partition_by_count, whole_option_bound)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from pricer.errors import InputError
-from pricer.lattice import TREE_NAMES
-from pricer.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
+from pricer.model.lattice import TREE_NAMES
+from pricer.io.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
                               SCHEMA, Portfolio, columns_from_matrix, max_steps_for_memory,
                               read_portfolio, write_portfolio)
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from helpers import env, mpiexec, pricer_command
-from pricer.portfolio import Portfolio, write_portfolio
-from pricer.progress import choose_mode, period, progress_line
-from pricer.scaling import parse_summary
+from pricer.io.portfolio import Portfolio, write_portfolio
+from pricer.run.progress import choose_mode, period, progress_line
+from pricer.tools.scaling import parse_summary
 
 RANKS = 3
 LINE = re.compile(r"^pricer: progress (\d+)% \((\S+) of (\S+) nodes, (\d+) of (\d+) chunks, "

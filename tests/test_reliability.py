@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from helpers import env, mpiexec, pricer_command, run_pricer
-from pricer.engines.serial import SerialEngine
-from pricer.greeks import Analytics, price_with_analytics
-from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
-from pricer.results import read_results
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.results import read_results
 
 RANKS = 3
 DEADLINE = 10.0

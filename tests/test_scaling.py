@@ -9,11 +9,11 @@ import importlib.util
 
 import pytest
 
-from pricer.generate import generate
-from pricer.partition import option_cost
-from pricer.portfolio import write_portfolio
-from pricer.results import read_results
-from pricer.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, launcher_command, main, parse_ranks,
+from pricer.tools.generate import generate
+from pricer.model.cost import option_cost
+from pricer.io.portfolio import write_portfolio
+from pricer.io.results import read_results
+from pricer.tools.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, launcher_command, main, parse_ranks,
                             parse_summary, simulate_rows)
 
 from helpers import mpiexec

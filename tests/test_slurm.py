@@ -58,7 +58,7 @@ overwrite = true
 
 @pytest.mark.parametrize("name", ["demo.toml", "large.toml", "scaling.toml", "scaling-gpu.toml"])
 def test_shipped_job_specs_load(name):
-    from pricer.jobs import load_job
+    from pricer.io.jobs import load_job
 
     job = load_job(str(JOBS / name))
     assert job["portfolio"]["generate"]["dist"] == "random"
@@ -78,7 +78,7 @@ def test_docs_jobs_lists_every_shipped_job():
 
 
 def test_docs_jobs_lists_every_key():
-    from pricer.jobs import KEYS
+    from pricer.io.jobs import KEYS
 
     text = (ROOT / "docs" / "jobs.md").read_text()
     for table, keys in KEYS.items():
@@ -90,7 +90,7 @@ def test_docs_jobs_lists_every_key():
                                        ("pricing", "engine"), ("output", "compress")])
 def test_unknown_job_keys_refused_by_name(tmp_path, table, key):
     from pricer.errors import InputError
-    from pricer.jobs import load_job
+    from pricer.io.jobs import load_job
 
     text = SMALL_JOB.replace(f"[{table}]\n", f"[{table}]\n{key} = 1\n")
     assert text != SMALL_JOB
@@ -101,7 +101,7 @@ def test_unknown_job_keys_refused_by_name(tmp_path, table, key):
 
 def test_unknown_job_table_refused_by_name(tmp_path):
     from pricer.errors import InputError
-    from pricer.jobs import load_job
+    from pricer.io.jobs import load_job
 
     (tmp_path / "job.toml").write_text(SMALL_JOB + "\n[outputs]\npath = 'x.h5'\n")
     with pytest.raises(InputError, match="unknown table.s. outputs; known: portfolio, pricing, output"):
@@ -312,7 +312,7 @@ def _venv_env() -> dict:
 
 
 def _prices(path: Path) -> np.ndarray:
-    from pricer.results import read_results
+    from pricer.io.results import read_results
 
     return read_results(str(path))["price"]
 

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from helpers import run_pricer
-from pricer.engines.cpu import CpuEngine
-from pricer.engines.serial import SerialEngine
+from pricer.engines.cpu.parallel import CpuEngine
+from pricer.engines.cpu.serial import SerialEngine
 from pricer.errors import InputError
-from pricer.lattice import TREE_NAMES, TREES, lattice_parameters
-from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
-from pricer.results import read_results
+from pricer.model.lattice import TREE_NAMES, TREES, lattice_parameters
+from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.results import read_results
 
 ql = pytest.importorskip("QuantLib")
 

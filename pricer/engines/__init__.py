@@ -1,35 +1,34 @@
-"""Stage 4: the pricing engines, one module per backend, chosen by name from a small registry.
-
-Every engine has `name` and `price(params: LatticeParams) -> np.ndarray` (float64, one price per
-option, in the order given). Engines never see ids, files or MPI.
+"""The pricing engines: the interface and registry (base.py), the CPU engines (cpu/), the GPU
+engines (gpu/), and the built-in backends' registry entries (below). Engines never see ids, files
+or MPI; what an engine is and can say about itself is pricer.engines.base.Engine.
 """
 
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
-import importlib.util
 import os
-import shutil
 from pathlib import Path
 
+from pricer.engines.base import Engine, backend, backends, register
 from pricer.errors import InputError
+from pricer.files import cache_dir
 
 
 def _key_numba_cache_by_source() -> None:
     """numba re-checks a cached kernel only against its own file, not against the kernels it calls
-    in other modules (cpu.py and gpu.py build on serial.py's): after an edit of serial.py alone the
-    cached cpu kernels would still run the old code. So the cache lives in one folder per hash of
-    the engine sources, under NUMBA_CACHE_DIR if set (point it at node-local storage on clusters)."""
+    in other modules (the cpu engine and the GPU tail build on serial.py's) or the constants it
+    reads from pricer.model: after an edit of one of those alone the cached kernels would still run
+    the old code. So the cache lives in one folder per hash of the engine and model sources, under
+    NUMBA_CACHE_DIR if set (point it at node-local storage on clusters)."""
     import numba
 
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "pricer", "numba")
+    package = Path(__file__).parent.parent
+    for path in sorted([*package.joinpath("engines").rglob("*.py"),
+                        *package.joinpath("model").rglob("*.py")]):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir("numba"))
     numba.config.CACHE_DIR = os.path.join(base, f"engines-{digest.hexdigest()[:16]}")
 
 
@@ -57,87 +56,80 @@ _prefer_full_width_vectors()
 
 
 
-BACKENDS = ("auto", "serial", "cpu", "gpu", "hybrid", "batch")
-
-# `hybrid` picked by hand prices options up to this many steps on the CPU outright (all cores beat
-# its one-option-at-a-time GPU path there: docs/gpu-notes.md, H200, 16 cores), unless `pricer
-# calibrate` measured another crossover for this GPU.
-AUTO_CPU_MAX_STEPS = 500
 # `auto` on a GPU machine is `batch`; a rank's share of at most this many lattice nodes is priced on
 # the CPU instead (a launch, its copies and the first-use set-up cost more than that much CPU work).
 AUTO_CPU_MAX_NODES = 2_000_000
 
 
-def show_each_rank_its_gpu(environ=os.environ, gpus: int | None = None) -> None:
-    """On a node with several GPUs, where the launcher set no CUDA_VISIBLE_DEVICES, show this rank
-    only GPU (local rank mod GPUs) — the one GpuRuntime would pick — before CUDA starts: otherwise
-    every rank's CUDA start sets up every GPU of the node, and the ranks queue for the driver
-    (engine start 0.44 s at 1 rank, 0.86 s at 4 on a 4 x H200 node, docs/performance.md).
-    PRICER_GPU_PIN=0 leaves the variable alone."""
-    if "CUDA_VISIBLE_DEVICES" in environ or environ.get("PRICER_GPU_PIN", "1") == "0":
-        return
-    from pricer.engines.gpu import launcher_local_rank
-    local = launcher_local_rank(environ)
-    if gpus is None:   # the driver's list: counting the GPUs must not start CUDA
-        gpus = len(glob.glob("/proc/driver/nvidia/gpus/*"))
-    if local is not None and gpus > 1:
-        environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
-
-
-@functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
-    """True if the GPU backends can run here: pycuda importable, a CUDA device visible, nvcc found.
-    Cheap (no context is created); PRICER_NO_GPU=1 says no."""
-    if os.environ.get("PRICER_NO_GPU", "") not in ("", "0"):
-        return False
-    show_each_rank_its_gpu()
-    if importlib.util.find_spec("pycuda") is None:
-        return False
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        return False
-    try:
-        import pycuda.driver as cuda
-        cuda.init()
-        return cuda.Device.count() > 0
-    except Exception:
-        return False
+    """True if the GPU backends can run here (pricer.engines.gpu.runtime.gpu_available)."""
+    from pricer.engines.gpu.runtime import gpu_available as available
+    return available()
+
+
+def set_local_rank(rank: int | None) -> None:
+    """The run's word on this process's rank among the processes of its node, which chooses its
+    GPU where the launcher says nothing (the run splits its communicator by node)."""
+    from pricer.engines.gpu.runtime import set_local_rank as set_rank
+    set_rank(rank)
 
 
 def resolve_backend(name: str) -> str:
     """The concrete backend for a requested name; `auto` picks the best one this machine has."""
-    if name not in BACKENDS:
-        raise InputError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
+    known = backend(name)
     if name == "auto":
         return "batch" if gpu_available() else "cpu"
-    if name in ("gpu", "hybrid", "batch") and not gpu_available():
+    if known.needs_gpu and not gpu_available():
         # raised on rank 0 while the input is checked, before any collective work
         raise InputError(f"backend {name!r} needs a CUDA GPU, pycuda and nvcc; none usable here "
                          f"(use --backend cpu)")
     return name
 
 
-def get_engine(name: str, **overrides):
-    """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the GPU
-    backends over their calibrated or default values; the CPU backends have none and ignore them."""
-    backend = resolve_backend(name)
-    if backend == "batch":
-        from pricer.engines.batch import BatchEngine
-        from pricer.engines.gpu import GpuUnavailable
-        try:
-            return BatchEngine(cpu_max_nodes=AUTO_CPU_MAX_NODES if name == "auto" else 0,
-                               **overrides)
-        except GpuUnavailable as exc:
-            raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
-    if backend in ("gpu", "hybrid"):
-        from pricer.engines.gpu import GpuEngine, GpuUnavailable
-        # a default only: a cached calibration's cpu_max_steps replaces it
-        defaults = {"cpu_max_steps": AUTO_CPU_MAX_STEPS} if name == "auto" else {}
-        try:
-            return GpuEngine(backend, defaults=defaults, **overrides)
-        except GpuUnavailable as exc:
-            raise InputError(f"backend {backend!r} needs a usable GPU: {exc}") from None
-    if backend == "serial":
-        from pricer.engines.serial import SerialEngine
-        return SerialEngine()
-    from pricer.engines.cpu import CpuEngine
+def get_engine(name: str, **overrides) -> Engine:
+    """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the
+    GPU backends over their calibrated or default values; the others ignore them."""
+    return backend(resolve_backend(name) if name != "auto" else "auto").factory(**overrides)
+
+
+# ------------------------------------------------------------------------- the built-in backends
+
+def _serial(**overrides) -> Engine:
+    from pricer.engines.cpu.serial import SerialEngine
+    return SerialEngine()
+
+
+def _cpu(**overrides) -> Engine:
+    from pricer.engines.cpu.parallel import CpuEngine
     return CpuEngine()
+
+
+def _gpu(mode: str, **overrides) -> Engine:
+    from pricer.engines.gpu.engine import GpuEngine
+    from pricer.engines.gpu.runtime import GpuUnavailable
+    try:
+        return GpuEngine(mode, **overrides)
+    except GpuUnavailable as exc:
+        raise InputError(f"backend {mode!r} needs a usable GPU: {exc}") from None
+
+
+def _auto(**overrides) -> Engine:
+    if not gpu_available():
+        return _cpu()
+    from pricer.engines.gpu.engine import GpuEngine
+    from pricer.engines.gpu.runtime import GpuUnavailable
+    try:
+        return GpuEngine("batch", cpu_max_nodes=AUTO_CPU_MAX_NODES, **overrides)
+    except GpuUnavailable as exc:
+        raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
+
+
+register("auto", _auto, help="batch where a GPU is usable (a small share on the CPU), else cpu")
+register("serial", _serial, help="one core, the reference engine")
+register("cpu", _cpu, help="all the rank's cores (numba)")
+register("gpu", functools.partial(_gpu, "gpu"), needs_gpu=True,
+         help="batch kernels up to 16 383 steps, the GPU regimes above, down to level 0")
+register("hybrid", functools.partial(_gpu, "hybrid"), needs_gpu=True,
+         help="as gpu, with small options and the regimes' last levels on the CPU")
+register("batch", functools.partial(_gpu, "batch"), needs_gpu=True,
+         help="whole books per launch; wider options through the regimes and a CPU tail")

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pricer import __version__  # noqa: E402
-from pricer.engines.serial import SerialEngine  # noqa: E402
-from pricer.generate import generate  # noqa: E402
-from pricer.lattice import lattice_parameters  # noqa: E402
-from pricer.portfolio import columns_from_matrix  # noqa: E402
+from pricer.engines.cpu.serial import SerialEngine  # noqa: E402
+from pricer.tools.generate import generate  # noqa: E402
+from pricer.model.lattice import lattice_parameters  # noqa: E402
+from pricer.io.portfolio import columns_from_matrix  # noqa: E402
 
 OUT = Path(__file__).with_name("scenarios_n20000.csv")
 COUNT, STEPS = 270, 20_000
@@ -37,7 +37,7 @@ def main() -> None:
     prices = SerialEngine().price(params)
     seconds = time.perf_counter() - start
     with open(OUT, "w") as f:
-        f.write(f"# pricer.generate.generate('scenarios', {COUNT}, steps={STEPS}) priced by the serial "
+        f.write(f"# pricer.tools.generate.generate('scenarios', {COUNT}, steps={STEPS}) priced by the serial "
                 f"engine (crr tree), pricer {__version__}, made by tests/data/make_reference.py\n")
         f.write(",".join(COLUMNS) + "\n")
         for k in range(len(portfolio)):

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from pricer.distributed import BadInput, RunConfig, run
-from pricer.engines.serial import SerialEngine
-from pricer.greeks import GREEKS, Analytics, price_with_analytics
-from pricer.lattice import TREE_NAMES, lattice_parameters
-from pricer.partition import assign
-from pricer.portfolio import Portfolio, columns_from_matrix, write_portfolio
-from pricer.results import read_results
+from pricer.run.collectives import BadInput
+from pricer.run.config import RunConfig
+from pricer.run.driver import run
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.model.greeks import GREEKS, Analytics, price_with_analytics
+from pricer.model.lattice import TREE_NAMES, lattice_parameters
+from pricer.model.partition import assign
+from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.results import read_results
 
 comm = MPI.COMM_WORLD
 RANK, SIZE = comm.Get_rank(), comm.Get_size()

@@ -1,0 +1,170 @@
+"""The engine interface, the registry of backends, and the one routing combinator.
+
+An engine prices lattices: `price(params, levels=None)` takes a LatticeParams (pricer.model.lattice)
+and returns one float64 price per option, in the order given; with `levels` ((n, LEVEL_VALUES)
+float64) it also writes each option's first levels' values (for the Greeks). Engines never see ids,
+files or MPI. Besides pricing, an engine says what the run needs to know about it:
+
+- `uses_gpu`: whether it drives a GPU (then the run measures the rank's GPU and fits it);
+- `warm_up()`: work done while rank 0 reads the input (compiling, loading kernels);
+- `prepare(steps, levels)`: the one-time set-up for a rank's share, timed as the `setup` stage;
+- `device_info()`: the rank's GPU as the engine measures it (a DeviceInfo), `device_need(steps,
+  cuts, analytics)`: the device bytes a share needs (a DeviceNeed), and `fit_device(chunk_options)`,
+  which applies the options per chunk `DeviceNeed.fit` chose for the rank's budget.
+
+A backend is one module with an Engine subclass and one `register(name, factory)` call; the
+factories of the built-in backends are at the end of pricer/engines/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from pricer.errors import InputError
+from pricer.model.lattice import LEVEL_VALUES, LatticeParams
+
+
+class Engine:
+    """The base of every engine (see the module doc)."""
+
+    name = "engine"
+    uses_gpu = False
+
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def price_rows(self, params: LatticeParams, rows: np.ndarray,
+                   levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices of options `rows` of params, in that order (an engine that can read rows in
+        place, without a copy of their parameters, overrides this)."""
+        return self.price(params.take(rows), levels)
+
+    def warm_up(self) -> None:
+        """Work worth doing before the input is read (nothing by default)."""
+
+    def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
+        """One-time set-up for options with these steps (nothing by default)."""
+
+    def device_need(self, steps: np.ndarray, cuts: np.ndarray, analytics) -> "DeviceNeed | None":
+        """The device bytes of a share priced in engine calls of rows cuts[j]:cuts[j+1]; None for an
+        engine that uses no GPU."""
+        return None
+
+    def fit_device(self, chunk_options: int) -> None:
+        """Options per chunk of the engine's device buffers, as DeviceNeed.fit chose them for the
+        rank's budget (0: as they are)."""
+
+    def device_info(self) -> "DeviceInfo | None":
+        """The rank's GPU as measured in the engine's context; None for an engine without one."""
+        return None
+
+
+@dataclass
+class DeviceInfo:
+    """A rank's GPU as measured once its engine has started."""
+    free: float    # bytes free
+    total: float
+    device: str    # host and PCI bus id: ranks with the same one share the GPU
+    name: str
+
+
+@dataclass
+class DeviceNeed:
+    """One rank's device bytes for its share, as an engine allocates them."""
+    held: float = 0.0      # whatever the streaming: e.g. the widest option's own arrays
+    held_row: int = -1     # the share's row whose lattice sets `held` (-1: none)
+    held_steps: int = 0
+    held_what: str = ""    # what those bytes are, for a refusal's message
+    streamed: float = 0.0  # the streamed buffers as the engine is set now
+    unit: float = 0.0      # bytes per option of a chunk of the streamed buffers
+
+    @property
+    def total(self) -> float:
+        return self.held + self.streamed
+
+    @property
+    def least(self) -> float:
+        """The streamed buffers at their finest (one option per chunk)."""
+        return self.unit if self.streamed else 0.0
+
+    def fit(self, budget: float) -> int | None:
+        """The options per chunk that fit `budget` bytes: 0 if the engine fits as it is; None if
+        even one option per chunk does not fit."""
+        if self.total <= budget:
+            return 0
+        if self.held + self.least > budget:
+            return None
+        return max(1, int((budget - self.held) // self.unit))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Options whose steps satisfy `accepts` (steps -> bool mask) go to `engine` (an Engine, or a
+    function that makes it at first use)."""
+    accepts: Callable[[np.ndarray], np.ndarray]
+    engine: object
+
+
+def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None) -> np.ndarray:
+    """Prices of params through `routes`: each option goes to the first route that accepts it (the
+    last route should accept every option left). A route that takes every option gets params as
+    they are; the others get their rows (Engine.price_rows), and their prices and levels are
+    scattered back."""
+    n = len(params)
+    out = np.empty(n)
+    left = np.arange(n)
+    for r in routes:
+        if left.size == 0:
+            break
+        mask = r.accepts(params.steps if left.size == n else params.steps[left])
+        rows = left[mask]
+        if rows.size == 0:
+            continue
+        engine = r.engine if isinstance(r.engine, Engine) else r.engine()
+        if rows.size == n:
+            return engine.price(params, levels)
+        part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
+        out[rows] = engine.price_rows(params, rows, part)
+        if levels is not None:
+            levels[rows] = part
+        left = left[~mask]
+    if left.size:
+        raise ValueError(f"no engine route accepts {left.size} option(s)")
+    return out
+
+
+# ------------------------------------------------------------------------------- the registry
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    factory: Callable[..., Engine]   # factory(**overrides) -> Engine
+    needs_gpu: bool = False
+    help: str = ""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(name: str, factory: Callable[..., Engine], needs_gpu: bool = False,
+             help: str = "") -> None:
+    """Make backend `name` known to `pricer price --backend`, job files and get_engine.
+    factory(**overrides) builds the engine; overrides are the run's GPU settings (t1, t2), which an
+    engine without them should accept and ignore."""
+    _BACKENDS[name] = Backend(name, factory, needs_gpu, help)
+
+
+def backends() -> tuple[str, ...]:
+    """The registered backend names, `auto` first."""
+    return tuple(sorted(_BACKENDS, key=lambda name: (name != "auto", list(_BACKENDS).index(name))))
+
+
+def backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except (KeyError, TypeError):
+        raise InputError(f"unknown backend {name!r}; known backends: {', '.join(backends())}") \
+            from None

@@ -1,0 +1,148 @@
+"""The `cpu` backend: all cores of the rank, numba-parallel, static schedule.
+
+Two kinds of parallelism, as the seed's OpenMP version found best (static, one parallel region per
+block of levels rather than per level):
+- across options: the options are cut into one contiguous group per thread with equal total cost
+  (Σ N², the same cost partitioner MPI uses) and each thread prices its group serially;
+- within a level, for options larger than one thread's share: the level is cut into one chunk per
+  thread (fewer as it narrows, at least MIN_CHUNK_NODES each) and each chunk advances `BLOCK_STEPS`
+  levels on its own, reading a halo of that many extra nodes, so the threads meet once per block
+  instead of once per level. Narrow levels finish on one core.
+Every node is computed with the serial engine's exact operations, so the prices are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from pricer.engines.base import Engine
+from pricer.engines.cpu.serial import (Direct, _bits, advance, backward_keeping_levels,
+                                   exercise_limit, kernel_arguments, level_array, power_tables,
+                                   price_all, price_here, price_range, terminal_values)
+from pricer.model.lattice import STEPS_ROW, LatticeParams
+from pricer.model.cost import option_cost
+from pricer.model.partition import partition_by_cost
+
+# Options with at least this many steps (and more than a thread's share of the work) are priced one
+# at a time with all threads on each level. The level-parallel chunks run the unpadded kernels
+# (advance), which take ~1.8x the one-thread path's time per node: on the 2-core bench host
+# (docs/performance.md, Session 6) 2 threads first beat one at N ~ 20 000 for an at-the-money call
+# (22.0 against 24.4 ms) and ~30 000 for a put, whose one-thread path skips its exercised nodes.
+LEVEL_PARALLEL_MIN_STEPS = 32_768
+# Levels advanced per parallel block, and the fewest nodes per thread worth splitting a level for.
+BLOCK_STEPS = 64
+MIN_CHUNK_NODES = 2_048
+
+
+@njit(cache=True, parallel=True)
+def _price_groups(spot, strike, steps, call, american, log_up, log_down, pu, pd, order,
+                  group_bounds, out, levels):
+    for g in prange(group_bounds.size - 1):
+        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
+                    order[group_bounds[g]:group_bounds[g + 1]], out, levels)
+
+
+@njit(cache=True, nogil=True)
+def _advance_chunk(src, dst, a, b, t_top, block, strike, sign, american, pu, pd, level_base, ratio,
+                   limit):
+    """Nodes [a, b) of level t_top - block, from nodes [a, b + block) of level t_top."""
+    local = src[a:b + block].copy()
+    advance(local, b - a + block, t_top, block, strike, sign, american, pu, pd, level_base,
+            ratio[a:], limit)
+    dst[a:b] = local[:b - a]
+
+
+@njit(cache=True, parallel=True)
+def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, chunks, levels, row):
+    sign = 1.0 if call else -1.0
+    level_base = np.empty(steps + 1)
+    ratio = np.empty(steps + 1)
+    power_tables(spot, log_up, log_down, steps, level_base, ratio)
+    src = np.empty(steps + 1)
+    dst = np.empty(steps + 1)
+    terminal_values(src, steps, strike, sign, level_base, ratio)
+    limit = exercise_limit(strike, steps, pu, pd, log_up, log_down) if american and not call else 0.0
+    t = steps
+    while True:
+        width = t - BLOCK_STEPS + 1
+        parts = min(chunks, width // MIN_CHUNK_NODES)
+        if parts < 2:
+            break
+        size = (width + parts - 1) // parts
+        for c in prange(parts):
+            a = c * size
+            b = min(a + size, width)
+            if a < b:
+                _advance_chunk(src, dst, a, b, t, BLOCK_STEPS, strike, sign, american,
+                               pu, pd, level_base, ratio, limit)
+        src, dst = dst, src
+        t -= BLOCK_STEPS
+    backward_keeping_levels(src, t, strike, sign, american, pu, pd, level_base, ratio, levels, row,
+                            limit)
+    return src[0]
+
+
+@njit(cache=True, nogil=True)
+def _price_if_one_narrow(packed, out):
+    """Prices and returns True if the call is one option too narrow to share its levels at the
+    default LEVEL_PARALLEL_MIN_STEPS."""
+    if out.size != 1 or _bits(packed[STEPS_ROW, 0]) >= LEVEL_PARALLEL_MIN_STEPS:
+        return False
+    price_all(packed, out)
+    return True
+
+
+# The check and the serial kernel in one call: from Python, the check alone cost 0.2 us of an
+# N = 100 option's ~2.3 us.
+price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
+
+
+class CpuEngine(Engine):
+    """All the rank's cores (numba's thread count, set per rank by distributed.py). Options of at
+    least `level_parallel_min_steps` steps may share their levels among the threads."""
+
+    name = "cpu"
+
+    def __init__(self, level_parallel_min_steps: int = LEVEL_PARALLEL_MIN_STEPS):
+        self.level_parallel_min_steps = level_parallel_min_steps
+        # the one-narrow-option check inside the kernel call knows only the default
+        self._narrow_in_kernel = level_parallel_min_steps == LEVEL_PARALLEL_MIN_STEPS
+
+    def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
+        """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
+        # One option too narrow to share its levels, or one thread: the serial kernels, called
+        # straight away (the first case checked inside the kernel call). An N = 100 option is
+        # ~2 us of work; asking numba for its thread count takes ~1.3 us, and the cost model and
+        # partition below several more.
+        out = np.empty(params.count)
+        if levels is None and self._narrow_in_kernel and price_if_one_narrow.call(params.packed,
+                                                                                  out):
+            return out
+        one_small = params.steps.size == 1 and params.steps[0] < self.level_parallel_min_steps
+        threads = 1 if one_small else numba.get_num_threads()
+        if threads < 2:
+            return price_here(params, levels)
+        lv = level_array(levels)
+        wide = self.level_parallel(params.steps, threads)
+        narrow = np.flatnonzero(~wide).astype(np.int64)
+        groups = min(threads, narrow.size)
+        if groups == 1:  # no parallel region (and no partition) for one option
+            price_range(*kernel_arguments(params), narrow, out, lv)
+        elif groups > 1:
+            bounds = partition_by_cost(params.steps[narrow], groups)
+            _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv)
+        for k in np.flatnonzero(wide):
+            out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
+                                 params.american[k], params.log_up[k], params.log_down[k],
+                                 params.pu[k], params.pd[k], threads, lv, k)
+        return out
+
+    def level_parallel(self, steps: np.ndarray, threads: int) -> np.ndarray:
+        """Options that get all threads on each level: wide enough to split, and larger than one
+        thread's fair share of the work (so grouping them by option would leave threads idle)."""
+        if threads < 2:
+            return np.zeros(steps.size, bool)
+        cost = option_cost(steps)
+        return (steps >= self.level_parallel_min_steps) & (cost * threads > cost.sum())

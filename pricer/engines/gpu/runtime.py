@@ -1,0 +1,236 @@
+"""The process's CUDA runtime: one context per process on this rank's GPU, the compile cache of
+the kernels, and what the scheduler asks of the device (occupancy, SMs).
+
+Process model: the context is created on first use (GpuRuntime.get) on device (local rank modulo
+the visible devices), pushed once, and popped at exit (atexit, or close()) after every device array
+has been freed. The local rank is the launcher's (Open MPI, MPICH's hydra, Slurm), else the one the
+run set (set_local_rank: the run splits its communicator by node), else 0. CUDA_VISIBLE_DEVICES is
+honoured by the driver; show_each_rank_its_gpu narrows it to the rank's own GPU before CUDA starts.
+
+Kernels are compiled at run time for the device's sm_XY with nvcc (through pycuda) and cached on
+disk as cubins keyed by the hash of source + options + arch (PRICER_CUDA_CACHE, else
+$XDG_CACHE_HOME/pricer/cuda, else ~/.cache/pricer/cuda); cache files are written atomically.
+pycuda is imported lazily, so this module imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from pricer.files import atomic_write, cache_dir
+
+
+class GpuUnavailable(RuntimeError):
+    """No usable GPU: pycuda missing, no device, or no nvcc to build the kernels."""
+
+
+class GpuError(RuntimeError):
+    """A kernel could not finish its work (the persistent kernel's wait gave up)."""
+
+
+def cuda_source_dir() -> Path:
+    """cuda/ of the installed package (pricer/cuda) or of the source tree; PRICER_CUDA_DIR wins."""
+    env = os.environ.get("PRICER_CUDA_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[2] / "cuda", here.parents[3] / "cuda"):
+        if (candidate / "binomial.cu").exists():
+            return candidate
+    return here.parents[3] / "cuda"
+
+
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK",
+                        "PMI_LOCAL_RANK", "SLURM_LOCALID")
+_run_local_rank: int | None = None
+
+
+def launcher_local_rank(environ=os.environ) -> int | None:
+    """This process's rank on its node as the launcher (Open MPI, MPICH's hydra, Slurm) says, or None."""
+    for var in LOCAL_RANK_VARIABLES:
+        value = environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def set_local_rank(rank: int | None) -> None:
+    """The run's word on this process's rank among its node's (used where the launcher says none)."""
+    global _run_local_rank
+    _run_local_rank = rank
+
+
+def local_rank() -> int:
+    """This process's rank among the processes of its node: the launcher's word first, else the
+    run's (set_local_rank), else 0."""
+    from_launcher = launcher_local_rank()
+    if from_launcher is not None:
+        return from_launcher
+    return _run_local_rank or 0
+
+
+def show_each_rank_its_gpu(environ=os.environ, gpus: int | None = None) -> None:
+    """On a node with several GPUs, where the launcher set no CUDA_VISIBLE_DEVICES, show this rank
+    only GPU (local rank mod GPUs) -- the one GpuRuntime would pick -- before CUDA starts: otherwise
+    every rank's CUDA start sets up every GPU of the node, and the ranks queue for the driver.
+    PRICER_GPU_PIN=0 leaves the variable alone."""
+    if "CUDA_VISIBLE_DEVICES" in environ or environ.get("PRICER_GPU_PIN", "1") == "0":
+        return
+    local = launcher_local_rank(environ)
+    if gpus is None:   # the driver's list: counting the GPUs must not start CUDA
+        gpus = len(glob.glob("/proc/driver/nvidia/gpus/*"))
+    if local is not None and gpus > 1:
+        environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    """True if the GPU backends can run here: pycuda importable, a CUDA device visible, nvcc found.
+    Cheap (no context is created); PRICER_NO_GPU=1 says no."""
+    if os.environ.get("PRICER_NO_GPU", "") not in ("", "0"):
+        return False
+    show_each_rank_its_gpu()
+    if importlib.util.find_spec("pycuda") is None:
+        return False
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        return False
+    try:
+        import pycuda.driver as cuda
+        cuda.init()
+        return cuda.Device.count() > 0
+    except Exception:
+        return False
+
+
+def resident_blocks(rt, fn, warps: int) -> int:
+    """Blocks of `warps` warps of kernel fn that the whole GPU holds at once: per SM, the least
+    of what its registers (allocated per warp in units of 256, per SM sub-partition), threads,
+    block slots and shared memory allow, times the SMs."""
+    attr = rt.cuda.device_attribute
+    dev = rt.device
+    regs_sm = dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
+    threads_sm = dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
+    blocks_sm = 16
+    if hasattr(attr, "MAX_BLOCKS_PER_MULTIPROCESSOR"):
+        blocks_sm = dev.get_attribute(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)
+    warp_regs = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
+    warps_sm = 4 * ((regs_sm // 4) // warp_regs)
+    per_sm = min(warps_sm // warps, threads_sm // (32 * warps), blocks_sm)
+    shared = int(fn.shared_size_bytes)
+    if shared:
+        per_sm = min(per_sm, dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // shared)
+    return max(per_sm, 0) * rt.sms
+
+
+class GpuRuntime:
+    """The process's CUDA context and everything allocated in it."""
+
+    _instance: "GpuRuntime | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self, device_index: int | None = None):
+        try:
+            import pycuda.driver as cuda
+        except ImportError as exc:
+            raise GpuUnavailable(f"pycuda is not installed ({exc})") from exc
+        self.cuda = cuda
+        cuda.init()
+        count = cuda.Device.count()
+        if count == 0:
+            raise GpuUnavailable("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+        self.local_rank = local_rank()
+        self.device_index = (self.local_rank % count) if device_index is None else device_index
+        self.device = cuda.Device(self.device_index)
+        self.context = self.device.make_context()   # pushed: current for the rest of the process
+        major, minor = self.device.compute_capability()
+        self.arch = f"sm_{major}{minor}"
+        self.name = self.device.name()
+        try:
+            self.pci_bus_id = self.device.pci_bus_id()
+        except Exception:  # pragma: no cover
+            self.pci_bus_id = "?"
+        self._allocations: list = []
+        self._modules: dict = {}
+        self.stream = cuda.Stream()
+        self.closed = False
+        atexit.register(self.close)
+
+    @functools.cached_property
+    def sms(self) -> int:
+        """The GPU's streaming multiprocessors."""
+        return int(self.device.get_attribute(self.cuda.device_attribute.MULTIPROCESSOR_COUNT))
+
+    @classmethod
+    def get(cls) -> "GpuRuntime":
+        with cls._lock:
+            if cls._instance is None or cls._instance.closed:
+                cls._instance = GpuRuntime()
+            return cls._instance
+
+    def alloc(self, nbytes: int):
+        a = self.cuda.mem_alloc(max(int(nbytes), 8))
+        self._allocations.append(a)
+        return a
+
+    def free(self, allocation) -> None:
+        try:
+            self._allocations.remove(allocation)
+        except ValueError:
+            pass
+        allocation.free()
+
+    def module(self, defines: list[str], source: str = "binomial.cu"):
+        """The kernels of cuda/SOURCE compiled for this device with these -D options (disk-cached)."""
+        key = (source, *defines)
+        if key not in self._modules:
+            self._modules[key] = self.cuda.module_from_buffer(compiled_cubin(self.arch, defines, source))
+        return self._modules[key]
+
+    def close(self) -> None:
+        """Free every device array, then pop and detach the context (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.context.synchronize()
+        except Exception:
+            pass
+        for a in self._allocations:
+            try:
+                a.free()
+            except Exception:
+                pass
+        self._allocations.clear()
+        self._modules.clear()
+        self.stream = None
+        try:
+            self.context.pop()
+        finally:
+            self.context.detach()
+
+
+def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu") -> bytes:
+    """cuda/NAME compiled for `arch` with these -D options: from the cache on disk, keyed by the
+    hash of the source, the options and the arch, else by nvcc (and then cached)."""
+    source = (cuda_source_dir() / name).read_text()
+    options = ["-O3", *defines]
+    key = hashlib.sha256("\0".join([source, arch, *options]).encode()).hexdigest()[:24]
+    path = cache_dir("cuda", "PRICER_CUDA_CACHE") / f"{Path(name).stem}-{key}-{arch}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    from pycuda.compiler import compile as nvcc_compile
+    cubin = nvcc_compile(source, options=options, arch=arch, no_extern_c=True, cache_dir=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, cubin)
+    except OSError:
+        pass  # an unwritable cache only costs a recompile next time
+    return cubin

@@ -1,0 +1,66 @@
+"""Job specs: a TOML file that says everything about a run (`pricer run JOB.toml`).
+
+    [portfolio]            path = "book.h5"          (the input; relative paths are from the CWD)
+    [portfolio.generate]   dist, count, seed, steps, exercise, min_steps, max_steps
+                           (optional: rank 0 writes `path` from these first, unless it already holds
+                           exactly this generated portfolio: pricer.tools.generate)
+    [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson
+    [output]               path, overwrite
+
+Unknown tables and keys are refused by name here; the values' types and ranges are checked by
+pricer.run.config.RunConfig (the one place they live), naming the key; command-line flags override
+the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from pricer.errors import InputError
+
+KEYS = {
+    "portfolio": {"path", "generate"},
+    "portfolio.generate": {"dist", "count", "seed", "steps", "exercise", "min_steps", "max_steps"},
+    "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
+                "richardson"},
+    "output": {"path", "overwrite"},
+}
+REQUIRED = (("portfolio", "path"), ("output", "path"))
+# RunConfig field -> (table, key) of the job file (pricer.run.config.RunConfig.from_job)
+JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
+            "overwrite": ("output", "overwrite"),
+            **{key: ("pricing", key) for key in ("backend", "tree", "partition", "distribute",
+                                                 "threads", "t1", "t2", "greeks", "richardson")}}
+
+
+def load_job(path: str) -> dict:
+    """The job as a nested dict, checked for unknown or missing keys (InputError names them)."""
+    try:
+        with open(path, "rb") as f:
+            job = tomllib.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such job file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid TOML: {exc}") from None
+    _check_keys(path, job)
+    for table, key in REQUIRED:
+        if key not in job.get(table, {}):
+            raise InputError(f"{path}: missing key {table}.{key}")
+    return job
+
+
+def _check_keys(path: str, job: dict) -> None:
+    unknown = sorted(set(job) - {"portfolio", "pricing", "output"})
+    if unknown:
+        raise InputError(f"{path}: unknown table(s) {', '.join(unknown)}; known: portfolio, pricing, output")
+    for table in ("portfolio", "pricing", "output"):
+        section = job.get(table, {})
+        if not isinstance(section, dict):
+            raise InputError(f"{path}: {table} must be a table")
+        for key in section:
+            if key not in KEYS[table]:
+                raise InputError(f"{path}: unknown key {table}.{key}; known: {', '.join(sorted(KEYS[table]))}")
+    for key in job.get("portfolio", {}).get("generate", {}):
+        if key not in KEYS["portfolio.generate"]:
+            raise InputError(f"{path}: unknown key portfolio.generate.{key}; known: "
+                             f"{', '.join(sorted(KEYS['portfolio.generate']))}")

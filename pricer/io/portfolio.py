@@ -1,0 +1,324 @@
+"""Stage 1: the portfolio — its HDF5 schema, reading, writing and validation with named reasons.
+
+With `--distribute scatter|bcast` only rank 0 calls `read_portfolio`; the other ranks receive the
+validated columns as one float64 matrix (`to_matrix`/`columns_from_matrix`), so they never open the
+input file. With `--distribute read` every rank opens the file read-only: `read_index` (the id and
+steps columns, enough to partition) and `read_portfolio_rows` (its own rows). The optional `tree`
+column (tree names, strings in the file) travels in that matrix as each name's code, its index in
+`pricer.model.lattice.TREE_NAMES`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import h5py
+import numpy as np
+
+from pricer.errors import InputError, first_ids
+from pricer.files import atomic_write
+from pricer.model.cost import lattice_nodes
+from pricer.model.lattice import TREE_NAMES, tree_codes
+
+SCHEMA = "pricer.portfolio/1"
+GROUP = "portfolio"
+
+# Columns that travel to the workers, in matrix order. `id` stays on rank 0.
+FLOAT_COLUMNS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
+INT_COLUMNS = ("steps",)
+FLAG_COLUMNS = ("call", "american")
+TREE_COLUMN = "tree"
+MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
+OPTIONAL_DEFAULTS = {"dividend": 0.0}
+# Optional columns: dividend (default 0) and tree (absent: every option takes the run's --tree).
+OPTIONAL_COLUMNS = ("dividend", TREE_COLUMN)
+ALL_COLUMNS = ("id",) + MATRIX_COLUMNS
+# The tree code in the matrix of an option that takes the run's tree (no tree column, no default).
+RUN_TREE = -1
+
+# Working set of one option on the CPU engine: two value levels and two power tables of N+1 doubles.
+BYTES_PER_STEP = 4 * 8
+
+
+@dataclass
+class Portfolio:
+    id: np.ndarray
+    spot: np.ndarray
+    strike: np.ndarray
+    maturity: np.ndarray
+    rate: np.ndarray
+    dividend: np.ndarray
+    volatility: np.ndarray
+    steps: np.ndarray
+    call: np.ndarray
+    american: np.ndarray
+    tree: np.ndarray | None = None   # tree names (str), or None: the column is absent
+
+    def __len__(self) -> int:
+        return int(self.id.shape[0])
+
+    def tree_codes(self, default: str | None = None) -> np.ndarray:
+        """Each option's tree as its code in TREE_NAMES: from the tree column where there is one,
+        else `default`'s code (RUN_TREE, -1, if no default is given: the engines' caller decides)."""
+        if self.tree is not None:
+            return tree_codes(self.tree)
+        code = RUN_TREE if default is None else TREE_NAMES.index(default)
+        return np.full(len(self), code, dtype=np.int64)
+
+    def trees_used(self, default: str) -> list[str]:
+        """The names of the trees that price this portfolio when the run's tree is `default`."""
+        return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
+
+    def to_matrix(self, default_tree: str | None = None) -> np.ndarray:
+        """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
+        tree column holds tree codes (see tree_codes)."""
+        # column by column into one matrix: column_stack's per-column copies took 2-7x as long on
+        # a million options, on rank 0's critical path
+        matrix = np.empty((len(self), len(MATRIX_COLUMNS)))
+        for j, name in enumerate(MATRIX_COLUMNS[:-1]):
+            matrix[:, j] = getattr(self, name)
+        matrix[:, -1] = self.tree_codes(default_tree)
+        return matrix
+
+    def take(self, index) -> "Portfolio":
+        return Portfolio(**{f.name: None if getattr(self, f.name) is None
+                            else getattr(self, f.name)[index] for f in fields(self)})
+
+    def nodes(self) -> int:
+        return int(lattice_nodes(self.steps).sum())
+
+
+def columns_from_matrix(matrix: np.ndarray) -> dict:
+    """The worker-side view of a portfolio slice: column name -> array (ids are not needed there)."""
+    cols = {name: matrix[:, j] for j, name in enumerate(MATRIX_COLUMNS)}
+    cols["steps"] = cols["steps"].astype(np.int64)
+    cols["call"] = cols["call"] != 0.0
+    cols["american"] = cols["american"] != 0.0
+    cols[TREE_COLUMN] = cols[TREE_COLUMN].astype(np.int64)
+    return cols
+
+
+def max_steps_for_memory() -> int:
+    """The largest N whose per-option working set fits in half of this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return int(total // 2 // BYTES_PER_STEP) - 1
+
+
+def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) -> None:
+    """Write a portfolio in the `pricer.portfolio/1` schema (atomically: temp file, then rename)."""
+    def write(tmp: str) -> None:
+        with h5py.File(tmp, "w") as f:
+            g = f.create_group(GROUP)
+            g.attrs["schema"] = SCHEMA
+            g.attrs.update(attrs or {})
+            g.create_dataset("id", data=portfolio.id.astype(np.int64))
+            for c in FLOAT_COLUMNS:
+                g.create_dataset(c, data=getattr(portfolio, c).astype(np.float64))
+            g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
+            for c in FLAG_COLUMNS:
+                g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
+            if portfolio.tree is not None:
+                g.create_dataset(TREE_COLUMN, data=np.asarray(portfolio.tree, dtype=object),
+                                 dtype=h5py.string_dtype("utf-8"))
+
+    atomic_write(path, write)
+
+
+def read_portfolio(path: str) -> Portfolio:
+    """Read and validate a portfolio file; any problem raises InputError naming the cause."""
+    return read_portfolio_rows(path, None)
+
+
+def read_portfolio_rows(path: str, rows: np.ndarray | None) -> Portfolio:
+    """The options at row numbers `rows` (increasing; None: all), read and validated. Ids are
+    checked for uniqueness among these rows only (read_index checks the whole column)."""
+    portfolio = Portfolio(**_with_file(path, lambda f: _read_columns(path, f, rows)))
+    validate(portfolio, path)
+    return portfolio
+
+
+@dataclass
+class PortfolioIndex:
+    """What every rank needs to partition a portfolio without reading it: its id and steps
+    columns, checked (ids unique, steps in range), and whether it has a tree column."""
+    id: np.ndarray
+    steps: np.ndarray
+    has_tree: bool
+
+    def __len__(self) -> int:
+        return int(self.id.shape[0])
+
+
+def read_index(path: str) -> PortfolioIndex:
+    """The file's structure checked as read_portfolio does, then only its id and steps columns."""
+    def read(f):
+        g, names = _checked_group(path, f)
+        return PortfolioIndex(id=_typed_column(path, "id", g["id"], None),
+                              steps=_typed_column(path, "steps", g["steps"], None),
+                              has_tree=TREE_COLUMN in names)
+    index = _with_file(path, read)
+    _check_unique(index.id, path)
+    _check_steps(index.id, index.steps, path)
+    return index
+
+
+def _with_file(path: str, read):
+    """read(f) on the open file, with a missing, unreadable or non-HDF5 file named."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory, not a portfolio file")
+    if not h5py.is_hdf5(path):
+        raise InputError(f"{path}: not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            return read(f)
+    except InputError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise InputError(f"{path}: cannot read the portfolio: {exc}") from None
+
+
+def _checked_group(path: str, f: h5py.File):
+    """The /portfolio group and its column names, once the schema and the columns' names, shapes
+    and lengths are right."""
+    if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
+        raise InputError(f"{path}: no group /{GROUP} (expected schema {SCHEMA!r})")
+    g = f[GROUP]
+    schema = g.attrs.get("schema")
+    if isinstance(schema, bytes):
+        schema = schema.decode("utf-8", "replace")
+    # compare only a plain string: an array attribute would compare element-wise (found by fuzzing)
+    if not isinstance(schema, str) or schema != SCHEMA:
+        if isinstance(schema, np.ndarray):
+            schema = f"an array of shape {schema.shape}"
+        raise InputError(f"{path}: /{GROUP} attribute schema is {schema!r}, expected {SCHEMA!r}")
+    unknown = sorted(set(g.keys()) - set(ALL_COLUMNS))
+    if unknown:
+        raise InputError(f"{path}: /{GROUP} has unknown column(s) {', '.join(unknown)}; "
+                         f"known columns are {', '.join(ALL_COLUMNS)}")
+    missing = [c for c in ALL_COLUMNS if c not in g and c not in OPTIONAL_COLUMNS]
+    if missing:
+        raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
+    length = None
+    names = [name for name in ALL_COLUMNS if name in g]
+    for name in names:
+        ds = g[name]
+        if not isinstance(ds, h5py.Dataset):
+            raise InputError(f"{path}: /{GROUP}/{name} is a group, expected a 1-D dataset")
+        if ds.ndim != 1:
+            raise InputError(f"{path}: column {name} has shape {ds.shape}, expected a 1-D dataset")
+        if length is None:
+            length = ds.shape[0]
+        elif ds.shape[0] != length:
+            raise InputError(f"{path}: column {name} has {ds.shape[0]} rows, column id has {length}")
+    if length == 0:
+        raise InputError(f"{path}: the portfolio is empty (0 options)")
+    return g, names
+
+
+def _read_columns(path: str, f: h5py.File, rows: np.ndarray | None) -> dict:
+    g, names = _checked_group(path, f)
+    raw = {name: _typed_column(path, name, g[name], rows) for name in names}
+    count = len(raw["id"])
+    for name, default in OPTIONAL_DEFAULTS.items():
+        if name not in raw:
+            raw[name] = np.full(count, default)
+    return raw
+
+
+def _rows_of(ds, rows: np.ndarray | None, text: bool = False) -> np.ndarray:
+    """ds's values at `rows` (increasing row numbers; None: all): one read of the stretch they
+    span, then a take where they are not contiguous."""
+    source = ds.asstr(errors="backslashreplace") if text else ds
+    if rows is None:
+        return source[()]
+    if rows.size == 0:
+        return source[0:0]
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    data = source[first:last]
+    return data if last - first == rows.size else data[rows - first]
+
+
+def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | None) -> np.ndarray:
+    kind = ds.dtype.kind
+    if name == TREE_COLUMN:
+        if h5py.check_string_dtype(ds.dtype) is None:
+            raise InputError(f"{path}: column tree has dtype {ds.dtype}, expected strings "
+                             f"(tree names: {', '.join(TREE_NAMES)})")
+        # undecodable bytes become escapes, so validate() names them as unknown tree names
+        return np.array(np.asarray(_rows_of(ds, rows, text=True)).tolist(), dtype=str)
+    if name in ("id", "steps"):
+        if kind not in "iu":
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers")
+        data = _rows_of(ds, rows)
+        if kind == "u" and data.size and data.max() > np.iinfo(np.int64).max:
+            raise InputError(f"{path}: column {name} has values beyond int64")
+        return data.astype(np.int64, copy=False)
+    if name in FLAG_COLUMNS:
+        if kind not in "biu":
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1")
+        data = _rows_of(ds, rows)
+        if kind != "b" and not np.isin(data, (0, 1)).all():
+            raise InputError(f"{path}: column {name} holds values other than 0/1: "
+                             f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}")
+        return data.astype(bool, copy=False)
+    if kind not in "iuf":
+        raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64")
+    return _rows_of(ds, rows).astype(np.float64, copy=False)   # a copy only to convert
+
+
+def _check_unique(ids: np.ndarray, source: str) -> None:
+    # ids in increasing order (as generated books have them) are unique without np.unique's sort
+    # or hash, a tenth of rank 0's read of a million options
+    if (ids[1:] > ids[:-1]).all():
+        return
+    unique, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        dup = unique[counts > 1]
+        raise InputError(f"{source}: column id has duplicate ids: "
+                         f"{first_ids(dup, np.ones(dup.size, bool))}")
+
+
+def validate(p: Portfolio, source: str = "portfolio") -> None:
+    """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in lattice.py."""
+    ids = p.id
+    _check_unique(ids, source)
+    for name in FLOAT_COLUMNS:
+        values = getattr(p, name)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
+                             f"{first_ids(ids, bad)}")
+    for name in ("spot", "strike", "maturity", "volatility"):
+        bad = getattr(p, name) <= 0.0
+        if bad.any():
+            raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
+                             f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})")
+    _check_steps(ids, p.steps, source)
+    if p.tree is not None:
+        bad = ~np.isin(p.tree, TREE_NAMES)
+        if bad.any():
+            unknown = list(dict.fromkeys(str(name) for name in p.tree[bad]))
+            names = ", ".join(repr(name) for name in unknown[:5])
+            if len(unknown) > 5:
+                names += f" and {len(unknown) - 5} more"
+            raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
+                             f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}")
+
+
+def _check_steps(ids: np.ndarray, steps: np.ndarray, source: str) -> None:
+    bad = steps < 1
+    if bad.any():
+        raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
+                         f"{first_ids(ids, bad)} (first value {int(steps[bad][0])})")
+    limit = max_steps_for_memory()
+    bad = steps > limit
+    if bad.any():
+        raise InputError(f"{source}: column steps is too large for this machine's memory for option "
+                         f"id(s) {first_ids(ids, bad)} (first value {int(steps[bad][0])}, "
+                         f"limit {limit})")

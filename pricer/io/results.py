@@ -1,0 +1,78 @@
+"""Stage 6: the results file — schema, provenance, and an atomic write (temp file, then rename)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+
+import h5py
+import numpy as np
+
+from pricer import __version__
+from pricer.errors import InputError
+from pricer.files import atomic_write
+
+SCHEMA = "pricer.results/1"
+
+
+def sha256_of_file(path: str, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_output_path(path: str, overwrite: bool, protect: str | None = None) -> None:
+    """Refuse before any work: an existing output without --overwrite, a folder that is not there,
+    or the input itself (`protect`), which is never overwritten, --overwrite or not."""
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory; give a file name for the results")
+    if protect is not None and os.path.exists(path) and os.path.exists(protect) \
+            and os.path.samefile(path, protect):
+        raise InputError(f"{path}: is the input portfolio; the input is never overwritten")
+    if os.path.exists(path) and not overwrite:
+        raise InputError(f"{path}: exists; pass --overwrite to replace it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{path}: folder {folder} is not writable")
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict,
+                  extra: dict | None = None) -> None:
+    """Write /results (id, price in input order, provenance attributes, and the `extra` float64
+    datasets such as the Greeks, in the same order) and /run (per-rank stats) to a temporary file
+    beside `path`, then rename it over `path`."""
+    def write(tmp: str) -> None:
+        with h5py.File(tmp, "w") as f:
+            g = f.create_group("results")
+            g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
+            g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
+            for name, values in (extra or {}).items():
+                g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
+            g.attrs["schema"] = SCHEMA
+            g.attrs["pricer_version"] = __version__
+            for key, value in attrs.items():
+                g.attrs[key] = value
+            r = f.create_group("run")
+            for key, value in run.items():
+                r.create_dataset(key, data=value)
+
+    atomic_write(path, write)
+
+
+def read_results(path: str) -> dict:
+    """The results file as plain numpy arrays and attributes (for `pricer info` and tests)."""
+    with h5py.File(path, "r") as f:
+        g = f["results"]
+        out = {"attrs": dict(g.attrs), "run": {k: f["run"][k][()] for k in f["run"]}}
+        for key in g:
+            out[key] = g[key][()]
+    return out

@@ -1,0 +1,149 @@
+"""Stage 4b: sensitivities and Richardson extrapolation around any engine.
+
+- Delta, gamma, theta come from the lattice's first levels, as QuantLib's BinomialVanillaEngine
+  computes them (Hull, 6th ed., pp. 397-398): the engines keep V(1, .) and V(2, .) while they price
+  (`levels`), so no second pricing pass is needed:
+      delta = (V(1,1) - V(1,0)) / (S(1,1) - S(1,0))
+      gamma = [(V(2,2) - V(2,1)) / (S(2,2) - S(2,1)) - (V(2,1) - V(2,0)) / (S(2,1) - S(2,0))]
+              / ((S(2,2) - S(2,0)) / 2)
+      theta = r V - (r - q) S0 delta - sigma^2 S0^2 gamma / 2        (QuantLib's blackScholesTheta)
+  with S(t, i) = S0 exp(t log_down + i (log_up - log_down)), the lattice's own node prices. Theta is
+  per year. Options with fewer than 2 steps have no second level: Greeks need N >= 2.
+- Vega and rho by central bump-and-reprice (volatility and rate +-BUMP, absolute): the four bumped
+  copies of the portfolio go into the same engine call as the base one, so on the GPU they run in
+  the same launches. Per unit of volatility / rate (divide by 100 for "per point").
+- Richardson (two points, N and M ~ N/2): the leading lattice error of a vanilla price falls like
+  1/N, so (N V(N) - M V(M)) / (N - M) cancels it. M is N // 2 moved up by one where needed to have
+  N's parity: binomial prices oscillate between odd and even N, and lr/joshi4 want odd N
+  (QuantLib rolls an N+1-step tree over N levels at even N). N >= 3. The Greeks stay those of the
+  N-step lattice. docs/numerics.md measures where this pays (American puts: lr yes, crr no).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pricer.model.lattice import LEVEL_VALUES
+from pricer.errors import InputError, first_ids
+from pricer.model.lattice import LatticeParams, lattice_parameters
+
+BUMP = 1e-4
+GREEKS = ("delta", "gamma", "theta", "vega", "rho")
+# --greeks' bumped copies of every option, in the engine call's order after the option itself
+BUMPS = (("volatility", 1.0), ("volatility", -1.0), ("rate", 1.0), ("rate", -1.0))
+
+
+@dataclass(frozen=True)
+class Analytics:
+    """What to compute besides the price, and so which lattices a run prices per option: the
+    option's own, with --greeks its BUMPS copies (N steps each), with --richardson the coarse
+    lattice of richardson_steps(N). lattice_columns and lattices say it, once, for pricing
+    (price_with_analytics), checks, memory sizing and node counts (pricer.model.cost)."""
+    greeks: bool = False
+    richardson: bool = False
+
+    @property
+    def outputs(self) -> tuple:
+        return ("price",) + (GREEKS if self.greeks else ())
+
+    def lattice_columns(self, cols: dict) -> list[dict]:
+        """The columns of every lattice priced per option, in the engine call's order."""
+        parts = [cols]
+        if self.greeks:
+            parts += bumped(cols)
+        if self.richardson:
+            parts.append(dict(cols, steps=richardson_steps(cols["steps"])))
+        return parts
+
+    def lattices(self, steps) -> list:
+        """[(steps, count)]: the lattices priced per option of `steps`, as lattice_columns."""
+        steps = np.asarray(steps, dtype=np.int64)
+        kinds = [(steps, 1 + (len(BUMPS) if self.greeks else 0))]
+        if self.richardson:
+            kinds.append((richardson_steps(steps), 1))
+        return kinds
+
+    @property
+    def lattice_count(self) -> int:
+        """Lattices priced per option."""
+        return 1 + (len(BUMPS) if self.greeks else 0) + int(self.richardson)
+
+
+def node_prices(params: LatticeParams, level: int) -> np.ndarray:
+    """S(level, i) for i = 0..level, shape (n, level + 1)."""
+    i = np.arange(level + 1)
+    return params.spot[:, None] * np.exp(level * params.log_down[:, None]
+                                         + i * (params.log_up - params.log_down)[:, None])
+
+
+def lattice_greeks(params: LatticeParams, price: np.ndarray, levels: np.ndarray, cols: dict):
+    """Delta, gamma and theta from the kept first levels (QuantLib's formulas)."""
+    s1, s2 = node_prices(params, 1), node_prices(params, 2)
+    v1, v2 = levels[:, 0:2], levels[:, 2:5]
+    delta = (v1[:, 1] - v1[:, 0]) / (s1[:, 1] - s1[:, 0])
+    delta_up = (v2[:, 2] - v2[:, 1]) / (s2[:, 2] - s2[:, 1])
+    delta_down = (v2[:, 1] - v2[:, 0]) / (s2[:, 1] - s2[:, 0])
+    gamma = (delta_up - delta_down) / ((s2[:, 2] - s2[:, 0]) / 2.0)
+    r, q, sigma, spot = cols["rate"], cols["dividend"], cols["volatility"], cols["spot"]
+    theta = r * price - (r - q) * spot * delta - 0.5 * sigma * sigma * spot * spot * gamma
+    return delta, gamma, theta
+
+
+def bumped(cols: dict) -> list[dict]:
+    """The portfolio with volatility +-BUMP and rate +-BUMP, in that order (BUMPS)."""
+    return [dict(cols, **{key: cols[key] + sign * BUMP}) for key, sign in BUMPS]
+
+
+def concatenate(parts: list[dict]) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def richardson_steps(steps: np.ndarray) -> np.ndarray:
+    """The coarse lattice M ~ N/2 of the same parity as N (N >= 3)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    half = steps // 2
+    return np.where(half % 2 == steps % 2, half, half + 1)
+
+
+def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
+    """Inputs the requested analytics cannot handle, refused by id before any pricing."""
+    for wanted, flag, least, why in ((analytics.greeks, "--greeks", 2, "a second lattice level"),
+                                     (analytics.richardson, "--richardson", 3,
+                                      "a coarser lattice of the same parity")):
+        short = np.asarray(cols["steps"]) < least
+        if wanted and short.any():
+            raise InputError(f"{flag} needs steps >= {least} ({why}); option id(s) "
+                             f"{first_ids(ids, short)} have steps {int(cols['steps'][short][0])}")
+    if analytics.greeks:
+        low = np.asarray(cols["volatility"]) <= BUMP
+        if low.any():
+            raise InputError(f"--greeks bumps the volatility by {BUMP}: option id(s) "
+                             f"{first_ids(ids, low)} have volatility <= {BUMP}")
+
+
+def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
+                         analytics: Analytics = Analytics()) -> dict:
+    """Prices (and Greeks) of the options in `cols` with `engine`, as a dict of float64 arrays
+    named by Analytics.outputs."""
+    n = len(cols["spot"])
+    check(cols, analytics, ids)
+    parts = analytics.lattice_columns(cols)
+    every = concatenate(parts) if len(parts) > 1 else cols
+    params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
+    levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
+    prices = engine.price(params, levels) if levels is not None else engine.price(params)
+    base = prices[:n]
+    out = {"price": base.copy()}
+    if analytics.richardson:
+        fine = np.asarray(cols["steps"], dtype=np.float64)
+        coarse = richardson_steps(cols["steps"]).astype(np.float64)
+        out["price"] = (fine * base - coarse * prices[-n:]) / (fine - coarse)
+    if analytics.greeks:
+        first = params.take(np.arange(n))
+        out["delta"], out["gamma"], out["theta"] = lattice_greeks(first, base, levels[:n], cols)
+        up_v, down_v, up_r, down_r = (prices[k * n:(k + 1) * n] for k in range(1, 5))
+        out["vega"] = (up_v - down_v) / (2.0 * BUMP)
+        out["rho"] = (up_r - down_r) / (2.0 * BUMP)
+    return out

@@ -1,0 +1,80 @@
+"""Rank 0's checks before any work (with --distribute read, every rank's of its own rows):
+settings, output path, the file, every option's lattice (and the extra lattices --greeks and
+--richardson price), and the node's memory. Each failure is an InputError naming the cause."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from pricer.errors import InputError
+from pricer.io.portfolio import columns_from_matrix, read_portfolio
+from pricer.io.results import check_output_path, sha256_of_file
+from pricer.model.greeks import BUMP, BUMPS, check
+from pricer.model.lattice import lattice_parameters
+from pricer.run import memory
+from pricer.run.config import RunConfig
+
+
+def read_and_check(cfg: RunConfig):
+    """Rank 0 only: everything that can be wrong with the input, found before any work."""
+    cfg.check()
+    check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+    # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
+    # file reads release the GIL, and on a large input it is a fifth of rank 0's read stage
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest = pool.submit(sha256_of_file, cfg.input)
+        portfolio = read_portfolio(cfg.input)
+        matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
+        check_lattices(cfg, matrix, portfolio.id)
+        input_sha256 = digest.result()
+    return portfolio, matrix, input_sha256
+
+
+def check_memory(cfg: RunConfig, options: int, steps: np.ndarray, has_tree: bool, size: int,
+                 node_ranks: int) -> None:
+    """The node's memory holds what every rank of it needs (memory.estimate), or InputError."""
+    analytics = cfg.analytics()
+    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
+    est = memory.estimate(options, len(analytics.outputs), size, node_ranks, cfg.chunk_shape()[1],
+                          int(steps.max()), analytics.lattice_count,
+                          threads, has_tree, cfg.distribute == "bcast", cfg.distribute == "read")
+    memory.check(est, cfg.input)
+
+
+# options whose lattices are checked at a time: the check builds every parameter of an option (~150
+# bytes of temporaries), which for a whole book of 10 million options was a fifth of rank 0's peak
+CHECK_ROWS = 1 << 20
+
+
+def check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
+    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add;
+    block by block (a message names the first block's bad options)."""
+    for a in range(0, max(len(matrix), 1), CHECK_ROWS):
+        block = slice(a, a + CHECK_ROWS)
+        cols = columns_from_matrix(matrix[block])
+        try:
+            lattice_parameters(cols, cfg.tree, ids=ids[block])
+            check_analytics(cols, cfg, ids[block])
+        except InputError as exc:
+            raise InputError(f"{cfg.input}: {exc}") from None
+
+
+def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
+    """What --greeks/--richardson cannot price, refused by id on rank 0 (so that no rank fails
+    later, alone): greeks.check's rules, then the extra lattices they price must exist too — the
+    volatility- and rate-bumped copies (--greeks) and the coarse M ~ N/2-step one (--richardson) —
+    since an option near the edge of p in (0, 1), or a joshi4 option at M = 1, can fail there only."""
+    analytics = cfg.analytics()
+    check(cols, analytics, ids)
+    extra = analytics.lattice_columns(cols)[1:]
+    whats = ([f"--greeks reprices each option with volatility and rate bumped by +-{BUMP}"]
+             * len(BUMPS) if analytics.greeks else [])
+    whats += ["--richardson also prices each option on M ~ N/2 steps"] if analytics.richardson else []
+    for what, part in zip(whats, extra):
+        try:
+            lattice_parameters(part, cfg.tree, ids=ids)
+        except InputError as exc:
+            raise InputError(f"{what}, and {exc}") from None

@@ -1,0 +1,178 @@
+"""The MPI side of a run, SPMD with buffer collectives: how the ranks agree (the verdict), and how
+the portfolio and the results move (Scatterv/Bcast of float64 rows, Gatherv back to rank 0).
+
+Failure rules: rank 0 (with --distribute read, every rank for its own rows) checks everything it can
+before any collective work, then every rank takes part in one verdict, so bad input makes every rank
+exit 2 together with one message (rank 0 prints the lowest failing rank's); anything unexpected later
+aborts the whole job (the CLI installs an excepthook that calls MPI Abort), so no rank is ever left
+waiting. Arrays move as MPI.DOUBLE rows of a committed contiguous type (counts stay far below 2^31
+rows), C-contiguous float64 only: explicit buffer specs are trusted blindly by MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from pricer.errors import InputError
+
+ROOT = 0
+
+
+class BadInput(SystemExit):
+    """Raised on every rank after rank 0 broadcast a bad-input verdict: exit code 2, no traceback."""
+
+    def __init__(self, code: int = 2):
+        super().__init__(code)
+
+
+def launcher_world_size() -> int | None:
+    """The world size the launcher promised, where it says so (to catch silent singletons)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    if "SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return None
+
+
+def check_launcher(size: int) -> None:
+    expected = launcher_world_size()
+    if expected is not None and expected != size:
+        raise InputError(f"the launcher started {expected} processes but MPI sees a world of "
+                         f"{size}: mpi4py is linked to a different MPI than the launcher's")
+
+
+def node_ranks(comm) -> tuple[int, int]:
+    """(ranks on this rank's node, this rank's place among them)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size(), node.Get_rank()
+    finally:
+        node.Free()
+
+
+def _row_type(columns: int):
+    row = MPI.DOUBLE.Create_contiguous(columns)
+    row.Commit()
+    return row
+
+
+def _check_buffer(array: np.ndarray) -> None:
+    # Explicit [buffer, counts, displs, type] specs are trusted blindly by MPI.
+    assert array.dtype == np.float64 and array.flags.c_contiguous, (array.dtype, array.flags)
+
+
+def verdict(comm, status: int, message: str | None = None, own=None) -> int:
+    """Every rank learns every rank's status, so that no rank is left waiting in a collective: 0
+    go on; 2 bad input: rank 0 prints the message of the lowest rank that found some, every rank
+    exits 2; 1 a bug: the ranks that hit it return (to re-raise it), the others exit 1. With
+    --distribute read (`own`), the ranks' partitions must agree (same digest), and the return value
+    is the union of the tree codes their rows use (a bit per code); else 0."""
+    rank = comm.Get_rank()
+    mine = np.array([status, own.digest if own else 0, own.trees if own else 0], dtype=np.int64)
+    every = np.empty((comm.Get_size(), 3), dtype=np.int64)
+    comm.Allgather(mine, every)
+    statuses = every[:, 0].copy()
+    if own is not None and not statuses.any() and (every[:, 1] != every[0, 1]).any():
+        statuses[ROOT] = 2   # e.g. numpy builds that round the cost sums differently
+        message = ("with --distribute read the ranks computed different partitions of the portfolio "
+                   "(different numpy builds or processors?); use --distribute scatter")
+    if (statuses == 1).any():
+        if status == 1:
+            return 0
+        raise BadInput(1)
+    if (statuses == 2).any():
+        sender = int(np.flatnonzero(statuses == 2)[0])
+        text = bcast_text(comm, message if rank == sender else None, sender)
+        if rank == ROOT:
+            print(f"pricer: error: {'' if sender == ROOT else f'rank {sender}: '}{text}",
+                  file=sys.stderr, flush=True)
+        raise BadInput(2)
+    return int(np.bitwise_or.reduce(every[:, 2]))
+
+
+def bcast_text(comm, text: str | None, root: int) -> str:
+    """A message from rank `root` to every rank, as a byte buffer (its length first)."""
+    data = np.frombuffer((text or "").encode(), dtype=np.uint8) if comm.Get_rank() == root else None
+    length = np.array([data.size if data is not None else 0], dtype=np.int64)
+    comm.Bcast(length, root=root)
+    if data is None:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    comm.Bcast(data, root=root)
+    return data.tobytes().decode()
+
+
+def bcast_array(comm, array: np.ndarray | None) -> np.ndarray:
+    """An int64 array of rank 0's, on every rank (its length first, then the buffer)."""
+    length = np.array([len(array) if comm.Get_rank() == ROOT else 0], dtype=np.int64)
+    comm.Bcast(length, root=ROOT)
+    out = np.ascontiguousarray(array, dtype=np.int64) if comm.Get_rank() == ROOT \
+        else np.empty(int(length[0]), dtype=np.int64)
+    comm.Bcast(out, root=ROOT)
+    return out
+
+
+def distribute(comm, matrix, bounds: np.ndarray, how: str, ncols: int) -> np.ndarray:
+    """Each rank's slice of rank 0's (n, ncols) float64 portfolio matrix (rows
+    bounds[r]:bounds[r+1]): Scatterv (how="scatter"), or Bcast of all of it (how="bcast")."""
+    rank = comm.Get_rank()
+    counts = np.diff(bounds)
+    row = _row_type(ncols)
+    try:
+        if how == "bcast":
+            if rank != ROOT:
+                matrix = np.empty((int(bounds[-1]), ncols))
+            _check_buffer(matrix)
+            comm.Bcast([matrix, int(bounds[-1]), row], root=ROOT)
+            return matrix[bounds[rank]:bounds[rank + 1]]
+        local = np.empty((int(counts[rank]), ncols))
+        if rank == ROOT:
+            _check_buffer(matrix)
+            send = [matrix, counts, bounds[:-1], row]
+        else:
+            send = None
+        comm.Scatterv(send, [local, int(counts[rank]), row], root=ROOT)
+        return local
+    finally:
+        row.Free()
+
+
+def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """Rank 0 gets the (bounds[-1], k) float64 matrix of every rank's (n_local, k) rows, in rank
+    order: one Gatherv of contiguous k-double rows (as the portfolio matrix is scattered)."""
+    _check_buffer(values)
+    assert values.ndim == 2 and values.shape[0] == bounds[comm.Get_rank() + 1] - bounds[comm.Get_rank()]
+    ncols = values.shape[1]
+    row = _row_type(ncols)
+    try:
+        full = np.empty((int(bounds[-1]), ncols)) if comm.Get_rank() == ROOT else None
+        recv = [full, np.diff(bounds), bounds[:-1], row] if full is not None else None
+        comm.Gatherv([values, values.shape[0], row], recv, root=ROOT)
+    finally:
+        row.Free()
+    return full
+
+
+def attempt(action):
+    """(result, status, message, failure) of action() in verdict's terms: status 0 and its
+    result; 2 and the message of an InputError (bad input); 1 and the exception (a bug: every rank
+    stops, this one re-raises it)."""
+    try:
+        return action(), 0, None, None
+    except InputError as exc:
+        return None, 2, str(exc), None
+    except Exception as exc:  # noqa: BLE001 - a bug: see above
+        return None, 1, None, exc
+
+
+def outcome(comm, action) -> None:
+    """Rank 0 runs `action` (the others pass None) and everyone learns how it went: an InputError
+    makes every rank exit 2 with its message, a bug every rank exit 1 (rank 0 re-raises it)."""
+    _, status, message, failure = attempt(action) if action is not None else (None, 0, None, None)
+    verdict(comm, status, message)
+    if failure is not None:
+        raise failure

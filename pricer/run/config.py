@@ -1,0 +1,142 @@
+"""RunConfig: everything a pricing run is told, with its defaults and checks in one place.
+
+It is built from `pricer price`'s flags (from_args), or from a job file and the flags that override
+it (from_job: pricer.io.jobs reads the file); tests and the Python API build it directly. check()
+refuses, by name, any value of the wrong type or outside its choices (exit 2), on rank 0 before
+any work: a job file's values arrive without argparse's checks, so every key is checked here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+
+from pricer.engines import backends, resolve_backend
+from pricer.errors import InputError
+from pricer.io.checkpoint import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS
+from pricer.model.greeks import Analytics
+from pricer.model.lattice import tree_named
+from pricer.model.partition import PARTITIONERS
+
+DISTRIBUTIONS = ("scatter", "bcast", "read")
+
+
+@dataclass
+class RunConfig:
+    input: str
+    output: str
+    backend: str = "auto"
+    tree: str = "crr"
+    partition: str = "cost"
+    distribute: str = "scatter"
+    overwrite: bool = False
+    threads: int | None = None
+    t1: int | None = None     # GPU backends: tiled while a level is wider (None: calibrated/default)
+    t2: int | None = None     # hybrid/batch: CPU tail below this width (None: calibrated/default)
+    greeks: bool = False      # also delta, gamma, theta, vega, rho (pricer.model.greeks)
+    richardson: bool = False  # price extrapolated from the N- and a ~N/2-step lattice
+    checkpoint: str | None = None  # folder where each rank saves its finished chunks
+    resume: bool = False      # price only the chunks the checkpoint does not hold yet
+    chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
+                                      # None: by backend, chunk_shape)
+    progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
+
+    # ---- derived settings
+    def engine_overrides(self) -> dict:
+        return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
+
+    def analytics(self) -> Analytics:
+        return Analytics(greeks=self.greeks, richardson=self.richardson)
+
+    def chunk_shape(self) -> tuple[float, int]:
+        """(nodes, rows) per chunk. Each chunk is one engine call: a GPU call pays a launch tail as
+        long as its largest option and some set-up, so the GPU backends take chunks of about a
+        second of one GPU's work, ~4000x the CPU's."""
+        gpu = resolve_backend(self.backend) in ("gpu", "hybrid", "batch")
+        nodes = self.chunk_nodes if self.chunk_nodes is not None else (
+            GPU_CHUNK_NODES if gpu else CHUNK_NODES)
+        return nodes, GPU_CHUNK_ROWS if gpu else CHUNK_ROWS
+
+    # ---- checks
+    def check(self, names: dict | None = None) -> "RunConfig":
+        """Every setting's type and range, by name (`names`: field -> the name a message gives it,
+        e.g. a job file's key); raises InputError."""
+        def name(key):
+            return (names or {}).get(key, key)
+
+        for key in ("input", "output"):
+            _require(isinstance(getattr(self, key), str) and getattr(self, key), name(key),
+                     getattr(self, key), "a file name")
+        for key, allowed in (("backend", backends()), ("partition", PARTITIONERS),
+                             ("distribute", DISTRIBUTIONS)):
+            value = getattr(self, key)
+            if not isinstance(value, str) or value not in allowed:
+                raise InputError(f"{name(key)} must be one of {', '.join(allowed)}, got "
+                                 f"{_shown(value)}")
+        tree_named(self.tree)   # "unknown tree ...; known trees: ..."
+        for key in ("overwrite", "greeks", "richardson", "resume", "progress"):
+            _require(isinstance(getattr(self, key), bool), name(key), getattr(self, key),
+                     "true or false")
+        _require(self.threads is None or (_whole(self.threads) and self.threads >= 1),
+                 name("threads"), self.threads, "a whole number >= 1")
+        for key in ("t1", "t2"):
+            value = getattr(self, key)
+            _require(value is None or (_whole(value) and value >= 0), name(key), value,
+                     "a whole number >= 0")
+        _require(self.checkpoint is None or (isinstance(self.checkpoint, str) and self.checkpoint),
+                 name("checkpoint"), self.checkpoint, "a folder name")
+        _require(self.chunk_nodes is None or (isinstance(self.chunk_nodes, numbers.Real)
+                                              and not isinstance(self.chunk_nodes, bool)
+                                              and self.chunk_nodes >= 1),
+                 name("chunk_nodes"), self.chunk_nodes, "a number >= 1")
+        if self.resume and not self.checkpoint:
+            raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume)")
+        if self.checkpoint and self.distribute == "read":
+            raise InputError("--checkpoint needs --distribute scatter or bcast (rank 0 reads the "
+                             "checkpoint and hands out only the chunks still to price), not read")
+        resolve_backend(self.backend)   # a GPU backend without a usable GPU is refused by name
+        return self
+
+    # ---- builders
+    @classmethod
+    def from_args(cls, args, **given) -> "RunConfig":
+        """From `pricer price`'s or `pricer run`'s parsed flags (None: not given) over `given`
+        (a job file's settings) over the defaults."""
+        settings = dict(given)
+        for f in fields(cls):
+            value = getattr(args, f.name, None)
+            if value is not None:
+                settings[f.name] = value
+        if getattr(args, "quiet", False):
+            settings["progress"] = False
+        return cls(**settings)
+
+    @classmethod
+    def from_job(cls, path: str, args) -> tuple["RunConfig", dict]:
+        """A job file's settings (pricer.io.jobs), the flags in `args` overriding them, each
+        setting checked (a job file's named by its key); and the job as read."""
+        from pricer.io.jobs import JOB_KEYS, load_job
+
+        job = load_job(path)
+        given = {field: job[table][key] for field, (table, key) in JOB_KEYS.items()
+                 if key in job.get(table, {})}
+        config = cls.from_args(args, **given)
+        return config.check({field: f"{path}: {table}.{key}" for field, (table, key)
+                             in JOB_KEYS.items() if key in job.get(table, {})
+                             and getattr(args, field, None) is None}), job
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """A value as a message shows it, with its type where that is the fault."""
+    kind = type(value).__name__
+    return f"{value!r}" if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        or value is None else f"{value!r} (a {kind})"
+
+
+def _require(ok: bool, name: str, value, what: str) -> None:
+    if not ok:
+        raise InputError(f"{name} must be {what}, got {_shown(value)}")

@@ -1,0 +1,299 @@
+"""The run: SPMD over the ranks of a communicator (size 1 without mpiexec).
+
+1. agree: rank 0 makes the plan (plan.py: reads and checks the input, partitions it) while every
+   rank starts its engine beside the read; every rank's GPU is measured and fitted (memory.py);
+   one verdict (collectives.py) lets every rank go on, or exit 2 together on bad input.
+2. share: each rank gets its rows (Scatterv or Bcast from rank 0, or its own read).
+3. compute: each rank prices its rows chunk by chunk (checkpointed, failures reported to rank 0,
+   progress shown by rank 0: faults.py, progress.py).
+4. finish: one Gatherv of an (options, outputs) float64 matrix brings the prices and Greeks to
+   rank 0, which writes the results file. Each option's tree travels in the matrix as a code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from pricer.engines import get_engine, resolve_backend, set_local_rank
+from pricer.io.checkpoint import Checkpoint
+from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
+from pricer.io.results import utc_now, write_results
+from pricer.model.cost import nodes_priced
+from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.model.lattice import TREE_NAMES
+from pricer.run import memory
+from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
+                                    node_ranks, outcome, verdict)
+from pricer.run.config import RunConfig
+from pricer.run.faults import FailureWatch, chunk_delay, inject, planned_faults, polite_barrier
+from pricer.run.plan import Plan, make_plan, plan_own_rows
+from pricer.run.progress import Progress
+
+STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
+STEPS = MATRIX_COLUMNS.index("steps")
+
+
+@dataclass
+class RunSummary:
+    options: int
+    nodes: float
+    ranks: int
+    backend: str
+    wall: float
+    stages: dict = field(default_factory=dict)
+    analytics: Analytics = Analytics()
+    reused: int = 0  # options read back from the checkpoint instead of priced
+    engine_start: float = 0.0  # rank 0's engine start (GPU context), beside its read
+    notes: list = field(default_factory=list)  # e.g. chunks shrunk to fit the GPUs' memory
+
+    def lines(self) -> list[str]:
+        rate = self.nodes / self.wall if self.wall > 0 else float("nan")
+        stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.stages.items())
+        extras = [what for what, on in (("Greeks", self.analytics.greeks),
+                                        ("Richardson extrapolation", self.analytics.richardson)) if on]
+        extras = f" with {' and '.join(extras)}" if extras else ""
+        if self.reused:
+            extras += f" ({self.reused} of them from the checkpoint)"
+        lines = [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
+                 f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
+                 f"stages: {stages}"]
+        if self.engine_start >= 0.01:
+            lines.append(f"engine started beside the read in {self.engine_start:.3f}s")
+        return lines + list(self.notes)
+
+
+@dataclass
+class StartedEngine:
+    """An engine made before the input was read, or why it could not be made (raised only once
+    pricing starts, so that a failure goes through FailureWatch like any other)."""
+    engine: object = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Agreed:
+    """What every rank knows once the verdict let the run go on."""
+    plan: Plan | None       # rank 0's
+    own: object             # --distribute read: this rank's OwnRows
+    started: StartedEngine
+    chunk_options: int      # this rank's device fit (0: the engine as it is)
+    notes: list
+    threads: int
+    bounds: np.ndarray      # rank r prices plan rows bounds[r]:bounds[r+1]
+    cuts: np.ndarray        # chunk boundaries in plan rows
+    chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1: none)
+
+
+def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
+    """Price cfg.input into cfg.output on every rank of comm; returns the summary on rank 0.
+    `prepare`, if given, runs on rank 0 first (a job's portfolio generation)."""
+    comm = comm or MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t_start = time.perf_counter()
+    stages = {}
+    agreed = _agree(cfg, comm, prepare)
+    stages["read"] = time.perf_counter() - t_start
+
+    t = time.perf_counter()
+    local, ids = _share(cfg, comm, agreed)
+    stages["distribute"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    lo, hi = int(agreed.bounds[rank]), int(agreed.bounds[rank + 1])
+    mine = (agreed.cuts >= lo) & (agreed.cuts <= hi)
+    chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
+              zip(agreed.cuts[mine][:-1], agreed.cuts[mine][1:],
+                  agreed.chunk_ids[mine[:-1] & mine[1:]])]
+    # every rank reports its finished chunks; rank 0 shows them against all the nodes to price
+    total = nodes_priced(agreed.plan.steps, cfg.analytics()) if rank == ROOT else 0.0
+    tracker = Progress(comm, cfg.progress, agreed.cuts, agreed.bounds, total)
+    values, engine_name, setup = compute(comm, cfg, local, ids, chunks, agreed.started,
+                                         agreed.chunk_options, tracker)
+    stages["setup"], stages["compute"] = setup, time.perf_counter() - t - setup
+
+    t = time.perf_counter()
+    full = gather_rows(comm, values, agreed.bounds)
+    stats = np.array([stages["compute"], local.shape[0],
+                      nodes_priced(local[:, STEPS], cfg.analytics()), agreed.threads])
+    all_stats = np.empty((size, 4)) if rank == ROOT else None
+    comm.Gather(stats, all_stats, root=ROOT)
+    stages["gather"] = time.perf_counter() - t
+    if rank != ROOT:
+        return None
+
+    t = time.perf_counter()
+    plan = agreed.plan
+    _write(cfg, plan, plan.assemble(full), all_stats, engine_name, size,
+           time.perf_counter() - t_start)
+    stages["write"] = time.perf_counter() - t
+    return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
+                      backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
+                      analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
+                      engine_start=agreed.started.seconds, notes=agreed.notes)
+
+
+def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
+    """Plan (rank 0, or with --distribute read every rank for its own rows) beside every rank's
+    engine start, the device fit, and the verdict; then what every rank needs of the plan."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ranks_here, local_rank = node_ranks(comm)
+    set_local_rank(local_rank)            # the GPU of this rank, where the launcher says nothing
+    reading = cfg.distribute == "read"    # every rank reads its own rows
+    if reading and prepare is not None:   # the input is made before anyone reads it
+        outcome(comm, prepare if rank == ROOT else None)
+        prepare = None
+    plan, own, status, message, failure = None, None, 0, None, None
+    # the plan is made in a second thread while every rank starts its engine (a GPU context does not
+    # shrink with more ranks, so it goes beside the read rather than after it)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        if reading:
+            planned = pool.submit(plan_own_rows, cfg, size, rank, ranks_here)
+        else:
+            planned = pool.submit(make_plan, cfg, size, ranks_here, prepare) \
+                if rank == ROOT else None
+        started = start_engine(cfg)
+        if planned is not None:
+            result, status, message, failure = attempt(planned.result)
+            if status == 0:
+                plan, own = result if reading else (result, None)
+    polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
+    # every rank's GPU, measured now that every engine has started, to rank 0, which fits every
+    # rank's share to it or refuses the run before the verdict
+    infos = comm.gather(memory.device_info(started.engine), root=ROOT)
+    fitted = None
+    if rank == ROOT and status == 0:
+        fitted, status, message, failure = attempt(
+            lambda: fit_devices(cfg, plan, started.engine, infos))
+    trees = verdict(comm, status, message, own)
+    if failure is not None:
+        raise failure
+    if reading and rank == ROOT:
+        plan.trees = [name for code, name in enumerate(TREE_NAMES) if trees >> code & 1]
+    fit = bcast_array(comm, (fitted.chunk_options if fitted is not None else np.zeros(size))
+                      if rank == ROOT else None)
+    bounds, cuts, chunk_ids = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
+                               for name in ("bounds", "cuts", "chunk_ids"))
+    return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [],
+                  configure_threads(cfg.threads, ranks_here), bounds, cuts, chunk_ids)
+
+
+def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's rows of the portfolio matrix, and their ids. Ids only name options in messages:
+    rank 0 has them, a reading rank its own; the others use global row numbers (rank 0 checked
+    every option already, so no message is expected from them)."""
+    if cfg.distribute == "read":
+        return agreed.own.matrix, agreed.own.ids
+    rank = comm.Get_rank()
+    plan = agreed.plan
+    local = distribute(comm, plan.matrix if rank == ROOT else None, agreed.bounds, cfg.distribute,
+                       len(MATRIX_COLUMNS))
+    lo, hi = int(agreed.bounds[rank]), int(agreed.bounds[rank + 1])
+    return local, plan.ids[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
+
+
+def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, engine_name: str,
+           size: int, wall: float) -> None:
+    """Rank 0: the results file, with its provenance and the ranks' stats."""
+    attrs = {"backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
+             "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
+             "utc_time": utc_now(), "input_sha256": plan.input_sha256,
+             "input_path": os.path.abspath(cfg.input), "greeks": bool(cfg.greeks),
+             "richardson": bool(cfg.richardson)}
+    run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
+                 "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
+    outputs = cfg.analytics().outputs
+    extra = {name: full[:, j] for j, name in enumerate(outputs) if name != "price"}
+    write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
+
+
+def configure_threads(threads: int | None, ranks_here: int) -> int:
+    """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe:
+    `threads`, else SLURM_CPUS_PER_TASK, else the cores / the ranks on this node."""
+    import numba
+
+    if threads is None:
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus and cpus.isdigit():
+            threads = int(cpus)
+        else:
+            threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+def start_engine(cfg: RunConfig) -> StartedEngine:
+    """The engine, warmed up (Engine.warm_up; PRICER_WARM_START=0 skips it, for measurements)."""
+    start = time.perf_counter()
+    try:
+        engine = get_engine(cfg.backend, **cfg.engine_overrides())
+        if os.environ.get("PRICER_WARM_START", "1") != "0":
+            engine.warm_up()
+    except Exception as exc:  # noqa: BLE001 - bad settings are named by rank 0's checks instead
+        return StartedEngine(error=exc, seconds=time.perf_counter() - start)
+    return StartedEngine(engine=engine, seconds=time.perf_counter() - start)
+
+
+def fit_devices(cfg: RunConfig, plan: Plan, engine, infos: list):
+    """Rank 0: memory.fit_devices for every rank's share; None where no rank measured a GPU."""
+    if engine is None or all(info is None for info in infos):
+        return None
+    steps = plan.steps.astype(np.int64)
+    shares = []
+    for r in range(len(infos)):
+        lo, hi = int(plan.bounds[r]), int(plan.bounds[r + 1])
+        first, last = np.searchsorted(plan.cuts, [lo, hi])   # bounds are cuts
+        shares.append((steps[lo:hi], plan.cuts[first:last + 1] - lo, plan.ids[lo:hi]))
+    return memory.fit_devices(engine, infos, shares, cfg.analytics(), cfg.input)
+
+
+def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list,
+            started: StartedEngine, chunk_options: int = 0, progress: Progress | None = None):
+    """This rank's rows, chunk by chunk (each saved to the checkpoint, if any), as
+    (values, engine name, set-up seconds). A failure here is reported to rank 0, which names the
+    rank and ends the job (faults.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
+    rank = comm.Get_rank()
+    watch, faults = FailureWatch(comm), planned_faults(rank)
+    checkpoint = Checkpoint(cfg.checkpoint) if cfg.checkpoint else None
+    analytics = cfg.analytics()
+    values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
+    done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
+    progress = progress or Progress()
+    try:
+        if started.error is not None:
+            raise started.error
+        engine, engine_name = started.engine, started.engine.name
+        engine.fit_device(chunk_options)       # before prepare() sizes the buffers
+        t = time.perf_counter()
+        if local.shape[0]:
+            engine.prepare(local[:, STEPS].astype(np.int64), levels=cfg.greeks)
+        setup = time.perf_counter() - t
+        progress.start()
+        for a, b, chunk in chunks:
+            inject(faults, rank, done)
+            watch.poll()
+            outputs = price_with_analytics(engine, columns_from_matrix(local[a:b]), cfg.tree,
+                                           ids[a:b], analytics)
+            for j, name in enumerate(analytics.outputs):
+                values[a:b, j] = outputs[name]
+            if checkpoint is not None:
+                checkpoint.save(chunk, values[a:b])
+            done += 1
+            if progress.enabled:
+                progress.chunk_done(nodes_priced(local[a:b, STEPS], analytics))
+            chunk_delay()
+        inject(faults, rank, done)
+    except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
+        watch.failed(done, exc)
+    # so that rank 0's "gather" is the gather, not the wait for the slowest rank (it shows the
+    # progress meanwhile)
+    watch.barrier(idle=progress.poll)
+    progress.finish()
+    return values, engine_name, setup

@@ -1,0 +1,228 @@
+"""The memory guard: before any work, rank 0 estimates the host memory each rank needs for this
+portfolio and refuses a run that would not fit in the node's available memory, with the numbers.
+
+The estimate (bytes; n options, k outputs per option, R ranks, N the largest steps):
+- rank 0: the columns as read (2x: h5py's arrays and their converted copies, ~66 B per option, more
+  with a tree column), the 10-double matrix that travels to the ranks, the gathered (n, k) result
+  and its copy in the file write, plus its own slice;
+- every rank: its slice of the matrix and of the results (the whole matrix with --distribute bcast),
+  with --distribute read also the whole book's id and steps columns and its own rows' columns as
+  read (2x, as rank 0's above; rank 0 then holds no other rows), plus one chunk's working set: ~30 float64 arrays per lattice priced (5 per option with --greeks,
+  +1 with --richardson) and the engine's 4 arrays of N + 1 doubles per thread.
+Pricing streams through chunks (pricer/io/checkpoint.py), so a rank's working set does not grow with
+the portfolio beyond these per-option arrays.
+
+Device memory (GPU backends; every rank drives its own GPU): each rank measures its GPU's free
+memory once every rank's engine has started (the CUDA context and the kernels exist then), and rank
+0 fits every rank's share to it before its verdict (fit_devices), by the engine's own account of
+what it allocates (Engine.device_need; pricer/engines/gpu/engine.py). Ranks that share a GPU share
+its free memory equally, and each keeps DEVICE_ALLOWANCE for what CUDA takes after the measurement.
+What streams is shrunk to fit (the options per chunk of the engine's device buffers); an option
+whose own arrays do not fit is refused with the numbers, exit 2, before any pricing.
+PRICER_DEVICE_MEMORY_LIMIT (bytes, or K/M/G) replaces every GPU's free memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pricer.engines.base import DeviceInfo
+from pricer.errors import InputError
+
+COLUMN_BYTES = 8 * 8 + 2      # id, spot, strike, maturity, rate, dividend, volatility, steps, 2 flags
+TREE_BYTES = 64               # a tree name as read (object + str) and its code
+MATRIX_BYTES = 10 * 8         # one row of the matrix that travels to the ranks
+CHUNK_ARRAY_BYTES = 30 * 8    # lattice parameters and engine inputs of one lattice
+ENGINE_BYTES_PER_STEP = 4 * 8
+INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns every rank reads whole
+GIB = float(1 << 30)
+
+
+@dataclass
+class Estimate:
+    root: float      # bytes on rank 0
+    other: float     # bytes on each other rank
+    available: float
+    node_ranks: int
+
+    def fits(self) -> bool:
+        return self.root + (self.node_ranks - 1) * self.other <= self.available
+
+
+def parse_bytes(text: str) -> float:
+    """'123', '64K', '1.5G' -> bytes (K/M/G are powers of 1024)."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return float(text.rstrip("KMG")) * scale
+
+
+def available_bytes(environ=os.environ) -> float:
+    """PRICER_MEMORY_LIMIT (bytes, or with a K/M/G suffix) if set, else the kernel's MemAvailable."""
+    limit = environ.get("PRICER_MEMORY_LIMIT", "").strip().upper()
+    if limit:
+        return parse_bytes(limit)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def estimate(n: int, outputs: int, ranks: int, node_ranks: int, chunk_rows: int, max_steps: int,
+             lattices: int, threads: int, tree: bool, bcast: bool, read: bool = False) -> Estimate:
+    share = -(-n // ranks)
+    working = (chunk_rows * lattices * CHUNK_ARRAY_BYTES
+               + threads * ENGINE_BYTES_PER_STEP * (max_steps + 1))
+    columns = 2 * COLUMN_BYTES + (TREE_BYTES if tree else 0)
+    if read:   # every rank reads its own rows (and the id and steps columns whole)
+        other = n * INDEX_BYTES + share * (columns + MATRIX_BYTES + outputs * 8) + working
+        root = other + n * (INDEX_BYTES + 2 * outputs * 8)   # the plan's ids/steps, the results
+        return Estimate(root=float(root), other=float(other), available=available_bytes(),
+                        node_ranks=node_ranks)
+    matrix = (n if bcast else share) * MATRIX_BYTES
+    other = matrix + share * outputs * 8 + working
+    root = (n * (columns + MATRIX_BYTES + 2 * outputs * 8)
+            + other)
+    return Estimate(root=float(root), other=float(other), available=available_bytes(),
+                    node_ranks=node_ranks)
+
+
+def check(est: Estimate, what: str) -> None:
+    """Refuse, naming the numbers, a run whose estimate exceeds the node's available memory."""
+    if est.fits():
+        return
+    raise InputError(
+        f"{what}: not enough memory: this run needs an estimated {est.root / GIB:.2f} GiB on rank 0 "
+        f"and {est.other / GIB:.2f} GiB on each other rank, {(est.root + (est.node_ranks - 1) * est.other) / GIB:.2f} GiB "
+        f"for the {est.node_ranks} rank(s) on rank 0's node, which has {est.available / GIB:.2f} GiB "
+        f"available; use more nodes, fewer ranks per node, or split the portfolio")
+
+
+# ----------------------------------------------------------------------- device memory (GPU)
+
+# What CUDA takes on a rank's GPU after its free memory is measured, beyond the buffers counted
+# below: kernel modules loaded later (gpu/hybrid load their batch-kernel modules, and hybrid inside
+# `batch` its regime modules, at first use; with lazy loading a kernel's code arrives at its first
+# launch), the local memory the driver reserves at a kernel's first launch (its per-thread local
+# memory x every resident thread: ~0.26 GiB per KiB of local memory per thread on a 132-SM H100),
+# cuMemAlloc rounding (up to 2 MiB per allocation, ~10-20 live ones) and the events and streams.
+# The context itself is not in it: it exists when the free memory is measured. Not measured: a
+# figure chosen to cover one KiB of local memory per thread, and under 1 % of a 80 GiB GPU.
+DEVICE_ALLOWANCE = 512 << 20
+DEVICE_LIMIT_VARIABLE = "PRICER_DEVICE_MEMORY_LIMIT"
+
+
+def device_info(engine) -> DeviceInfo | None:
+    """The rank's GPU as its engine measures it (Engine.device_info), or None where it has none or
+    cannot say (never raises: every rank calls it before a collective)."""
+    try:
+        return engine.device_info() if engine is not None and engine.uses_gpu else None
+    except Exception:  # noqa: BLE001 - no figure: the check is skipped for this rank
+        return None
+
+
+def device_limit(environ=os.environ) -> float | None:
+    text = environ.get(DEVICE_LIMIT_VARIABLE, "").strip()
+    if not text:
+        return None
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise InputError(f"{DEVICE_LIMIT_VARIABLE} must be a number of bytes, optionally with K, M "
+                         f"or G, got {text!r}")
+    return value
+
+
+@dataclass
+class DeviceFit:
+    chunk_options: np.ndarray   # per rank: options per chunk of its engine's device buffers (0: as
+    notes: list                 # they are), and what the summary says of them
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.3g} GiB"
+
+
+def size_text(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def fit_devices(engine, infos: list, shares: list, analytics, what: str,
+                environ=os.environ) -> DeviceFit:
+    """Rank 0: every rank's share (shares[r] = (steps, cuts, ids)) fitted to its GPU (infos[r], None
+    where unmeasured: not checked) by the engine's own sizing (Engine.device_need; every rank runs
+    the same backend with the same settings); raises InputError with the numbers for a share that
+    cannot fit."""
+    limit = device_limit(environ)
+    sharing: dict = {}
+    free_of: dict = {}
+    for info in infos:
+        if info is not None:
+            sharing[info.device] = sharing.get(info.device, 0) + 1
+            free = info.free if limit is None else limit
+            free_of[info.device] = min(free_of.get(info.device, free), free)
+    settings = np.zeros(len(infos), dtype=np.int64)
+    shrunk = []
+    for rank, info in enumerate(infos):
+        if info is None:
+            continue
+        steps, cuts, ids = shares[rank]
+        need = engine.device_need(steps, cuts, analytics)
+        free, k = free_of[info.device], sharing[info.device]
+        setting = need.fit(free / k - DEVICE_ALLOWANCE)
+        if setting is None:
+            raise InputError(_refusal(what, rank, info, need, free, k, ids, limit is not None,
+                                      engine.name))
+        settings[rank] = setting
+        if setting:
+            shrunk.append((rank, setting, free / k))
+    return DeviceFit(settings, _notes(engine, shrunk, len(infos)))
+
+
+def _refusal(what, rank, info, need, free, k, ids, limited, backend) -> str:
+    where = (f"the GPU of rank {rank} ({info.name}) has {gib(free)} free"
+             + (f" ({DEVICE_LIMIT_VARIABLE})" if limited else "")
+             + (f", shared by {k} ranks ({gib(free / k)} each)" if k > 1 else ""))
+    allowance = f"{gib(DEVICE_ALLOWANCE)} kept for CUDA"
+    if need.held_row >= 0:
+        return (f"{what}: not enough GPU memory: option id {ids[need.held_row]} (N = "
+                f"{need.held_steps} steps) needs {gib(need.held)} on the device ("
+                f"{need.held_what}), "
+                f"{gib(need.held + need.least + DEVICE_ALLOWANCE)} with the "
+                f"{allowance}, but {where}; the {backend} backend prices such an option whole on "
+                f"one GPU: use a GPU with more free memory, fewer ranks per GPU, or --backend cpu")
+    return (f"{what}: not enough GPU memory: the {backend} backend needs at least "
+            f"{gib(need.held + need.least + DEVICE_ALLOWANCE)} on rank {rank}'s GPU (one option "
+            f"at a time, and {allowance}), but {where}; use a GPU with more free memory, fewer "
+            f"ranks per GPU, or --backend cpu")
+
+
+def _notes(engine, shrunk: list, ranks: int) -> list:
+    if not shrunk:
+        return []
+    which = _ranks_text([rank for rank, *_ in shrunk], ranks)
+    least_free = min(free for *_, free in shrunk)
+    sizes = sorted({setting for _, setting, _ in shrunk})
+    size = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return [f"GPU memory: chunks of {size} options on the GPU (not {engine.chunk_options}) on "
+            f"{which}, to fit {size_text(least_free)} free per rank (less "
+            f"{size_text(DEVICE_ALLOWANCE)} kept for CUDA)"]
+
+
+def _ranks_text(ranks: list, size: int) -> str:
+    if len(ranks) == size and size > 1:
+        return f"all {size} ranks"
+    if len(ranks) <= 8:
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    return f"{len(ranks)} of {size} ranks"

@@ -1,0 +1,461 @@
+"""`pricer scaling`: strong scaling of one job over rank counts, and partition quality at scale.
+
+    pricer scaling JOB.toml --ranks 1,2,4 [--repeats R] [--launcher CMD] --out DIR
+        runs `pricer run JOB.toml -o WORK/ranks-K-rep-R.h5` under `srun --kill-on-bad-exit=1 -n K`
+        (inside a Slurm allocation: SLURM_JOB_ID is set) or `mpiexec -n K` (else; `--launcher`
+        overrides both) for each rank count K, R times (the median counts), after one untimed
+        warm-up run (generation of the job's portfolio, numba's cache); writes DIR/scaling.csv,
+        DIR/scaling.md, DIR/scaling.png.
+    pricer scaling --simulate PORTFOLIO.h5 --ranks 1,...,4096 --out DIR
+        no pricing: each partitioner's largest and mean rank cost per rank count against the bound
+        max(mean, largest option); writes DIR/simulate.csv, .md, .png.
+    --cost-model (with --simulate) also times the cpu engine per N: seconds per lattice node.
+
+Exit codes: 0 done; 2 bad arguments or input (the message says which); 1 a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from pricer.errors import InputError
+
+STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
+RUN_COLUMNS = (("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall") + STAGES
+               + ("compute_min", "compute_mean", "compute_max", "imbalance", "options", "nodes",
+                  "speedup", "efficiency"))
+SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
+               "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
+# cost: what --partition cost runs (partition.assign); contiguous: its best contiguous split alone;
+# lpt: assign_by_cost alone; count: the seed's equal counts
+SIM_PARTITIONERS = ("cost", "contiguous", "count", "lpt")
+TARGET = 0.02
+COST_MODEL_STEPS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 12800)
+
+_PRICED = re.compile(r"^priced (\d+) options.*\(([\d.e+]+) nodes\) on (\d+) rank\(s\).* in ([\d.]+)s")
+_STAGE = re.compile(r"(\w+) ([\d.]+)s")
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, unique); empty lists, non-numbers and counts < 1 refused."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"--ranks needs a comma-separated list of rank counts, "
+                                         f"got {text!r}")
+    ranks = []
+    for item in items:
+        if not item.isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"rank counts must be whole numbers >= 1, got {item!r}")
+        ranks.append(int(item))
+    return sorted(set(ranks))
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("input", help="JOB.toml (a pricing job), or with --simulate a PORTFOLIO.h5")
+    ap.add_argument("--ranks", type=parse_ranks, required=True, metavar="K1,K2,...",
+                    help="rank counts, e.g. 1,2,4,8")
+    ap.add_argument("--out", required=True, metavar="DIR",
+                    help="folder for the CSV, markdown table and PNG plot (made if missing)")
+    ap.add_argument("--repeats", type=_positive, default=1, metavar="R",
+                    help="timed runs per rank count; the median counts (default 1)")
+    ap.add_argument("--launcher", default=None, metavar="CMD",
+                    help="MPI launcher, called as CMD -n K ... (default: srun inside a Slurm "
+                         "allocation, else mpiexec)")
+    ap.add_argument("--work", default=None, metavar="DIR",
+                    help="folder for each run's results file and log (default: OUT/runs)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the untimed first run (it generates the job's portfolio and fills "
+                         "numba's cache)")
+    ap.add_argument("--backend", default=None, help="passed to pricer run (default: the job's)")
+    ap.add_argument("--threads", type=_positive, default=None,
+                    help="passed to pricer run: CPU threads per rank (default: cores / ranks)")
+    ap.add_argument("--partition", choices=("cost", "count"), default=None,
+                    help="passed to pricer run (default: the job's)")
+    ap.add_argument("--distribute", choices=("scatter", "bcast", "read"), default=None,
+                    help="passed to pricer run (default: the job's)")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds allowed per run (default 3600)")
+    ap.add_argument("--simulate", action="store_true",
+                    help="no pricing: evaluate the partitioners on PORTFOLIO.h5's cost model")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="with --simulate: also time the cpu engine per N against (N+1)(N+2)/2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pricer scaling", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: 2 on bad arguments (message printed), 0 for --help
+        return int(exc.code or 0)
+    return run(args)
+
+
+def run(args) -> int:
+    try:
+        if args.cost_model and not args.simulate:
+            raise InputError("--cost-model goes with --simulate")
+        os.makedirs(args.out, exist_ok=True)
+        if args.simulate:
+            return simulate(args)
+        return strong_scaling(args)
+    except InputError as exc:
+        print(f"pricer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ----------------------------------------------------------------------------- strong scaling
+
+def launcher_command(launcher: str | None = None, environ=None) -> list[str]:
+    """The launcher as an argument list: --launcher, else srun inside Slurm, else mpiexec (the one
+    beside this Python where there is one, as the mpich extra installs it)."""
+    environ = os.environ if environ is None else environ
+    if launcher:
+        return shlex.split(launcher)
+    if environ.get("SLURM_JOB_ID"):   # a rank that dies ends the step, not the time limit
+        return ["srun", "--kill-on-bad-exit=1"]
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(local):
+        return [local]
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise InputError("no mpiexec or mpirun on the PATH; give --launcher")
+    return [found]
+
+
+def parse_summary(text: str) -> dict:
+    """The numbers in `pricer run`'s summary lines (distributed.RunSummary.lines)."""
+    out = {}
+    for line in text.splitlines():
+        m = _PRICED.match(line.strip())
+        if m:
+            out.update(options=int(m.group(1)), nodes=float(m.group(2)), ranks=int(m.group(3)),
+                       wall=float(m.group(4)))
+        elif line.startswith("stages: "):
+            out.update({k: float(v) for k, v in _STAGE.findall(line[len("stages: "):])})
+    return out
+
+
+def read_run_stats(path: str) -> dict:
+    import h5py
+    with h5py.File(path, "r") as f:
+        seconds = np.asarray(f["run/seconds"][()], dtype=np.float64)
+        return {"rank_seconds": seconds, "rank_options": np.asarray(f["run/options"][()]),
+                "wall_seconds": float(f["results"].attrs["wall_seconds"])}
+
+
+def _pricer_args(args, output: str) -> list[str]:
+    cmd = [sys.executable, "-m", "pricer", "run", args.input, "-o", output, "--overwrite"]
+    for key in ("backend", "threads", "partition", "distribute"):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key}", str(getattr(args, key))]
+    return cmd
+
+
+def run_once(args, launcher: list[str], ranks: int, output: str, log: str) -> dict:
+    cmd = launcher + ["-n", str(ranks)] + _pricer_args(args, output)
+    env = dict(os.environ)  # the ranks import this very pricer
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{shlex.join(cmd)}: no result after {args.timeout:g}s") from None
+    elapsed = time.perf_counter() - t
+    with open(log, "w") as f:
+        f.write(f"$ {shlex.join(cmd)}\n# exit {proc.returncode} after {elapsed:.3f}s\n")
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode} (log {log}):\n  "
+                           + "\n  ".join(tail))
+    summary = parse_summary(proc.stdout)
+    stats = read_run_stats(output)
+    summary.setdefault("wall", stats["wall_seconds"])
+    if summary.get("ranks", ranks) != ranks:
+        raise RuntimeError(f"{shlex.join(cmd)} ran on {summary['ranks']} rank(s), not {ranks}: "
+                           f"does the launcher belong to mpi4py's MPI? (log {log})")
+    summary.update(stats, launch_wall=elapsed)
+    return summary
+
+
+def aggregate(ranks: int, runs: list[dict]) -> dict:
+    """One CSV row: medians over the repeats (per column)."""
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    row = {"ranks": ranks, "runs": len(runs), "wall": med("wall"),
+           "wall_min": min(r["wall"] for r in runs), "wall_max": max(r["wall"] for r in runs),
+           "launch_wall": med("launch_wall")}
+    for stage in STAGES:
+        row[stage] = statistics.median(r.get(stage, math.nan) for r in runs)
+    row["compute_min"] = statistics.median(float(r["rank_seconds"].min()) for r in runs)
+    row["compute_mean"] = statistics.median(float(r["rank_seconds"].mean()) for r in runs)
+    row["compute_max"] = statistics.median(float(r["rank_seconds"].max()) for r in runs)
+    row["imbalance"] = row["compute_max"] / row["compute_mean"] if row["compute_mean"] > 0 else math.nan
+    row["options"] = runs[0].get("options", int(runs[0]["rank_options"].sum()))
+    row["nodes"] = runs[0].get("nodes", math.nan)
+    return row
+
+
+def add_speedup(rows: list[dict]) -> None:
+    """Speedup against the smallest rank count K0 (K0 x its wall / wall), efficiency = speedup / K."""
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["ranks"] * base["wall"] / row["wall"] if row["wall"] > 0 else math.nan
+        row["efficiency"] = row["speedup"] / row["ranks"]
+
+
+def strong_scaling(args) -> int:
+    from pricer.io.jobs import load_job
+
+    if not os.path.isfile(args.input):
+        raise InputError(f"{args.input}: no such job file")
+    load_job(args.input)   # refuse a bad job file before launching anything
+    launcher = launcher_command(args.launcher)
+    work = args.work or os.path.join(args.out, "runs")
+    os.makedirs(work, exist_ok=True)
+    rows = []
+    try:
+        if not args.no_warmup:
+            print(f"warm-up: {args.ranks[0]} rank(s)", flush=True)
+            run_once(args, launcher, args.ranks[0], os.path.join(work, "warmup.h5"),
+                     os.path.join(work, "warmup.log"))
+        for k in args.ranks:
+            runs = []
+            for rep in range(1, args.repeats + 1):
+                stem = os.path.join(work, f"ranks-{k}-rep-{rep}")
+                runs.append(run_once(args, launcher, k, stem + ".h5", stem + ".log"))
+                print(f"{k} rank(s), run {rep}/{args.repeats}: {runs[-1]['wall']:.3f}s", flush=True)
+            rows.append(aggregate(k, runs))
+    except RuntimeError as exc:
+        print(f"pricer: error: {exc}", file=sys.stderr)
+        return 1
+    add_speedup(rows)
+    table = markdown_runs(rows, f"`{args.input}`, launcher `{launcher[0]}`, median of {args.repeats}")
+    write_outputs(args.out, "scaling", rows, RUN_COLUMNS, table)
+    plot_runs(rows, os.path.join(args.out, "scaling.png"))
+    print("\n".join(table))
+    return 0
+
+
+def markdown_runs(rows: list[dict], title: str) -> list[str]:
+    lines = [f"Strong scaling: {title}", "",
+             "| ranks | wall s | " + " | ".join(f"{s} s" for s in STAGES)
+             + " | compute min/mean/max s | speedup | efficiency |",
+             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {r['wall']:.3f} | "
+                     + " | ".join(f"{r[s]:.3f}" for s in STAGES)
+                     + f" | {r['compute_min']:.3f} / {r['compute_mean']:.3f} / {r['compute_max']:.3f}"
+                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} |")
+    return lines
+
+
+def plot_runs(rows: list[dict], path: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    ranks = [r["ranks"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ax1.plot(ranks, [r["speedup"] for r in rows], "o-", label="measured")
+    ax1.plot(ranks, ranks, "k--", lw=0.8, label="ideal")
+    ax1.set_xlabel("MPI ranks")
+    ax1.set_ylabel(f"speedup (vs {ranks[0]} rank{'s' if ranks[0] > 1 else ''})")
+    ax2.plot(ranks, [r["efficiency"] for r in rows], "o-", label="measured")
+    ax2.axhline(1.0, color="k", ls="--", lw=0.8, label="ideal")
+    ax2.set_xlabel("MPI ranks")
+    ax2.set_ylabel("parallel efficiency")
+    ax2.set_ylim(0, max(1.1, max(r["efficiency"] for r in rows) * 1.05))
+    for ax in (ax1, ax2):
+        if len(ranks) > 1 and ranks[-1] / ranks[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        print("pricer scaling: matplotlib is not installed (the `plot` extra): no PNG written",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def write_outputs(folder: str, stem: str, rows: list[dict], columns, table: list[str]) -> None:
+    with open(os.path.join(folder, f"{stem}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    with open(os.path.join(folder, f"{stem}.md"), "w") as f:
+        f.write("\n".join(table) + "\n")
+
+
+# ----------------------------------------------------------------------------- simulation
+
+def simulate_rows(steps: np.ndarray, ranks: list[int]) -> list[dict]:
+    """Per rank count and partitioner: largest and mean rank cost against the bounds."""
+    from pricer.model.cost import option_cost
+    from pricer.model.partition import (assign, assign_by_cost, lower_bound, part_costs,
+                                  partition, whole_option_bound)
+
+    cost = option_cost(steps)
+    rows = []
+    for k in ranks:
+        bound, whole = lower_bound(steps, k), whole_option_bound(steps, k)
+        for name in SIM_PARTITIONERS:
+            if name == "lpt":
+                loads = assign_by_cost(steps, k).costs(steps)
+            elif name == "cost":
+                loads = assign(steps, k, "cost").costs(steps)
+            else:
+                loads = part_costs(steps, partition(steps, k, "cost" if name == "contiguous" else name))
+            top = float(loads.max())
+            rows.append({"ranks": k, "partitioner": name, "options": int(cost.size),
+                         "max_cost": top, "mean_cost": float(cost.sum() / k),
+                         "largest_option": float(cost.max()), "bound": bound, "whole_bound": whole,
+                         "max_over_bound": top / bound, "max_over_whole_bound": top / whole,
+                         "empty_ranks": int((loads == 0).sum())})
+    return rows
+
+
+def markdown_simulate(rows: list[dict], title: str) -> list[str]:
+    ranks = sorted({r["ranks"] for r in rows})
+    by = {(r["ranks"], r["partitioner"]): r for r in rows}
+    lines = [f"Partition quality: {title}. Largest rank cost / max(mean, largest option) "
+             f"(* misses {TARGET:.0%}; in brackets: / the whole-option bound where that is higher)",
+             "", "| ranks | mean / largest option | " + " | ".join(SIM_PARTITIONERS) + " |",
+             "|---:|---:|" + "---:|" * len(SIM_PARTITIONERS)]
+    for k in ranks:
+        first = by[(k, SIM_PARTITIONERS[0])]
+        cells = []
+        for name in SIM_PARTITIONERS:
+            r = by[(k, name)]
+            cell = f"{r['max_over_bound']:.4f}" + ("*" if r["max_over_bound"] > 1 + TARGET else "")
+            if r["whole_bound"] > r["bound"] * (1 + 1e-9):
+                cell += f" ({r['max_over_whole_bound']:.4f})"
+            cells.append(cell)
+        lines.append(f"| {k} | {first['mean_cost'] / first['largest_option']:.3g} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_simulate(rows: list[dict], path: str, title: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in SIM_PARTITIONERS:
+        pts = [(r["ranks"], r["max_over_bound"]) for r in rows if r["partitioner"] == name]
+        ax.plot(*zip(*pts), "o-", ms=3, label=name)
+    ax.axhline(1.0, color="k", lw=0.8, label="bound max(mean, largest)")
+    ax.axhline(1.0 + TARGET, color="grey", ls="--", lw=0.8, label=f"+{TARGET:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("largest rank cost / bound")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def simulate(args) -> int:
+    from pricer.io.portfolio import read_portfolio
+
+    portfolio = read_portfolio(args.input)
+    rows = simulate_rows(portfolio.steps, args.ranks)
+    title = f"`{os.path.basename(args.input)}`, {len(portfolio):,} options"
+    table = markdown_simulate(rows, title)
+    if args.cost_model:
+        model = cost_model_check()
+        write_outputs(args.out, "cost_model", model, ("steps", "options", "nodes", "seconds",
+                                                      "ns_per_node", "relative"),
+                      markdown_cost_model(model))
+        table += [""] + markdown_cost_model(model)
+    write_outputs(args.out, "simulate", rows, SIM_COLUMNS, table)
+    plot_simulate(rows, os.path.join(args.out, "simulate.png"), title.replace("`", ""))
+    print("\n".join(table))
+    return 0
+
+
+# ----------------------------------------------------------------------------- cost model
+
+def cost_model_check(steps_list=COST_MODEL_STEPS, nodes_per_point: float = 3e8, repeats: int = 3,
+                     backend: str = "cpu") -> list[dict]:
+    """Time `backend` on batches of generated options of one N each (about `nodes_per_point`
+    lattice nodes per batch, best of `repeats`): seconds per node should not depend on N if the
+    partitioners' cost model, (N+1)(N+2)/2, is right."""
+    from pricer.engines import get_engine
+    from pricer.tools.generate import generate
+    from pricer.model.greeks import price_with_analytics
+    from pricer.io.portfolio import columns_from_matrix
+    from pricer.model.cost import lattice_nodes
+
+    engine = get_engine(backend)
+    warm = columns_from_matrix(generate("uniform", 8, steps=64).to_matrix("crr"))
+    price_with_analytics(engine, warm, "crr", np.arange(8))   # compile / load the kernels
+    rows = []
+    for n in steps_list:
+        count = max(4, int(nodes_per_point / float(lattice_nodes(n))))
+        cols = columns_from_matrix(generate("uniform", count, seed=n, steps=n).to_matrix("crr"))
+        ids = np.arange(count)
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            price_with_analytics(engine, cols, "crr", ids)
+            best = min(best, time.perf_counter() - t)
+        nodes = float(lattice_nodes(np.full(count, n)).sum())
+        rows.append({"steps": n, "options": count, "nodes": nodes, "seconds": best,
+                     "ns_per_node": best / nodes * 1e9})
+    ref = statistics.median(r["ns_per_node"] for r in rows)
+    for r in rows:
+        r["relative"] = r["ns_per_node"] / ref
+    return rows
+
+
+def markdown_cost_model(rows: list[dict]) -> list[str]:
+    lines = ["Cost model check: seconds per lattice node of the cpu engine by N "
+             "(relative: to the median over N; 1.00 everywhere = cost ∝ (N+1)(N+2)/2 exactly)", "",
+             "| N | options | nodes | seconds | ns / node | relative |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['steps']} | {r['options']} | {r['nodes']:.3g} | {r['seconds']:.3f} | "
+                     f"{r['ns_per_node']:.3f} | {r['relative']:.2f} |")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
