@@ -29,10 +29,10 @@
 // no flush of tiny values (subnormal FP64 is full speed on the GPU).  Prices equal the CPU engine's
 // to rounding, not bitwise.
 //
-// Input: one byte buffer per chunk of n rows (pricer/engines/batch_plan.py, input_views): columns
+// Input: one byte buffer per chunk of n rows (pricer/engines/gpu/batch_layout.py, input_views): columns
 // of n doubles (column k of row r at double index k * n + r; k = IN_SPOT, IN_STRIKE, IN_LOG_UP,
 // IN_LOG_DOWN, IN_PU, IN_PD), then the n int32 steps from byte IN_STEPS_AT * n, the n int32 `order`
-// (the chunk's rows sorted by steps, descending) from IN_ORDER_AT * n, n bytes call from
+// (the chunk's rows sorted by class key, descending) from IN_ORDER_AT * n, n bytes call from
 // IN_CALL_AT * n and n bytes American from IN_AMERICAN_AT * n.
 // A launch prices the rows order[first .. first + count - 1] (one class); each is read and priced
 // where it lies, so the host copies rows as given and gets prices back in that order.  Output:
@@ -132,7 +132,7 @@ static_assert(WORK_ORDER_THREADS % WORK_RANK_LANES == 0 && WORK_RANK_LANES <= 32
 // W = 2 up to G = 5: 8 blocks (16 warps) per SM, which ptxas fits in 120 registers without spills:
 // one wave then holds a third more such options than at 6, so that a book of ~1 000 options of
 // N = 2 048, whose payoffs' widths fit G = 5, runs in one wave on a GPU of ~130 SMs
-// (one_wave_by_width in pricer/engines/batch_plan.py)
+// (one_wave_by_width in pricer/engines/gpu/batch_plan.py)
 #define KERNEL_MIN_BLOCKS(G) (BATCH_W == 2 && (G) <= 5 ? 8 : MIN_BLOCKS)
 
 struct Option {

@@ -1,18 +1,24 @@
-"""The `batch` backend's schedule (pricer.engines.batch_plan), without a GPU: classes, chunks,
-the sorted order and its launches, and the kernel's input as the host lays it out."""
+"""The `batch` backend's schedule (pricer.engines.gpu.batch_plan), without a GPU: classes, chunks,
+the sorted order and its launches, the kernel's input as the host lays it out
+(pricer.engines.gpu.batch_layout), and the -D options that state that layout to cuda/batch.cu."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
-from pricer.engines.batch_plan import (CAPACITY, CLASSES, FLOAT_FIELDS, INPUT_BYTES_PER_OPTION,
-                                       KERNELS, KEY_BINS, MAX_STEPS, chunk_bounds, chunk_size,
-                                       WORK_ORDER_ROWS, Launch, class_of, counted_schedule,
-                                       fill_flags, fill_floats, fill_input, heaviest_first,
-                                       input_views,
-                                       schedule, widest_payoff, width_keys)
-from pricer.lattice import FLOAT_ROWS, lattice_parameters
+from pricer.engines.gpu import batch_layout
+from pricer.engines.gpu.batch_layout import (FLOAT_FIELDS, INPUT_BYTES_PER_OPTION, KEY_BINS,
+                                             MAX_STEPS, NODES_PER_LANE, WIDTH_MARGIN, defines,
+                                             fill_flags, fill_floats, fill_input, input_views,
+                                             order_span)
+from pricer.engines.gpu.batch_plan import (CAPACITY, CLASSES, KERNELS, WORK_ORDER_ROWS, Launch,
+                                           chunk_bounds, chunk_size, class_of, counted_schedule,
+                                           heaviest_first, schedule, widest_payoff, width_keys)
+from pricer.engines.gpu.runtime import cuda_source_dir
+from pricer.model.lattice import FLOAT_ROWS, lattice_parameters
 
 
 def test_classes_grow_and_every_width_has_the_smallest_fitting_class():
@@ -334,3 +340,76 @@ def test_input_carries_the_rows_as_given_at_the_kernels_offsets(rng, rows):
     assert schedule(params.steps[picked].astype(np.int32), expect) == launches
     np.testing.assert_array_equal(order, expect)
     assert not buffer[n * INPUT_BYTES_PER_OPTION:].any()           # nothing written past the input
+
+
+def defined() -> dict:
+    """batch_layout.defines() as {macro: value}: each a distinct -DNAME=integer."""
+    pairs = [re.fullmatch(r"-D([A-Z_][A-Z0-9_]*)=(-?\d+)", flag) for flag in defines()]
+    assert all(pairs), defines()
+    values = {m.group(1): int(m.group(2)) for m in pairs}
+    assert len(values) == len(pairs), "a macro defined twice"
+    return values
+
+
+def test_the_defines_state_the_layout_of_input_views(rng):
+    """cuda/batch.cu reads the input at the offsets the -D options give it, the host writes it
+    through input_views: the two must be one layout. Each column's byte offset in a buffer of n
+    rows is its *_AT value times n (float column k at 8 k n), the columns tile the row's
+    INPUT_BYTES_PER_OPTION bytes without a gap, the float columns are FLOAT_FIELDS in the order of
+    LatticeParams.packed's rows, and the kernels' shared constants are the host's."""
+    d = defined()
+    assert {name: d[f"IN_{name.upper()}"] for name in FLOAT_FIELDS} == FLOAT_ROWS
+    assert [d[f"IN_{name.upper()}"] for name in FLOAT_FIELDS] == list(range(len(FLOAT_FIELDS)))
+    assert d["VT"] == NODES_PER_LANE and d["WIDTH_MARGIN"] == WIDTH_MARGIN
+    for name in ("SORT_THREADS", "WORK_ORDER_THREADS", "WORK_RANK_LANES"):
+        assert d[name] == getattr(batch_layout, name), name
+    for n in (1, 7, 1000):
+        buffer = np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8)
+        views = input_views(buffer, n)
+        base = buffer.__array_interface__["data"][0]
+
+        def span(view):
+            start = view.__array_interface__["data"][0] - base
+            return start, start + view.nbytes
+
+        columns = [(span(views.floats[d[f"IN_{name.upper()}"]]), 8 * n) for name in FLOAT_FIELDS]
+        columns += [(span(getattr(views, field)), size * n)
+                    for field, size in (("steps", 4), ("order", 4), ("call", 1), ("american", 1))]
+        for name in FLOAT_FIELDS:
+            assert span(views.floats[d[f"IN_{name.upper()}"]])[0] == 8 * d[f"IN_{name.upper()}"] * n
+        for field in ("steps", "order", "call", "american"):
+            assert span(getattr(views, field))[0] == d[f"IN_{field.upper()}_AT"] * n, field
+        assert span(views.order) == order_span(n)
+        # every column as wide as its type, one after another from byte 0 to the row's end
+        assert all(hi - lo == size for (lo, hi), size in columns)
+        bounds = sorted(bound for bound, _ in columns)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n * INPUT_BYTES_PER_OPTION
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    # the bytes fill_input writes, read back where the kernel reads them
+    n = 9
+    params = book(rng, n)
+    buffer = np.zeros(n * INPUT_BYTES_PER_OPTION, dtype=np.uint8)
+    fill_input(params, slice(0, n), buffer, input_views(buffer, n))
+    floats = buffer[:d["IN_STEPS_AT"] * n].view(np.float64)
+    for name in FLOAT_FIELDS:
+        k = d[f"IN_{name.upper()}"]
+        np.testing.assert_array_equal(floats[k * n:(k + 1) * n], getattr(params, name))
+    at = {field: d[f"IN_{field.upper()}_AT"] * n for field in ("steps", "call", "american")}
+    np.testing.assert_array_equal(buffer[at["steps"]:at["steps"] + 4 * n].view(np.int32),
+                                  params.steps)
+    np.testing.assert_array_equal(buffer[at["call"]:at["call"] + n].view(np.bool_), params.call)
+    np.testing.assert_array_equal(buffer[at["american"]:at["american"] + n].view(np.bool_),
+                                  params.american)
+
+
+def test_batch_cu_requires_every_define():
+    """cuda/batch.cu has no default for any macro of the layout's contract: each one defines()
+    gives is guarded by `#ifndef NAME` / `#error`, so a build without it fails rather than reading
+    another layout, and every macro it guards so is one that defines() gives (a build with the
+    runner's options compiles)."""
+    source = (cuda_source_dir() / "batch.cu").read_text()
+    guarded = set(re.findall(r"^[ \t]*#[ \t]*ifndef[ \t]+(\w+)[ \t]*\n[ \t]*#[ \t]*error\b",
+                             source, flags=re.MULTILINE))
+    given = set(defined())
+    assert given - guarded == set(), f"not required by cuda/batch.cu: {sorted(given - guarded)}"
+    assert guarded - given == set(), f"required but not given: {sorted(guarded - given)}"

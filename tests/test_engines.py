@@ -19,16 +19,18 @@ import numpy as np
 import pytest
 from numba import njit
 
-from pricer.engines.cpu.parallel import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
 from pricer.engines.cpu.exp_table import EXP_TABLE_MAX_ARGUMENT, exp_table
-from pricer.engines.cpu.serial import (LANES, PAD, PAIR_MAX_STEPS, UNDERFLOW, SerialEngine, advance,
-                                       backward_keeping_levels, backward_padded, exercise_limit,
-                                       floor_needed, power_tables, terminal_values)
-from pricer.model.lattice import LEVEL_VALUES
+from pricer.engines.cpu.kernels import (UNDERFLOW, advance, backward_keeping_levels, exercise_limit,
+                                        power_tables, terminal_values)
+from pricer.engines.cpu.padded import LANES, PAD, PAIR_MAX_STEPS, backward_padded, floor_needed
+from pricer.engines.cpu.parallel import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
+from pricer.engines.cpu.serial import SerialEngine
 from pricer.errors import InputError
-from pricer.tools.generate import generate
-from pricer.model.lattice import TREES, lattice_parameters
 from pricer.io.portfolio import columns_from_matrix
+from pricer.model.lattice import LEVEL_VALUES, TREES, lattice_parameters
+from pricer.tools.generate import generate
+
+from oracle import textbook_prices
 
 DATA = Path(__file__).parent / "data"
 SERIAL, CPU = SerialEngine(), CpuEngine()
@@ -595,40 +597,13 @@ def test_unordered_ratio_table_takes_every_node(rng, call):
 
 # ------------------------------------------------------------------------------ independent oracles
 
-def numpy_lattice(s, k, t, r, q, vol, steps, call, american) -> float:
-    """The textbook CRR lattice, written independently: whole levels with numpy, the asset at node
-    (t, j) as S u^j d^(t-j) = S exp((2j - t) sigma sqrt(dt)) (one exp per node: u**j would carry u's
-    rounding error j-fold), the discount applied to the expectation."""
-    dt = t / steps
-    log_u = vol * np.sqrt(dt)
-    u, d = np.exp(log_u), np.exp(-log_u)
-    p = (np.exp((r - q) * dt) - d) / (u - d)
-    disc = np.exp(-r * dt)
-    sign = 1.0 if call else -1.0
-
-    def exercise(level):
-        return sign * (s * np.exp((2.0 * np.arange(level + 1) - level) * log_u) - k)
-
-    values = np.maximum(exercise(steps), 0.0)
-    for level in range(steps - 1, -1, -1):
-        values = disc * (p * values[1:] + (1.0 - p) * values[:-1])
-        if american:
-            values = np.maximum(values, exercise(level))
-    return float(values[0])
-
-
-def numpy_prices(cols: dict) -> np.ndarray:
-    names = ("spot", "strike", "maturity", "rate", "dividend", "volatility", "steps", "call", "american")
-    return np.array([numpy_lattice(*(cols[c][i] for c in names)) for i in range(cols["spot"].size)])
-
-
 def test_textbook_lattice_matches_independent_numpy(rng):
     n = 16
     cols = random_market(rng, n, steps=(4, 2000))
     cols["call"][:4] = [False, False, True, True]
     cols["american"][:4] = [True, False, True, False]
     ours = price(cols)
-    theirs = numpy_prices(cols)
+    theirs = textbook_prices(cols)
     error = relative_error(ours, theirs, cols["strike"])
     assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
 
@@ -642,7 +617,7 @@ def test_underflow_flush_leaves_prices_unchanged(rng):
                         volatility=rng.uniform(0.5, 0.6, n), steps=rng.integers(3000, 4000, n),
                         call=np.arange(n) % 2 == 0, american=np.arange(n) % 3 != 0)
     ours = price(cols)
-    theirs = numpy_prices(cols)
+    theirs = textbook_prices(cols)
     error = relative_error(ours, theirs, cols["strike"])
     assert error.max() <= 1e-12, (error.max(), int(error.argmax()))
 

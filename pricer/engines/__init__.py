@@ -10,14 +10,17 @@ import hashlib
 import os
 from pathlib import Path
 
-from pricer.engines.base import Engine, backend, backends, register
+from pricer.engines.base import Engine, backend, backends, register, unregister
 from pricer.errors import InputError
 from pricer.files import cache_dir
+
+__all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine", "gpu_available",
+           "register", "resolve_backend", "set_local_rank", "unregister"]
 
 
 def _key_numba_cache_by_source() -> None:
     """numba re-checks a cached kernel only against its own file, not against the kernels it calls
-    in other modules (the cpu engine and the GPU tail build on serial.py's) or the constants it
+    in other modules (the cpu engine and the GPU tail build on kernels.py's) or the constants it
     reads from pricer.model: after an edit of one of those alone the cached kernels would still run
     the old code. So the cache lives in one folder per hash of the engine and model sources, under
     NUMBA_CACHE_DIR if set (point it at node-local storage on clusters)."""
@@ -37,8 +40,8 @@ _key_numba_cache_by_source()
 
 def _prefer_full_width_vectors() -> None:
     """On AVX-512 machines LLVM still vectorises the node loops 256 bits wide (the CPU model's
-    "prefer-256-bit" tuning); 512-bit loops measured 1.2-1.45x faster per core here, with the same
-    elementwise arithmetic, so prices do not change by a bit. Applies only if no numba code was
+    "prefer-256-bit" tuning); 512-bit loops measured faster per core (docs/decisions.md), with the
+    same elementwise arithmetic, so prices do not change by a bit. Applies only if no numba code was
     compiled in this process before the engines were imported."""
     import llvmlite.binding as llvm
     import numba

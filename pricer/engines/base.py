@@ -157,6 +157,11 @@ def register(name: str, factory: Callable[..., Engine], needs_gpu: bool = False,
     _BACKENDS[name] = Backend(name, factory, needs_gpu, help)
 
 
+def unregister(name: str) -> None:
+    """Forget backend `name` (a test's own backend, say)."""
+    _BACKENDS.pop(name, None)
+
+
 def backends() -> tuple[str, ...]:
     """The registered backend names, `auto` first."""
     return tuple(sorted(_BACKENDS, key=lambda name: (name != "auto", list(_BACKENDS).index(name))))

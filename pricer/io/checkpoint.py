@@ -26,9 +26,9 @@ from pricer.model.cost import lattice_nodes
 
 FORMAT = "pricer.checkpoint/1"
 MANIFEST = "manifest.json"
-CHUNK_NODES = 2**28   # ~0.3-3 s of one rank's work: the granularity of aborts and of resumes
+CHUNK_NODES = 2**28   # seconds of one CPU rank's work: the granularity of aborts and of resumes
 CHUNK_ROWS = 2**17    # bounds the per-chunk working arrays for portfolios of small N
-GPU_CHUNK_NODES = 2**40   # the GPU backends: ~1e12 nodes, about a second of one H200's work
+GPU_CHUNK_NODES = 2**40   # the GPU backends: ~1e12 nodes, seconds of one GPU's work (chunk_shape)
 GPU_CHUNK_ROWS = 2**21
 
 

@@ -73,8 +73,8 @@ class Portfolio:
     def to_matrix(self, default_tree: str | None = None) -> np.ndarray:
         """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
         tree column holds tree codes (see tree_codes)."""
-        # column by column into one matrix: column_stack's per-column copies took 2-7x as long on
-        # a million options, on rank 0's critical path
+        # column by column into one matrix: column_stack's per-column copies cost several times
+        # as much on large books, on rank 0's critical path
         matrix = np.empty((len(self), len(MATRIX_COLUMNS)))
         for j, name in enumerate(MATRIX_COLUMNS[:-1]):
             matrix[:, j] = getattr(self, name)
@@ -274,7 +274,7 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
 
 def _check_unique(ids: np.ndarray, source: str) -> None:
     # ids in increasing order (as generated books have them) are unique without np.unique's sort
-    # or hash, a tenth of rank 0's read of a million options
+    # or hash, a sizeable share of rank 0's read of a large book
     if (ids[1:] > ids[:-1]).all():
         return
     unique, counts = np.unique(ids, return_counts=True)
@@ -285,7 +285,8 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
 
 
 def validate(p: Portfolio, source: str = "portfolio") -> None:
-    """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in lattice.py."""
+    """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in
+    pricer/model/lattice.py."""
     ids = p.id
     _check_unique(ids, source)
     for name in FLOAT_COLUMNS:

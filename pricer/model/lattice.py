@@ -31,9 +31,9 @@ class LatticeParams:
     """Everything an engine needs per option (struct of arrays, float64 unless noted).
 
     The nine arrays are views of one buffer, `packed` (PACKED_ROWS rows of n float64 slots), so
-    that a kernel can take all of them as one argument: numba's dispatch costs ~0.1 us per array
-    argument, as much as a twentieth of an N = 100 option. Writing into an array writes into
-    `packed`; assigning another array to a field packs them all again."""
+    that a kernel can take all of them as one argument: numba's dispatch cost grows with every
+    array argument, a measurable share of a small option's time. Writing into an array writes
+    into `packed`; assigning another array to a field packs them all again."""
 
     spot: np.ndarray
     strike: np.ndarray

@@ -2,7 +2,7 @@
 
 A partition is an int64 array `bounds` of length parts + 1: part k owns the contiguous options
 bounds[k]:bounds[k+1] in input order, so gathering the parts in rank order restores input order.
-That is what distributed.py uses (`partition`).
+That is what a run uses (`partition`, pricer/run/plan.py).
 
 `partition_by_cost` places the cuts so that the largest part is as small as any contiguous split can
 make it (the exact min-max bottleneck, found by bisection), and within that bottleneck each cut as
@@ -14,10 +14,11 @@ options (longest-processing-time-first for the large ones, the small ones fillin
 as an `Assignment` — a permutation `order` of the options plus `bounds` into it — which is within
 ~0.5 % of the bound on the generated books.
 
-`assign` is what a run uses (distributed.py): `count` and `cost` as contiguous slices, except that
-`cost` switches to `assign_by_cost` where the best contiguous split's largest part is more than
-LPT_GAIN over the largest part of that assignment. The caller sends rows `order` to the ranks and puts
-the gathered rows back with `Assignment.restore`, so results stay in input order either way.
+`assign` is what a run uses (pricer/run/plan.py): `count` and `cost` as contiguous slices, except
+that `cost` switches to `assign_by_cost` where the best contiguous split's largest part is more
+than LPT_GAIN over the largest part of that assignment. The caller sends rows `order` to the ranks
+and puts the gathered rows back with `Assignment.restore`, so results stay in input order either
+way.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def whole_option_bound(steps: np.ndarray, parts: int) -> float:
 
 def _descending_at(steps: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """steps sorted in descending order, at `positions` only. Steps are whole numbers, mostly far
-    fewer distinct ones than options: counting them is linear where a sort of a million options
-    took half of rank 0's partition time (cost grows with steps, so this orders costs too)."""
+    fewer distinct ones than options: counting them is linear where a sort of a large book
+    dominated rank 0's partition time (cost grows with steps, so this orders costs too)."""
     if steps.min() < 0 or steps.max() > 4 * steps.size + 65_536:
         return np.sort(steps)[::-1][positions]
     counts = np.bincount(steps)[::-1]                   # counts of max, max - 1, ..., 0

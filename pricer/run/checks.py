@@ -23,7 +23,7 @@ def read_and_check(cfg: RunConfig):
     cfg.check()
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
-    # file reads release the GIL, and on a large input it is a fifth of rank 0's read stage
+    # file reads release the GIL, and on a large input it is a large share of rank 0's read
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(sha256_of_file, cfg.input)
         portfolio = read_portfolio(cfg.input)
@@ -45,7 +45,7 @@ def check_memory(cfg: RunConfig, options: int, steps: np.ndarray, has_tree: bool
 
 
 # options whose lattices are checked at a time: the check builds every parameter of an option (~150
-# bytes of temporaries), which for a whole book of 10 million options was a fifth of rank 0's peak
+# bytes of temporaries): block by block, that peak does not grow with the book
 CHECK_ROWS = 1 << 20
 
 

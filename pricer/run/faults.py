@@ -140,7 +140,7 @@ class FailureWatch:
         if self.comm.Get_size() == 1:
             raise SystemExit(1)
         # the launcher forwards our stderr asynchronously and drops what is still in flight when
-        # Abort kills the job: seen on a loaded 2-core machine, the message never arrived
+        # Abort kills the job: on a loaded machine the message can be lost
         time.sleep(ABORT_FLUSH)
         self.comm.Abort(1)
 

@@ -7,8 +7,9 @@ The estimate (bytes; n options, k outputs per option, R ranks, N the largest ste
   and its copy in the file write, plus its own slice;
 - every rank: its slice of the matrix and of the results (the whole matrix with --distribute bcast),
   with --distribute read also the whole book's id and steps columns and its own rows' columns as
-  read (2x, as rank 0's above; rank 0 then holds no other rows), plus one chunk's working set: ~30 float64 arrays per lattice priced (5 per option with --greeks,
-  +1 with --richardson) and the engine's 4 arrays of N + 1 doubles per thread.
+  read (2x, as rank 0's above; rank 0 then holds no other rows), plus one chunk's working set:
+  ~30 float64 arrays per lattice priced (5 per option with --greeks, +1 with --richardson) and
+  the engine's 4 arrays of N + 1 doubles per thread.
 Pricing streams through chunks (pricer/io/checkpoint.py), so a rank's working set does not grow with
 the portfolio beyond these per-option arrays.
 
@@ -107,10 +108,9 @@ def check(est: Estimate, what: str) -> None:
 # ----------------------------------------------------------------------- device memory (GPU)
 
 # What CUDA takes on a rank's GPU after its free memory is measured, beyond the buffers counted
-# below: kernel modules loaded later (gpu/hybrid load their batch-kernel modules, and hybrid inside
-# `batch` its regime modules, at first use; with lazy loading a kernel's code arrives at its first
-# launch), the local memory the driver reserves at a kernel's first launch (its per-thread local
-# memory x every resident thread: ~0.26 GiB per KiB of local memory per thread on a 132-SM H100),
+# below: kernel modules loaded later (the regime modules, at an engine's first option above the
+# batch kernels' limit; with lazy loading a kernel's code arrives at its first launch), the local memory the driver reserves at a kernel's first launch (its per-thread local
+# memory x every resident thread: ~0.26 GiB per KiB per thread on 132 SMs of 2 048 threads),
 # cuMemAlloc rounding (up to 2 MiB per allocation, ~10-20 live ones) and the events and streams.
 # The context itself is not in it: it exists when the free memory is measured. Not measured: a
 # figure chosen to cover one KiB of local memory per thread, and under 1 % of a 80 GiB GPU.

@@ -17,8 +17,8 @@ Rank 0 shows it on its stderr (stdout keeps the summary lines that `pricer scali
       pricer: progress 37% (1.2e12 of 3.3e12 nodes, 412 of 1100 chunks, 9.1e11 nodes/s, eta 4 s)
   - nothing with --quiet (RunConfig.progress = False).
 PRICER_PROGRESS=bar|log|off forces one of them (auto, the default, chooses as above). Rank 0 can
-only report between its own chunks, so a line may come up to one chunk late (chunks are ~0.3-3 s
-of a rank's work, checkpoint.py).
+only report between its own chunks, so a line may come up to one chunk late (chunks are seconds
+of a rank's work, pricer/io/checkpoint.py).
 """
 
 from __future__ import annotations

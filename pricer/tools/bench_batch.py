@@ -8,8 +8,8 @@ and NVIDIA's CUDA sample workload (binomialOptions: 1 024 European calls x 2 048
 
 Each case is priced end to end from Python (lattice numbers in host memory -> prices in host memory:
 rows filled, copies both ways, kernels), once to warm up (kernel compilation, buffers), then
-`repeats` times and for at least `min_seconds` (as timeit's autorange: 5 calls of U1, 0.7 ms
-each, are 4 ms of a host whose speed drifts over seconds); the median wall time counts
+`repeats` times and for at least `min_seconds` (as timeit's autorange: a few calls of a small
+book last milliseconds, on a host whose speed drifts over seconds); the median wall time counts
 (time.perf_counter), and the JSON keeps the calls timed and their 10th and 90th percentiles.
 Reported: backward-induction node updates (N(N+1)/2 per option) per second; that rate as a share
 of the FP64 bound measured in the same run (FMA peak / 4 per American node, / 2 per European

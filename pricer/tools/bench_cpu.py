@@ -112,8 +112,8 @@ def _cases(quick: bool) -> list[Case]:
         cases.append(Case(f"put N={n:,}", _single_put(n), np.array([0]),
                           QL_MAX_STEPS if over else None,
                           f"QuantLib timed at N={QL_MAX_STEPS:,}, extrapolated per node" if over else ""))
-    # One N = 100 put per call measures the call as well as the option (2.35 us per engine call,
-    # 1.65 us of them the kernel's in a numba loop: docs/performance.md); a batch of them per call
+    # One N = 100 put per call measures the call as well as the option (at small N the call's
+    # overhead is a large share of it: docs/performance.md); a batch of them per call
     # shows the per-node rate at small N.
     batch = {k: np.repeat(v, SMALL_BATCH) for k, v in _single_put(SMALL_STEPS).items()}
     index = np.arange(0, SMALL_BATCH, SMALL_BATCH // 50)
@@ -147,8 +147,8 @@ def _warm_up(configs) -> None:
 def _contestants(case: Case, configs) -> dict:
     params = lattice_parameters(case.cols)
     nodes = float(lattice_nodes(case.cols["steps"]).sum())
-    # functools.partial calls engine.price itself; a lambda's own Python frame was ~3 % of an
-    # N = 100 call (0.05 of ~1.65 us), and 0.1 % of QuantLib's
+    # functools.partial calls engine.price itself; a lambda's own Python frame would add a
+    # measurable share to a small call
     out = {name: Contestant(threads, functools.partial(engine.price, params), nodes)
            for name, engine, threads in configs}
     options = _ql_options(case.cols, case.ql_index, case.ql_steps)

@@ -8,7 +8,7 @@ untimed for WARMUP_S (at least once); the median of the repeats is reported, wit
 the share of the FP64 FMA peak measured in the same run (an American node costs about 4 FP64
 instructions, so the node bound is peak / 4).
 
-Usage (the team wires the CLI): python -m pricer.tools.bench_gpu [--quick] [--out FILE.json]
+Usage: pricer bench gpu [--quick] [--out FILE.json] (or python -m pricer.tools.bench_gpu ...)
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ WARMUP_S = 0.05     # untimed pricing of each size first, for at least this long
 def time_gpu(engine, params, repeats: int, cap_s: float):
     """Median seconds (CUDA events) of pricing the one option, and the price. The option is first
     priced untimed for WARMUP_S (at least once): buffers grown to its size, and the GPU's clocks up
-    from idle (an H200 idles at 345 MHz; 1k's five timed runs take under a millisecond)."""
+    from idle (an idle GPU runs at a low clock, and the smallest sizes' timed repeats last under a
+    millisecond)."""
     rt = engine.kernels.rt
     warm_until = time.perf_counter() + WARMUP_S
     engine.price_one(params, 0)
@@ -124,7 +125,7 @@ class OneRegime:
         return np.array([self.price_one(params, k) for k in range(len(params))])
 
     def price_one(self, p, k: int = 0) -> float:
-        from pricer.engines.cpu.serial import power_tables
+        from pricer.engines.cpu.kernels import power_tables
 
         K, c = self.kernels, self.config
         n = int(p.steps[k])
@@ -206,9 +207,10 @@ def run(sizes=SIZES, kernels=KERNELS, repeats: int = 5, cap_s: float = 20.0, cpu
 def crossover(sizes=(100, 500, 1_000, 2_000, 5_000, 10_000), count: int = 128, log=print,
               repeats: int = 1, config=None) -> list:
     """A portfolio of `count` options at one N: hybrid (every option through the GPU) against the
-    all-cores `cpu` engine, wall time (median of `repeats`); where the GPU stops losing sets
-    AUTO_CPU_MAX_STEPS (and `pricer calibrate`'s cpu_max_steps). `config`: the GpuConfig to use
-    (default: the engine's own, calibrated where a calibration is cached)."""
+    all-cores `cpu` engine, wall time (median of `repeats`); where the GPU stops losing informs
+    AUTO_CPU_MAX_NODES (pricer/engines/__init__.py) and `pricer calibrate`'s cpu_max_steps.
+    `config`: the GpuConfig to use (default: the engine's own, calibrated where a calibration is
+    cached)."""
     from pricer.engines.cpu.parallel import CpuEngine
     from pricer.engines.gpu.engine import GpuEngine
 

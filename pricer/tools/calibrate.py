@@ -10,7 +10,7 @@ median of the repeats, or wall time of a portfolio for the CPU crossover):
   band's. Level widths do not depend on N, so the bands add up: T1 is the band edge that minimises
   the summed (tiled - pers) of the bands above it.
 - T2: likewise for narrow bands, `hybrid` with T2 = lo (the persistent kernel over the band, the
-  CPU tail below) against T2 = hi (the CPU tail, serial.backward_inplace, over the band as well);
+  CPU tail below) against T2 = hi (the CPU tail, kernels.backward_inplace, over the band as well);
   T2 is the edge that minimises the summed (CPU - pers) of the bands below it.
 - cpu_max_steps: bench_gpu.crossover (portfolios of one N: hybrid, every option on the GPU, against
   the all-cores `cpu` engine); the largest N kept on the CPU that minimises the summed time.
@@ -45,6 +45,17 @@ QUICK = dict(
     t2_edges=(0, 64, 128, 256, 512, 1024, 2048),
     cpu_sizes=(100, 300, 500, 1000, 2000),
     repeats=3, band_repeats=11, count=128)
+
+
+def _best_edge(edges, diffs, above: bool) -> tuple[int, list[float]]:
+    """Index j into edges minimising the summed diffs of the bands above edge j (above=True: bands
+    j.. ; index len(edges)-1 sums nothing) or below it (above=False: bands ..j-1; index 0 sums
+    nothing); ties go to the edge that changes least (the top for T1, the bottom for T2)."""
+    m = len(diffs)
+    sums = [sum(diffs[j:]) if above else sum(diffs[:j]) for j in range(m + 1)]
+    order = range(m, -1, -1) if above else range(m + 1)
+    best = min(order, key=lambda j: sums[j])
+    return best, sums
 
 
 def calibrate(quick: bool = False, out: str | None = None, store: bool = True, log=print) -> dict:

@@ -146,7 +146,7 @@ def launcher_command(launcher: str | None = None, environ=None) -> list[str]:
 
 
 def parse_summary(text: str) -> dict:
-    """The numbers in `pricer run`'s summary lines (distributed.RunSummary.lines)."""
+    """The numbers in `pricer run`'s summary lines (pricer.run.driver.RunSummary.lines)."""
     out = {}
     for line in text.splitlines():
         m = _PRICED.match(line.strip())

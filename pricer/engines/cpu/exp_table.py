@@ -1,21 +1,21 @@
 """exp_table(out, count, rate, scale): out[j] = scale * exp(j * rate) for j < count, in vector code.
 
-The engines' power tables (serial.power_tables_into) are exponentials of j * rate. Through the C
-library, one call each, 42 of them (the block scheme below, with blocks of ~sqrt(N)) took 0.33 us
-of an N = 100 option's ~1.5 us: the calls cannot be vectorised. Here exp is written out in LLVM
-vector code: x = k ln2 + r with k = rint(x / ln2) (Cody-Waite: ln2 in two parts, k * LN2_HI
-exact), exp(r) by its Taylor polynomial of degree 13 in fused multiply-adds (|r| <= ln2 / 2: the
-remainder is below 2e-18), times 2^k built in the exponent bits: within 0.80 ulp of exact (mpmath,
-40 000 arguments in [-708, 709]; the C library: 0.50). The table is blocks of eight, entry 8 b + j
-= (scale exp(8 b rate)) * exp(j rate), as the C library's block scheme had them: an exp per eight
-entries, 0.09 us for both tables at N = 100. Each entry is within a few ulp of scale * exp(j *
-rate) (2.7 at most over 66 000 entries against decimal arithmetic, tests/test_engines.py), plus
-|j * rate| ulp for the rounding of the argument (as in any exp(j * rate)). Every lane is the same sequence of IEEE operations
-(fused multiply-adds are exact-rounded, in hardware or not), so the tables are the same bits on
-every x86 machine and in every vector width.
+The engines' power tables (kernels.power_tables_into) are exponentials of j * rate. Through the
+C library, one call each (the block scheme below, with blocks of ~sqrt(N)), the calls cannot be
+vectorised, and at small N they are a large share of an option's time (docs/decisions.md). Here
+exp is written out in LLVM vector code: x = k ln2 + r with k = rint(x / ln2) (Cody-Waite: ln2 in
+two parts, k * LN2_HI exact), exp(r) by its Taylor polynomial of degree 13 in fused multiply-adds
+(|r| <= ln2 / 2: the remainder is below 2e-18), times 2^k built in the exponent bits: within 0.80
+ulp of exact (mpmath, 40 000 arguments in [-708, 709]; the C library: 0.50). The table is blocks
+of eight, entry 8 b + j = (scale exp(8 b rate)) * exp(j rate), as the C library's block scheme
+had them: an exp per eight entries. Each entry is within a few ulp of scale * exp(j * rate) (2.7
+at most over 66 000 entries against decimal arithmetic, tests/test_engines.py), plus |j * rate|
+ulp for the rounding of the argument (as in any exp(j * rate)). Every lane is the same sequence
+of IEEE operations (fused multiply-adds are exact-rounded, in hardware or not), so the tables
+are the same bits on every x86 machine and in every vector width.
 
 Valid for |(count - 1) * rate| <= EXP_TABLE_MAX_ARGUMENT (2^k stays a normal number); callers fall
-back to the C library beyond (serial.power_tables_into).
+back to the C library beyond (kernels.power_tables_into).
 """
 
 from __future__ import annotations

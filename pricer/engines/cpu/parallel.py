@@ -18,18 +18,20 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.engines.base import Engine
-from pricer.engines.cpu.serial import (Direct, _bits, advance, backward_keeping_levels,
-                                   exercise_limit, kernel_arguments, level_array, power_tables,
-                                   price_all, price_here, price_range, terminal_values)
+from pricer.engines.cpu.kernels import (advance, backward_keeping_levels, exercise_limit,
+                                        power_tables, terminal_values)
+from pricer.engines.cpu.padded import price_range
+from pricer.engines.cpu.serial import (_bits, Direct, kernel_arguments, level_array, price_all,
+                                       price_here)
 from pricer.model.lattice import STEPS_ROW, LatticeParams
 from pricer.model.cost import option_cost
 from pricer.model.partition import partition_by_cost
 
 # Options with at least this many steps (and more than a thread's share of the work) are priced one
 # at a time with all threads on each level. The level-parallel chunks run the unpadded kernels
-# (advance), which take ~1.8x the one-thread path's time per node: on the 2-core bench host
-# (docs/performance.md, Session 6) 2 threads first beat one at N ~ 20 000 for an at-the-money call
-# (22.0 against 24.4 ms) and ~30 000 for a put, whose one-thread path skips its exercised nodes.
+# (advance), which cost more per node than the one-thread path: two threads first beat one at N
+# of a few tens of thousands, later for a put, whose one-thread path skips its exercised nodes
+# (docs/decisions.md).
 LEVEL_PARALLEL_MIN_STEPS = 32_768
 # Levels advanced per parallel block, and the fewest nodes per thread worth splitting a level for.
 BLOCK_STEPS = 64
@@ -94,14 +96,14 @@ def _price_if_one_narrow(packed, out):
     return True
 
 
-# The check and the serial kernel in one call: from Python, the check alone cost 0.2 us of an
-# N = 100 option's ~2.3 us.
+# The check and the serial kernel in one call: from Python, the check alone is a measurable share
+# of a small option's time.
 price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
 
 
 class CpuEngine(Engine):
-    """All the rank's cores (numba's thread count, set per rank by distributed.py). Options of at
-    least `level_parallel_min_steps` steps may share their levels among the threads."""
+    """All the rank's cores (numba's thread count, set per rank by pricer/run/driver.py). Options
+    of at least `level_parallel_min_steps` steps may share their levels among the threads."""
 
     name = "cpu"
 
@@ -113,9 +115,9 @@ class CpuEngine(Engine):
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         # One option too narrow to share its levels, or one thread: the serial kernels, called
-        # straight away (the first case checked inside the kernel call). An N = 100 option is
-        # ~2 us of work; asking numba for its thread count takes ~1.3 us, and the cost model and
-        # partition below several more.
+        # straight away (the first case checked inside the kernel call). A small option is
+        # hardly more work than asking numba for its thread count, and the cost model and
+        # partition below cost more still.
         out = np.empty(params.count)
         if levels is None and self._narrow_in_kernel and price_if_one_narrow.call(params.packed,
                                                                                   out):

@@ -57,7 +57,7 @@ def batch_row_bytes(levels: bool) -> int:
 class InputViews(NamedTuple):
     floats: np.ndarray      # (6, n) float64: FLOAT_FIELDS
     steps: np.ndarray       # (n,) int32
-    order: np.ndarray       # (n,) int32: rows of the chunk sorted by steps, descending
+    order: np.ndarray       # (n,) int32: rows of the chunk sorted by class key, descending
     call: np.ndarray        # (n,) bool
     american: np.ndarray    # (n,) bool
 
@@ -115,8 +115,8 @@ def fill_input(params, rows, buffer: np.ndarray, views: InputViews) -> None:
 
 @njit(cache=True, nogil=True)
 def _fill_run(packed, lo, hi, buffer):
-    """Rows lo..hi - 1 of LatticeParams.packed (lattice.py: float rows, then steps as int64,
-    then the flags' bytes) into the input layout (input_views)."""
+    """Rows lo..hi - 1 of LatticeParams.packed (pricer/model/lattice.py: float rows, then steps
+    as int64, then the flags' bytes) into the input layout (input_views)."""
     n = hi - lo
     count = packed.shape[1]
     floats = buffer[:STEPS_AT * n].view(np.float64)

@@ -6,7 +6,7 @@ Kernel classes (cuda/batch.cu): W warps per option (1 option per warp for W = 1,
 W warps per option), G register groups of 32 lanes x VT = 4 nodes per warp; capacity 128 * W * G
 nodes, which hold options with steps <= capacity (at steps = capacity the payoff's top node is fed
 in as the first step's neighbour: N = 1 024, 2 048, 4 096 stay in the classes whose G = 8 holds
-them, 7-35 % faster than the next W's G = 5, docs/performance.md session 9). Work follows the
+them, measured faster than the next W's G = 5: docs/decisions.md). Work follows the
 lattice's triangle (idle groups are skipped), so a class is chosen for its registers, not its
 work: the smallest W whose largest G holds the option, then the smallest G (fewer registers, more
 warps per SM). W = 1 keeps the whole lattice in one warp (no barrier); W > 1 meets once per
@@ -28,20 +28,19 @@ largest lattices start first (a launch's tail is short). Each class is one launc
 `order`; the kernel reads row order[k] and writes its price at that row, so prices come back in the
 order given (no gather or scatter on the host). A call of more than `chunk_options` rows (device
 memory) goes in chunks of that many consecutive rows, each sorted on its own. Chunks smaller than
-the call to overlap the host's work with the kernels were measured and not kept (docs/performance.md,
-session 8): a chunk's largest options then start only after the previous chunk's, and on skewed
-books those set the launch's length.
+the call to overlap the host's work with the kernels were measured and not kept
+(docs/decisions.md): a chunk's largest options then start only after the previous chunk's, and
+on skewed books those set the launch's length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-from pricer.engines.gpu.batch_layout import KEY_BINS, MAX_STEPS, NODES_PER_LANE, WIDTH_MARGIN
+from pricer.engines.gpu.batch_layout import MAX_STEPS, NODES_PER_LANE, WIDTH_MARGIN
 
 WARPS = (1, 2, 4, 8, 16)
 MAX_GROUPS = 8
@@ -56,7 +55,8 @@ assert MAX_STEPS == int(CAPACITY[-1]) - 1   # the layout's bound is the largest 
 DEFAULT_CHUNK_OPTIONS = 1 << 20    # 1M options: 66 MB of input and prices on the device per chunk
 
 
-# class of every steps value 0..MAX_STEPS (a table lookup: searchsorted cost 0.5-1.2 ms per 100k)
+# class of every steps value 0..MAX_STEPS (a table lookup: cheaper than searchsorted on large
+# chunks)
 _CLASS_OF_STEPS = np.searchsorted(CAPACITY, np.arange(MAX_STEPS + 1)).astype(np.int8)
 
 
@@ -115,10 +115,9 @@ def split_last_wave(launch: Launch, key_at, resident) -> tuple:
     it runs best when nothing runs beside it. The GPU holds resident(cls) of a class's options
     at once; past the first wave, a last wave of at most half of that would leave most of the
     GPU idle, so its options (the smallest, at the end of the sorted order) go to twice the
-    warps per option and finish sooner (U1, 1 024 x N = 2 048 on an H200: (2, 8) x 792 +
-    (4, 4) x 232 took 1.10 ms of kernels against 1.21 ms, docs/performance.md session 10).
-    Only for W = 2, 4, 8: W = 16 has no wider kernel, and W = 1's tail (U2: 208 of 100 000
-    options) is too short to gain (measured 0.6-0.8 % slower)."""
+    warps per option and finish sooner (measured on the U1 book: docs/decisions.md). Only for
+    W = 2, 4, 8: W = 16 has no wider kernel, and W = 1's tails (a few hundred of the U2 book's
+    options) are too short to gain (measured slightly slower)."""
     warps = launch.warps
     held = int(resident(launch.cls)) if 1 < warps < WARPS[-1] else 0
     count = launch.hi - launch.lo
@@ -155,12 +154,11 @@ def one_wave_by_width(launch: Launch, max_width, resident) -> tuple | None:
     """A one-class launch of W >= 2 that the GPU holds in more than one wave, as one launch of
     the same W at the G of the largest payoff width among its options (max_width():
     width_keys' largest; the kernels leave the zero units above it out, so fewer registers hold
-    them, and more options fit at once), if the GPU holds that in one wave; else None. U1
-    (1 024 x N = 2 048, widths 919-1 145) on an H100: (2, 5) in one wave, 0.67 ms of kernels,
-    against 0.86 for (2, 8) and its last wave on (4, 4) (docs/performance.md, session 20).
-    max_width() costs the GPU machine's host ~20 us for U1's 1 024 rows (cProfile, session 21),
-    so it is asked only where a narrower G could hold the launch; W = 1's partial waves gained nothing (2 000 x N = 1 000: 0.506 ms
-    of kernels either way)."""
+    them, and more options fit at once), if the GPU holds that in one wave; else None. One wave
+    at the narrower G measured faster than the wider G with its last wave split off (the U1
+    book: docs/decisions.md). max_width() is a pass over every row on the host, on the call's
+    critical path, so it is asked only where a narrower G could hold the launch; W = 1's
+    partial waves gained nothing (kernels as long either way)."""
     count = launch.hi - launch.lo
     held = resident(launch.cls)
     warps = launch.warps
@@ -182,10 +180,9 @@ WORK_ORDER_ROWS = 12288
 # A one-wave launch runs heaviest first where it fills the GPU: at least this share of the
 # options the GPU holds at once, and at least this many blocks per SM. An SM that is nearly full
 # finishes when the sum of its blocks' work is done, which the order evens out; one with room
-# finishes with its heaviest block, whatever the order. Measured on an H100 (docs/performance.md,
-# session 21): U1 American (97 % of (2, 5)'s 1 056, 7.8 blocks per SM) gained 0.05 ms of 0.69;
-# 300, 600 and 700 options of N = 2 048 and 1 500 (38-88 % full) gained nothing and paid the
-# ordering's ~0.01 ms.
+# finishes with its heaviest block, whatever the order. Measured (docs/decisions.md): a nearly
+# full launch of several blocks per SM gained; launches well short of full gained nothing and
+# paid for the ordering.
 WORK_ORDER_FILL = 0.9
 WORK_ORDER_BLOCKS_PER_SM = 4
 
@@ -221,8 +218,8 @@ def _launches(steps: np.ndarray, order_out: np.ndarray) -> tuple:
 
 @njit(cache=True, nogil=True)
 def _steps_range(steps):
-    """(least, most) of the steps, (1, 1) for none: one pass, where numpy's min and max took two
-    calls of a few microseconds each on the GPU machine's host (a U1 call's schedule)."""
+    """(least, most) of the steps, (1, 1) for none: one pass, where numpy's min and max take two
+    calls, each with its own overhead (a small chunk's schedule is on the call's critical path)."""
     if steps.size == 0:
         return 1, 1
     least = most = steps[0]
@@ -280,10 +277,11 @@ def _width_key(log_moneyness, log_up, log_down, steps, call, american):
 
 @njit(cache=True, nogil=True)
 def width_keys(floats, steps, call, american, keys_out):
-    """Each row's payoff width (cuda/batch.cu, batch_width_keys, for every row): on the mirrored
-    lattice, the nodes of the last level with a positive payoff and BATCH_WIDTH_MARGIN = 2 more,
-    at most the steps; the steps where the kernel refuses the zero clamp (clamps). floats, steps,
-    call and american as in InputViews."""
+    """Each row's payoff width: on the mirrored lattice, the nodes of the last level with a
+    positive payoff and WIDTH_MARGIN more, at most the steps; the steps where the kernel refuses
+    the zero clamp (clamps). For American rows these are cuda/batch.cu's batch_width_keys; the GPU
+    keys European rows by their steps, and a class too narrow for a row prices it as NaN, which
+    the runner prices again by its steps. floats, steps, call and american as in InputViews."""
     for r in range(steps.size):
         keys_out[r] = int(_width_key(np.log(floats[1, r] / floats[0, r]), floats[2, r],
                                      floats[3, r], steps[r], call[r], american[r]))
@@ -292,7 +290,7 @@ def width_keys(floats, steps, call, american, keys_out):
 
 def widest_payoff(floats, steps, call, american) -> int:
     """The largest of width_keys (1 for no rows), with no array of keys. numpy takes the logs
-    (its vectorised log: 1 us for U1's 1 024 rows here, against 4 us in numba's loop)."""
+    (its vectorised log measured faster than numba's scalar loop)."""
     log_moneyness = np.divide(floats[1], floats[0])
     np.log(log_moneyness, out=log_moneyness)
     return _widest_key(log_moneyness, floats, steps, call, american)
@@ -310,9 +308,9 @@ def _widest_key(log_moneyness, floats, steps, call, american):
 @njit(cache=True, nogil=True)
 def _sort_by_steps_descending(steps, order_out, least, most):
     """Rows sorted by steps (least <= steps <= most), descending and stable, into order_out;
-    returns greater[s - least], how many rows have more than s steps (least <= s <= most). The
-    schedule of 100 000 rows takes 0.5-0.8 ms so on the GPU machine's host, where numpy's
-    argsort, take and searchsorted took 1.6 ms (session 10). Counts over [least, most] only,
+    returns greater[s - least], how many rows have more than s steps (least <= s <= most). A
+    counting sort is linear: numpy's argsort, take and searchsorted cost more than this pass on
+    large chunks. Counts over [least, most] only,
     not over every steps value up to MAX_STEPS whatever the rows."""
     greater = np.zeros(most - least + 1, dtype=np.int64)
     for r in range(steps.size):
@@ -332,8 +330,7 @@ def _sort_by_steps_descending(steps, order_out, least, most):
 # Chunks of at least this many rows are keyed and sorted on the GPU, American options by their
 # payoffs' widths (cuda/batch.cu, batch_width_keys; counted_schedule), the rest by their steps;
 # smaller chunks are sorted on the host by their steps (schedule). A chunk of a few waves lasts as
-# long as its longest option, which fewer warps per option lengthen, and the keys' round trip
-# costs ~0.1 ms (U1, 1 024 rows: kernels 0.90 ms by width against 0.90 by steps, the call 1.16 ms
-# against 1.04; U2, 100 000 rows: 16.1 against 19.6 ms of kernels; docs/performance.md, session
-# 17). Keys from the host for small chunks were measured and not kept (session 18).
+# long as its longest option, which fewer warps per option lengthen, and the keys' round trip is
+# a fixed cost that only large chunks repay (measured on the U1 and U2 books: docs/decisions.md).
+# Keys from the host for small chunks were measured and not kept (docs/decisions.md).
 WIDTH_ROWS = 16384

@@ -1,10 +1,11 @@
 """The batch runner: whole books per launch on the GPU (cuda/batch.cu), scheduled by batch_plan.py,
 for options of at most MAX_STEPS steps; the GPU engines (engine.py) route those options here.
 
-Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's rows
-are copied as they are into a page-locked input buffer (batch_layout.py: INPUT_BYTES_PER_OPTION per
-option, with the chunk's sorted order) and on to the device asynchronously. The rows are sorted by their class keys,
-descending, and one launch per class prices them:
+Data movement per chunk (batch_plan.chunk_bounds: runs of rows in the order given): the chunk's
+rows are copied as they are into a page-locked input buffer (batch_layout.py:
+INPUT_BYTES_PER_OPTION per option, with the chunk's sorted order) and on to the device
+asynchronously. The rows are sorted by their class keys, descending, and one launch per class
+prices them:
 - in chunks of WIDTH_ROWS rows or more, on the GPU (cuda/batch.cu): a small kernel keys each
   American row by the width of its payoff (an option needs registers only for its nodes up to the
   last positive payoff, zero_clamp) and every other row by its steps, counts the rows per key, and
@@ -12,11 +13,11 @@ descending, and one launch per class prices them:
   makes the launches (batch_plan.counted_schedule);
 - in smaller ones, on the host by the steps (batch_plan.schedule) before the input, order
   included, goes in one copy; a one-class chunk of W >= 2 over a wave goes to the G of its
-  widest payoff (widest_payoff) where that holds it in one wave (batch_plan.one_wave_by_width:
-  a book of 1 024 options of N = 2 048 runs in one launch of (2, 5)); where one
-  launch holds the chunk in one wave with several blocks per SM, a small kernel then writes the
-  order over the copied one, heaviest first by an estimate of each option's work, so that the
-  SMs' shares even out (batch_plan.heaviest_first; cuda/batch.cu, batch_work_order).
+  widest payoff (widest_payoff) where that holds it in one wave
+  (batch_plan.one_wave_by_width); where one launch holds the chunk in one wave with several
+  blocks per SM, a small kernel then writes the order over the copied one, heaviest first by an
+  estimate of each option's work, so that the SMs' shares even out (batch_plan.heaviest_first;
+  cuda/batch.cu, batch_work_order).
 The launches run side by side on their own streams (a lone launch on the chunk's own); each reads
 its rows through the order and writes each price at its row, and the prices (8 bytes per option)
 come back asynchronously, already in the order given. An option that the class of its width cannot
@@ -173,7 +174,12 @@ class CudaBatchRunner(Engine):
                 prices[again] = self._price(params, rows, kept, narrowed=False)
                 if levels is not None:
                     levels[again] = kept
-                self.last_stats = dict(stats, priced_again=int(again.size))
+                again_stats = self.last_stats   # both passes' times, the call's whole wall
+                self.last_stats = {key: (value + again_stats[key]
+                                         if key in ("copy_in", "kernels", "copy_out", "wall",
+                                                    "chunks", "launches") else value)
+                                   for key, value in stats.items()}
+                self.last_stats["priced_again"] = int(again.size)
         return prices
 
     def warm_up(self) -> None:
@@ -223,7 +229,7 @@ class CudaBatchRunner(Engine):
                 self._add_event_times(spent, job[2]["marks"], job[3])    # recorded again below
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
-            if buf["views"] is None or buf["views"][0] != n:     # kept: ~8 us a call to make
+            if buf["views"] is None or buf["views"][0] != n:     # kept: remade only for a new n
                 buf["views"] = (n, input_views(buf["input"], n))
             views = buf["views"][1]
             marks = buf["marks"]          # the slot's events, read before reuse
@@ -277,8 +283,8 @@ class CudaBatchRunner(Engine):
         (cuda/batch.cu: batch_width_keys, the American rows by their payoff's width, the others
         by their steps; batch_key_starts and batch_sort_rows write the order in place). Only the
         rows per key come back (64 KiB), and the host waits for them alone: the keys' 4 bytes a
-        row each way and the host's sort (0.49 ms per 100 000 rows on the GPU machine's host,
-        docs/performance.md, session 18) are gone. Behind another chunk's launches the small
+        row each way and the host's sort (measured slower on large chunks: docs/decisions.md)
+        are gone. Behind another chunk's launches the small
         kernels can wait for a block slot."""
         cuda = self.rt.cuda
         keys_fn, starts_fn, sort_fn, _ = self._order_kernels()

@@ -7,7 +7,7 @@ routes (pricer.engines.base.route), each option to the first route that takes it
    (fma=False), whose prices must be bitwise the CPU engines';
 3. the rest one at a time through the single-option regimes (cuda/binomial.cu; config.py): tiled
    while a level is wider than T1, then the persistent kernel down to level 0 (`gpu`) or T2
-   (`hybrid`, `batch`), whose last level the CPU finishes (serial.backward_keeping_levels).
+   (`hybrid`, `batch`), whose last level the CPU finishes (kernels.backward_keeping_levels).
 `auto` is `batch` whose rank's share of at most cpu_max_nodes lattice nodes runs on the CPU.
 
 Configuration: an explicit `config` is taken as it is; without one, GpuConfig() <- `defaults` <-
@@ -30,7 +30,8 @@ from dataclasses import replace
 import numpy as np
 
 from pricer.engines.base import DeviceInfo, DeviceNeed, Engine, Route, route
-from pricer.engines.cpu.serial import backward_keeping_levels, level_array, power_tables
+from pricer.engines.cpu.kernels import backward_keeping_levels, power_tables
+from pricer.engines.cpu.serial import level_array
 from pricer.engines.gpu.batch_layout import KEY_BINS, batch_row_bytes
 from pricer.engines.gpu.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS, chunk_size
 from pricer.engines.gpu.calibration import effective_config

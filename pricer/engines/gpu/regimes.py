@@ -7,17 +7,18 @@ that exchange halos through shared memory within a block and through a ring in g
 between blocks, so every block must be resident: pers_tiles counts what fits); the fallback's
 tiled_steps in the mid shape; and, for `pricer bench gpu` only, wavefront_step (one launch a step)
 and warp_steps (warp per block). The schedule that strings them together is GpuEngine.price_one
-(engine.py). Arithmetic: the power tables (S0 d^t, (u/d)^i) are built on the host by the serial
-engine's power_tables and uploaded; with fma the hold and exercise values use fused multiply-adds
-(prices differ from the serial engine's by rounding only), without (the exact mode) every product
-and sum rounds on its own, in the serial engine's order, bitwise.
+(engine.py). Arithmetic: the power tables (S0 d^t, (u/d)^i) are built on the host by the CPU
+engines' power_tables (pricer/engines/cpu/kernels.py) and uploaded; with fma the hold and
+exercise values use fused multiply-adds (prices differ from the serial engine's by rounding
+only), without (the exact mode) every product and sum rounds on its own, in the serial engine's
+order, bitwise.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pricer.engines.cpu.serial import EXERCISE_SLACK, exercise_limit
+from pricer.engines.cpu.kernels import exercise_limit, EXERCISE_SLACK
 from pricer.engines.gpu.config import GpuConfig
 from pricer.engines.gpu.runtime import GpuRuntime, resident_blocks
 
@@ -126,8 +127,8 @@ class CudaKernels:
     def _pers_alloc(self):
         """The ring (tiles x PERS_SLOTS x pers_k 16-byte words), the progress words, the status
         word and the pd^s / pd^-s table: one allocation, made at the first persistent launch and
-        kept (a few MiB, sized by the tiles that fit; outside memory.py's per-node estimate, inside
-        its DEVICE_ALLOWANCE)."""
+        kept (a few MiB, sized by the tiles that fit; outside the engine's per-node estimate,
+        inside pricer/run/memory.py's DEVICE_ALLOWANCE)."""
         if self._pers_ring is None:
             k, tiles = self.config.pers_k, self.pers_tiles() + 1
             ring_b, prog_b = 16 * PERS_SLOTS * k * tiles, -(-4 * tiles // 16) * 16
@@ -203,8 +204,8 @@ class CudaKernels:
         return int(tab), int(tab) + 8 * (steps + 1)
 
     def host_array(self, size: int) -> np.ndarray:
-        """A float64 host buffer in page-locked memory (the tables' upload at N = 100k: 0.10 ms
-        from pageable memory, 0.04 ms from page-locked, H200)."""
+        """A float64 host buffer in page-locked memory (its uploads measured faster than
+        from pageable memory: docs/decisions.md)."""
         return self.rt.cuda.pagelocked_empty(size, np.float64)
 
     def upload(self, dst, host: np.ndarray):
