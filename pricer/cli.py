@@ -33,54 +33,61 @@ def _mpi_excepthook():
     sys.excepthook = hook
 
 
-def _add_pricing_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
+    """The pricing flags of `price` and `run` (job: a job file's settings are overridden). Every
+    flag's default is None, "not given": the defaults live in RunConfig alone."""
     from pricer.engines import backends
     from pricer.model.lattice import TREES
     from pricer.model.partition import PARTITIONERS
-    from pricer.run.config import DISTRIBUTIONS
+    from pricer.run.config import DISTRIBUTIONS, RunConfig
 
-    d = (lambda value: value) if defaults else (lambda value: None)
-    p.add_argument("--backend", choices=backends(), default=d("auto"),
-                   help="pricing engine (default: auto, the fastest this machine has)")
-    p.add_argument("--tree", choices=tuple(TREES), default=d("crr"),
-                   help="binomial tree (default: crr, the textbook CRR; the others are QuantLib's, "
-                        "docs/numerics.md); a portfolio's tree column, where present, wins")
-    p.add_argument("--partition", choices=PARTITIONERS, default=d("cost"),
-                   help="static split across ranks: equal Σ N² (cost, default) or equal counts")
-    p.add_argument("--distribute", choices=DISTRIBUTIONS, default=d("scatter"),
+    default = {name: f.default for name, f in RunConfig.__dataclass_fields__.items()}
+    p.add_argument("--backend", choices=backends(), default=None,
+                   help=f"pricing engine (default: {default['backend']}, the fastest this machine "
+                        f"has)")
+    p.add_argument("--tree", choices=tuple(TREES), default=None,
+                   help=f"binomial tree (default: {default['tree']}, the textbook CRR; the others "
+                        f"are QuantLib's, docs/numerics.md); a portfolio's tree column, where "
+                        f"present, wins")
+    p.add_argument("--partition", choices=PARTITIONERS, default=None,
+                   help=f"static split across ranks: equal Σ N² (cost) or equal counts (count); "
+                        f"default {default['partition']}")
+    p.add_argument("--distribute", choices=DISTRIBUTIONS, default=None,
                    help="how the ranks get the portfolio: rank 0 reads it and sends each rank its "
-                        "slice by Scatterv (scatter, default) or everything by Bcast (bcast), or "
-                        "every rank reads and checks its own rows of the file, read-only (read)")
+                        "slice by Scatterv (scatter) or everything by Bcast (bcast), or every rank "
+                        "reads and checks its own rows of the file, read-only (read); default "
+                        f"{default['distribute']}")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per rank (default: the node's cores / ranks on the node)")
     p.add_argument("--t1", type=int, default=None, metavar="N",
-                   help="gpu/hybrid: tiled kernel while a level is wider than N nodes "
+                   help="GPU backends: tiled kernel while a level is wider than N nodes "
                         "(default: `pricer calibrate`'s value for this GPU, else 200000)")
     p.add_argument("--t2", type=int, default=None, metavar="N",
-                   help="hybrid: CPU tail below N nodes (default: calibrated, else 500)")
-    # `run`: --greeks/--no-greeks override the job file either way; `price`: off unless given
-    switch = "store_true" if defaults else argparse.BooleanOptionalAction
-    p.add_argument("--greeks", action=switch, default=d(False),
+                   help="hybrid/batch: CPU tail below N nodes (default: calibrated, else 500)")
+    # --greeks/--no-greeks: `run` overrides the job file either way
+    switch = argparse.BooleanOptionalAction if job else "store_true"
+    from_job = "pricing.{}, else off" if job else "off"
+    p.add_argument("--greeks", action=switch, default=None,
                    help="also write delta, gamma, theta (per year; from the lattice's first levels), "
                         "vega and rho (per unit of volatility / rate; central bumps of 1e-4) to "
-                        "/results; needs steps >= 2, costs 5 lattices per option (docs/formats.md)"
-                        + ("" if defaults else "; default: pricing.greeks, else off"))
-    p.add_argument("--richardson", action=switch, default=d(False),
+                        "/results; needs steps >= 2, costs 5 lattices per option (docs/formats.md); "
+                        f"default: {from_job.format('greeks')}")
+    p.add_argument("--richardson", action=switch, default=None,
                    help="Richardson-extrapolated price (N V(N) - M V(M)) / (N - M) from a coarse "
                         "lattice M ~ N/2 of N's parity (2 V(N) - V(N/2) where 4 divides N); the "
-                        "Greeks stay those of the N-step lattice; needs steps >= 3"
-                        + ("" if defaults else "; default: pricing.richardson, else off"))
-    p.add_argument("--overwrite", action="store_true", default=None if not defaults else False,
+                        "Greeks stay those of the N-step lattice; needs steps >= 3; default: "
+                        f"{from_job.format('richardson')}")
+    p.add_argument("--overwrite", action="store_true", default=None,
                    help="replace an existing output file")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="save every finished chunk in DIR (seen by every rank), so that --resume "
                         "can finish a killed run (docs/reliability.md)")
-    p.add_argument("--resume", action="store_true", default=None if not defaults else False,
+    p.add_argument("--resume", action="store_true", default=None,
                    help="with --checkpoint DIR: price only the chunks DIR does not hold yet; refused "
                         "if DIR was made from another input or with other settings")
     p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
                    help="lattice nodes per chunk, the unit of checkpoints and failure checks "
-                        "(default 2**28)")
+                        "(default: by backend, about a second of one rank's work)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing but errors (no progress, no summary)")
 
@@ -95,12 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("price", help="price a portfolio file (under mpiexec for several ranks)")
     p.add_argument("input", help="portfolio HDF5 file (schema pricer.portfolio/1)")
     p.add_argument("-o", "--output", required=True, help="results HDF5 file to write")
-    _add_pricing_options(p, defaults=True)
+    _add_pricing_options(p, job=False)
 
     p = sub.add_parser("run", help="run a TOML job spec (flags override the file)")
     p.add_argument("job", help="job spec, e.g. jobs/demo.toml")
     p.add_argument("-o", "--output", default=None, help="results file (overrides output.path)")
-    _add_pricing_options(p, defaults=False)
+    _add_pricing_options(p, job=True)
 
     p = sub.add_parser("generate", help="write a synthetic portfolio (deterministic in its arguments)")
     p.add_argument("--dist", choices=DISTRIBUTIONS, required=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pricer.engines.cpu.serial import UNDERFLOW
+from pricer.engines.cpu.kernels import UNDERFLOW
 
 
 class NumpyKernels:

@@ -1,7 +1,8 @@
-"""`pricer calibrate` and its cache: the file's name and key, the atomic JSON round trip, the
-precedence GpuConfig() < defaults < calibration < overrides (a fake device name, no GPU needed, the
-kernels emulated), the --t1/--t2 options of price/run, the CLI without a GPU (exit 2), and a real
-quick calibration on a GPU (marked `gpu`)."""
+"""`pricer calibrate` and its cache (pricer.engines.gpu.calibration): the file's name and key, the
+atomic JSON round trip, files of older calibrations (their warp shape is ignored), the precedence
+GpuConfig() < defaults < calibration < overrides (a fake device name, no GPU needed, the kernels
+emulated), the --t1/--t2 options of price/run, the CLI without a GPU (exit 2), and a real quick
+calibration on a GPU (marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,24 @@ import numpy as np
 import pytest
 
 from helpers import run_pricer
+from numpy_kernels import NumpyKernels
 from pricer import __version__
-from pricer.calibrate import (CALIBRATED, SCHEMA, calibration_path, effective_config, load_calibration,
-                              sanitise, store_calibration)
 from pricer.engines import gpu_available
-from pricer.engines.gpu import GpuConfig, GpuEngine, NumpyKernels
-from pricer.engines.serial import SerialEngine
-from pricer.generate import generate
-from pricer.lattice import lattice_parameters
-from pricer.portfolio import write_portfolio
-from pricer.results import read_results
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.engines.gpu.calibration import (CALIBRATED, RETIRED, SCHEMA, calibration_path,
+                                            effective_config, load_calibration, sanitise,
+                                            store_calibration)
+from pricer.engines.gpu.config import GpuConfig
+from pricer.engines.gpu.engine import GpuEngine
+from pricer.io.portfolio import write_portfolio
+from pricer.io.results import read_results
+from pricer.model.lattice import lattice_parameters
+from pricer.tools.generate import generate
 
 FAKE = "Fake GPU 9000 (80GB) / PCIe"
-VALUES = dict(t1=20_000, t2=128, tiled_vt=4, tiled_k=128, warp_vt=4, warp_k=32, cpu_max_steps=700)
+VALUES = dict(t1=20_000, t2=128, tiled_vt=4, tiled_k=128, cpu_max_steps=700)
+# the warp shape an older calibration also stored (GpuConfig's defaults are 8 and 64)
+OLD_WARP = dict(warp_vt=4, warp_k=32)
 
 
 @pytest.fixture
@@ -71,7 +77,8 @@ def test_bad_files_are_ignored_with_a_warning(cache):
     for text in ("{not json", json.dumps(dict(record(), schema="other")),
                  json.dumps(record(device="Another GPU")),          # copied from another GPU
                  json.dumps(record(version="0.0.1")),
-                 json.dumps(record(dict(VALUES, warp_k=4 * 32))),   # warp_k must be < 32 * warp_vt
+                 json.dumps(record(dict(VALUES, tiled_k=4 * 256))), # tiled_k must be < 256 * tiled_vt
+                 json.dumps(record(dict(VALUES, tiled_vt=1.5))),
                  json.dumps(record(dict(VALUES, t1=-1))),
                  json.dumps(record(dict(VALUES, fma=True)))):
         path.write_text(text)
@@ -79,6 +86,25 @@ def test_bad_files_are_ignored_with_a_warning(cache):
             assert load_calibration(FAKE) is None
     with pytest.raises(ValueError):
         store_calibration(record(dict(VALUES, tiled_k=0)))
+
+
+def test_retired_keys_are_ignored(cache):
+    """A file from a calibration that also chose the warp shape (warp_vt, warp_k: a regime no longer
+    in the production path) still loads: those keys are dropped, whatever their values, and the
+    engine keeps GpuConfig's warp shape. A new calibration cannot store them."""
+    assert set(RETIRED) == set(OLD_WARP) and not set(RETIRED) & set(CALIBRATED)
+    cache.mkdir(parents=True)
+    path = calibration_path(FAKE)
+    for old in (OLD_WARP, dict(warp_vt=4, warp_k=4 * 32)):    # the second would not check out
+        path.write_text(json.dumps(record(dict(VALUES, **old))))
+        values, source = load_calibration(FAKE)
+        assert values == VALUES and source == path
+        e = GpuEngine("hybrid", kernels=NumpyKernels(GpuConfig()), device_name=FAKE)
+        assert e.calibration == path
+        assert {k: getattr(e.config, k) for k in CALIBRATED} == VALUES
+        assert (e.config.warp_vt, e.config.warp_k) == (GpuConfig().warp_vt, GpuConfig().warp_k)
+    with pytest.raises(ValueError, match="unknown key"):
+        store_calibration(record(dict(VALUES, **OLD_WARP)))
 
 
 def test_precedence(cache, monkeypatch):
@@ -94,17 +120,19 @@ def test_precedence(cache, monkeypatch):
     assert {k: getattr(e.config, k) for k in CALIBRATED} == VALUES
     # explicit overrides win over the calibration
     e = GpuEngine("hybrid", kernels=kernels, device_name=FAKE, t1=90_000, t2=0)
-    assert (e.config.t1, e.config.t2, e.config.warp_vt) == (90_000, 0, VALUES["warp_vt"])
+    assert (e.config.t1, e.config.t2, e.config.tiled_vt) == (90_000, 0, VALUES["tiled_vt"])
     # another GPU, an explicit config, given kernels without a name, or PRICER_CALIBRATION=off: none
     assert GpuEngine("gpu", kernels=kernels, device_name="Another GPU").config == GpuConfig()
     assert GpuEngine("gpu", config=GpuConfig(), kernels=kernels, device_name=FAKE).config == GpuConfig()
     assert GpuEngine("gpu", kernels=kernels).config == GpuConfig()
     monkeypatch.setenv("PRICER_CALIBRATION", "off")
     assert effective_config(FAKE) == (GpuConfig(), None)
-    # overrides are still checked
+    # overrides are still checked, against the calibrated shape (tiled_k < 256 * tiled_vt = 1024
+    # with the calibration, 2048 without)
     monkeypatch.delenv("PRICER_CALIBRATION")
+    GpuEngine("gpu", kernels=kernels, device_name="Another GPU", tiled_k=VALUES["tiled_vt"] * 256)
     with pytest.raises(ValueError):
-        GpuEngine("gpu", kernels=kernels, device_name=FAKE, warp_k=VALUES["warp_vt"] * 32)
+        GpuEngine("gpu", kernels=kernels, device_name=FAKE, tiled_k=VALUES["tiled_vt"] * 256)
 
 
 def random_american(rng, steps):
@@ -118,11 +146,16 @@ def random_american(rng, steps):
 
 
 def test_calibrated_config_prices_like_serial(cache, rng):
-    """The cached (non-default) tile shapes and thresholds through the emulated kernels."""
+    """The cached (non-default) tile shapes and thresholds through the emulated kernels, in the
+    exact mode (every option through the regimes, hybrid's up to cpu_max_steps on the CPU)."""
     store_calibration(record())
-    engine = GpuEngine("hybrid", kernels=NumpyKernels(GpuConfig()), device_name=FAKE,
-                       t1=600, batch_max_steps=0)
-    engine.kernels = NumpyKernels(engine.config)       # emulate the kernels of the resolved shapes
+    resolved = GpuEngine("hybrid", kernels=NumpyKernels(GpuConfig()), device_name=FAKE, t1=600,
+                         fma=False)
+    assert resolved.calibration == calibration_path(FAKE)
+    assert resolved.cpu_max_steps == VALUES["cpu_max_steps"]
+    # the resolved configuration on kernels emulated in its shapes
+    engine = GpuEngine("hybrid", config=resolved.config, kernels=NumpyKernels(resolved.config))
+    assert engine.config.tiled_w == 256 * VALUES["tiled_vt"] and engine.cpu_max_steps == 700
     steps = [1, 2, 127, 128, 129, 700, 701, 1500]
     p = random_american(rng, steps)
     np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
@@ -170,9 +203,11 @@ def test_price_and_run_take_t1_t2(tmp_path, book):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs pycuda, a CUDA device and nvcc (../shared/device)")
 def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
-    from pricer.calibrate import calibrate
-    from pricer.engines.gpu import GpuRuntime, cache_dir
-    monkeypatch.setenv("PRICER_CUDA_CACHE", str(cache_dir()))   # keep the compiled kernels' cache
+    from pricer.engines.gpu.runtime import GpuRuntime
+    from pricer.files import cache_dir
+    from pricer.tools.calibrate import calibrate
+    # keep the compiled kernels' cache where it is
+    monkeypatch.setenv("PRICER_CUDA_CACHE", str(cache_dir("cuda", "PRICER_CUDA_CACHE")))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("PRICER_CALIBRATION", raising=False)
     name = GpuRuntime.get().name
@@ -183,15 +218,17 @@ def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
     saved = json.loads(path.read_text())
     assert saved["device"] == name and saved["version"] == __version__ and saved["quick"] is True
     assert saved["values"] == rec["values"] and set(saved["values"]) == set(CALIBRATED)
-    assert {"tiled", "warp", "t1", "t2", "cpu_max_steps"} <= set(saved["timings"])
+    assert {"tiled", "t1", "t2", "cpu_max_steps"} <= set(saved["timings"])
+    assert "warp" not in saved["timings"]           # the warp shape is no longer calibrated
     engine = GpuEngine("hybrid")
     assert engine.calibration == path
     assert {k: getattr(engine.config, k) for k in CALIBRATED} == saved["values"]
     override = GpuEngine("hybrid", t1=saved["values"]["t1"] + 1, t2=0)
     assert (override.config.t1, override.config.t2) == (saved["values"]["t1"] + 1, 0)
-    assert override.config.warp_vt == saved["values"]["warp_vt"]
-    # the calibrated engine prices bitwise like serial (exact arithmetic) across its thresholds;
-    # a second one with a low T1 crosses T1 too, with the calibrated tile shapes
+    assert override.config.tiled_vt == saved["values"]["tiled_vt"]
+    # the calibrated engine prices bitwise like serial in the exact mode (every option through the
+    # regimes) across its thresholds, within 1e-11 with fma (the batch runner); a second one with a
+    # low T1 crosses T1 too, with the calibrated tile shapes
     v = saved["values"]
     steps = sorted(x for x in {1, 2, v["cpu_max_steps"], v["cpu_max_steps"] + 1, v["t2"], v["t2"] + 1,
                                3000, 9000, 12_000} if x >= 1)

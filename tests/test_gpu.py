@@ -1,10 +1,18 @@
-"""The GPU engines (`gpu`, `hybrid`, and the single-regime modes) against the serial engine.
+"""The GPU engines (`gpu`, `hybrid`, `batch`) and the single regimes of `pricer bench gpu`
+(pricer.tools.bench_gpu.OneRegime: wavefront, tiled, warp) against the serial engine.
 
 Tests marked `gpu` need pycuda, a CUDA device and nvcc, and skip here with the reason; they run for
 real on the GPU machine (../shared/device/README.md):
     source .device/setup.sh && python3 -m pytest -m gpu -q tests/test_gpu.py
 PRICER_GPU_LARGE=1 adds N = 1 000 000 (compared with the `cpu` engine, bitwise equal to serial).
-The emulation tests (numpy stand-ins for the kernels, same tiles and halos) run everywhere.
+The emulation tests (tests/numpy_kernels.py: numpy stand-ins for the kernels, same tiles and halos,
+exact arithmetic) run everywhere. They use exact-mode configurations (fma=False), where the engine
+sends every option to the regimes (GpuEngine.price_one): with fma, options up to the batch kernels'
+MAX_STEPS go to the batch runner, which only a GPU (or a stand-in runner) can run.
+
+What is compared how: the exact mode (fma=False) is bitwise the serial engine's; with fma, the
+regimes and the batch runner are within `tolerance` (1e-11 relative up to 10 000 steps) of it, and
+gpu/hybrid price options up to MAX_STEPS bitwise as `batch` does (the same runner).
 """
 
 from __future__ import annotations
@@ -18,29 +26,40 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from numpy_kernels import NumpyKernels
 from pricer.engines import gpu_available
-from pricer.engines.cpu import CpuEngine
-from pricer.engines.gpu import MODES, GpuConfig, GpuEngine, NumpyKernels, batch_class, local_rank
-from pricer.engines.serial import SerialEngine, power_tables
-from pricer.lattice import lattice_parameters
+from pricer.engines.base import Engine
+from pricer.engines.cpu.kernels import power_tables
+from pricer.engines.cpu.parallel import CpuEngine
+from pricer.engines.cpu.serial import SerialEngine
+from pricer.engines.gpu.batch_plan import MAX_STEPS
+from pricer.engines.gpu.config import GpuConfig
+from pricer.engines.gpu.engine import MODES, GpuEngine
+from pricer.engines.gpu.runtime import local_rank
+from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
+from pricer.tools.bench_gpu import OneRegime
 
-# A small configuration whose thresholds and tile widths are cheap to straddle.
-# SMALL runs the mid regime (tiled kernel, narrow shape) below t1; SMALL_WARP warp per block there.
-# SMALL_PERS runs the persistent kernel there (tiles of 64 nodes, 48 owned, halos every 16 steps),
-# and below level 100 its narrow shape (tiles of 32 nodes, 16 owned).
-SMALL = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                  mid_b=32, mid_vt=2, mid_k=25, pers_vt=0, fma=False, batch_max_steps=0)
-SMALL_WARP = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                       mid_b=0, pers_vt=0, fma=False, batch_max_steps=0)
+# The single regimes `pricer bench gpu` runs (the seed's Table 5), each all the way down.
+REGIMES = ("wavefront", "tiled", "warp")
+
+# A small configuration whose thresholds and tile widths are cheap to straddle, exact arithmetic:
+# tiled above t1 = 300 (tiles of 128 nodes, 50 steps a launch), the persistent kernel below (tiles of
+# 64 nodes, 48 owned, halos every 16 steps), below level 100 its narrow shape (tiles of 32 nodes, 16
+# owned); where the persistent kernel gives up (engine.pers_off), the mid fallback instead (the
+# tiled kernel in tiles of 64 nodes, 25 steps a launch). The warp shape (128-node tiles, 30 steps a
+# launch) is OneRegime("warp")'s.
 SMALL_PERS = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4, warp_k=30,
-                       pers_vt=2, pers_k=16, pers_warps=2, pers_narrow_vt=1,
-                       pers_narrow_below=100, fma=False, batch_max_steps=0)
+                       mid_b=32, mid_vt=2, mid_k=25, pers_vt=2, pers_k=16, pers_warps=2,
+                       pers_narrow_vt=1, pers_narrow_below=100, fma=False)
+# Wider tiles, an odd persistent shape (tiles of 96 nodes, halos every 9 steps), its narrow shape
+# below level 700, and a mid fallback of one node per thread.
+MEDIUM_PERS = GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4, tiled_k=100, warp_vt=8, warp_k=64,
+                        mid_b=64, mid_vt=1, mid_k=40, pers_vt=3, pers_k=9, pers_warps=1,
+                        pers_narrow_vt=1, pers_narrow_below=700, fma=False)
+CONFIGS = {"small-pers": SMALL_PERS, "medium-pers": MEDIUM_PERS}
 # tiles the stand-in GPUs of the tests hold at once (NumpyKernels.pers_tiles, and a CudaKernels cut
 # down to it), so that levels wider than that (tiled first) are cheap to reach
 SMALL_PERS_TILES = 8
-# the batch kernel's size-class edges
-BATCH_EDGES = [1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2000, 2046, 2047, 2048,
-               4095, 4096, 4097, 8190, 8191]
 
 
 def _why_no_gpu() -> str:
@@ -110,15 +129,18 @@ def assert_close(got, ref, p, label=""):
 
 
 def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
+    """N on either side of every threshold and tile edge of `c`: the regimes' (T1, T2), the tiled,
+    warp and mid shapes' widths and launch steps, the persistent kernel's tile and epoch edges (from
+    T2 and from 0) and widest level, and its narrow shape's edges and hand-over."""
     s = {1, 2, 3, 4, 5, 31, 32, 33, 100}
     for edge in (c.t2, c.t1, c.warp_w, c.tiled_w, c.t2 + c.warp_k, c.t1 + c.tiled_k,
-                 c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k, c.mid_w, c.t2 + c.mid_k, c.t2 + c.mid_w):
+                 c.t2 + c.warp_w, c.t1 + 2 * c.tiled_k, c.mid_w, c.t2 + c.mid_k, c.t2 + c.mid_w,
+                 c.warp_k, c.tiled_k, c.mid_k):
         s.update({edge - 1, edge, edge + 1})
-    if c.pers_vt:   # the persistent kernel: tile and epoch edges, from T2 / 0, and its widest level
-        own = c.pers_w - c.pers_k
-        for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2 + c.pers_k,
-                     c.t2 + own, c.t2 + 2 * c.pers_k, pers_tiles * own):
-            s.update({edge - 1, edge, edge + 1})
+    own = c.pers_w - c.pers_k
+    for edge in (c.pers_k, own, c.pers_w, 2 * own, 2 * own + c.pers_k, c.t2 + c.pers_k,
+                 c.t2 + own, c.t2 + 2 * c.pers_k, pers_tiles * own):
+        s.update({edge - 1, edge, edge + 1})
     if c.narrow():  # its shape's edges, and where it takes over (below the widest level it holds)
         n = c.narrow()
         own = n.pers_w - n.pers_k
@@ -131,6 +153,27 @@ def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
     return sorted(x for x in s if x >= 1)
 
 
+class ThroughRegimes(Engine):
+    """Every option of a GpuEngine through its regimes (GpuEngine.price_one: tiled, persistent
+    kernel, CPU tail), whatever its steps: the route the engine itself takes only in the exact mode
+    or above MAX_STEPS. With fma this is how the regimes meet options narrower than that."""
+
+    def __init__(self, engine: GpuEngine):
+        self.engine = engine
+        self.name = f"{engine.name}-regimes"
+
+    def price(self, params, levels=None) -> np.ndarray:
+        return np.array([self.engine.price_one(params, k, levels=levels)
+                         for k in range(len(params))])
+
+
+def through_regimes(engine, p, levels=None) -> np.ndarray:
+    """Prices of p through engine's regimes: GpuEngine.price_one per option, or OneRegime's own."""
+    if isinstance(engine, OneRegime):
+        return engine.price(p)
+    return ThroughRegimes(engine).price(p, levels)
+
+
 # ---------------------------------------------------------------------------------------------
 # Everywhere: the schedule and the kernels' index logic, through the numpy emulation.
 
@@ -140,28 +183,96 @@ def small_numpy_kernels(config):
     return kernels
 
 
+def emulated(mode, config, pers_off=False, **kw):
+    """GpuEngine(mode) on the emulated kernels; pers_off: as after the persistent kernel gave up,
+    so the mid fallback runs below T1 instead."""
+    engine = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config), **kw)
+    engine.pers_off = pers_off
+    return engine
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [SMALL, SMALL_WARP, SMALL_PERS,
-                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
-                                              tiled_k=100, warp_vt=8, warp_k=64, mid_b=64,
-                                              mid_vt=1, mid_k=40, pers_vt=0, batch_max_steps=0),
-                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
-                                              tiled_k=100, warp_vt=8, warp_k=64, mid_b=0,
-                                              pers_vt=0, batch_max_steps=0),
-                                    GpuConfig(t1=2000, t2=100, tiled_b=64, tiled_vt=4,
-                                              tiled_k=100, pers_vt=3, pers_k=9, pers_warps=1,
-                                              pers_narrow_vt=1, pers_narrow_below=700,
-                                              batch_max_steps=0)],
-                         ids=["small", "small-warp", "small-pers", "medium", "medium-warp",
-                              "medium-pers"])
-def test_emulated_kernels_equal_serial(mode, config, rng):
-    if mode == "pers" and not config.pers_vt:
-        config = replace(config, pers_vt=4, pers_k=32)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("below_t1", ["pers", "mid"])
+def test_emulated_kernels_equal_serial(mode, config, below_t1, rng):
+    """GpuEngine's schedule in the exact mode (every option through the regimes) across every edge
+    of the configuration, with the persistent kernel below T1 or (pers_off) the mid fallback."""
     p = options(rng, boundary_steps(config) + list(rng.integers(1, 2500, 6)))
-    got = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config)).price(p)
+    got = emulated(mode, config, pers_off=below_t1 == "mid").price(p)
     ref = SerialEngine().price(p)
     # same tables, same operations in the same order: bitwise
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_emulated_one_regime_equals_serial(regime, config, rng):
+    """`pricer bench gpu`'s single regimes (OneRegime), each all the way down to level 0, bitwise
+    the serial engine's on the configuration's edges (exact arithmetic)."""
+    steps = boundary_steps(config)
+    if regime == "wavefront":      # one launch a step: the narrower half is enough
+        steps = [s for s in steps if s <= 700]
+    p = options(rng, steps + list(rng.integers(1, 1500, 4)))
+    engine = OneRegime(regime, config=config, kernels=NumpyKernels(config))
+    np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
+    assert engine.price_one(p, 1) == SerialEngine().price(p.take([1]))[0]
+
+
+class RecordingRunner(SerialEngine):
+    """A stand-in for the batch runner (GpuEngine(runner=...)): the serial engine, noting the steps
+    of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def price(self, params, levels=None):
+        self.seen.extend(int(s) for s in params.steps)
+        return super().price(params, levels)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_routes(mode, rng):
+    """Each option to the first route that takes it: hybrid's N <= cpu_max_steps to the CPU; with
+    fma, N <= MAX_STEPS to the batch runner; the rest to the regimes. The exact mode never uses
+    the runner. Levels (Greeks) come back from every route in the input's order."""
+    config = replace(SMALL_PERS, fma=True)
+    cpu_max = config.t2 if mode == "hybrid" else 0
+    steps = np.array([MAX_STEPS + 1, 1, config.t2, config.t2 + 1, 500, MAX_STEPS, 2])
+    p = options(rng, steps)
+    ref_levels = np.empty((len(p), LEVEL_VALUES))
+    ref = SerialEngine().price(p, ref_levels)
+    for fma in (True, False):
+        # the exact mode without the two widest options: it sends them to the regimes too, whose
+        # emulation costs seconds an option of that size
+        rows = np.arange(len(p)) if fma else np.flatnonzero(steps < MAX_STEPS)
+        q = p.take(rows)
+        runner = RecordingRunner()
+        engine = GpuEngine(mode, config=replace(config, fma=fma),
+                           kernels=small_numpy_kernels(replace(config, fma=fma)), runner=runner)
+        assert engine.cpu_max_steps == cpu_max
+        levels = np.full((len(q), LEVEL_VALUES), -1.0)
+        got = engine.price(q, levels)
+        # the regimes' emulation is exact (NumpyKernels ignores fma), the stand-in runner serial
+        np.testing.assert_array_equal(got, ref[rows])
+        assert np.array_equal(levels, ref_levels[rows], equal_nan=True)
+        want = sorted(int(s) for s in steps if cpu_max < s <= MAX_STEPS) if fma else []
+        assert sorted(runner.seen) == want, (fma, runner.seen)
+
+
+def test_auto_prices_a_small_share_on_the_cpu(rng):
+    """`auto` (batch with cpu_max_nodes): a call of at most that many lattice nodes goes to the CPU
+    engine whole, a larger one through the routes."""
+    from pricer.model.cost import lattice_nodes
+    config = replace(SMALL_PERS, fma=True)
+    p = options(rng, [10, 300, 2000])
+    nodes = int(lattice_nodes(p.steps).sum())
+    for limit, runner_steps in ((nodes, []), (nodes - 1, [10, 300, 2000])):
+        runner = RecordingRunner()
+        engine = GpuEngine("batch", config=config, kernels=small_numpy_kernels(config),
+                           runner=runner, cpu_max_nodes=limit)
+        np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
+        assert sorted(runner.seen) == runner_steps
 
 
 class LoggedPersKernels(NumpyKernels):
@@ -186,12 +297,16 @@ def test_persistent_shapes_take_turns(rng):
     """The wide tiles down to pers_narrow_below, the narrow ones from there, each shape one launch;
     the narrow shape alone where the option starts below; one shape with pers_narrow_vt = 0; the
     narrow shape starts no higher than its tiles hold (8 tiles x 16 owned nodes: level 127); by
-    default where the wide tiles (48 owned nodes) fill half of the stand-in's 4 sub-partitions."""
+    default where the wide tiles (48 owned nodes) fill half of the stand-in's 4 sub-partitions.
+    hybrid and batch stop at T2 (the CPU takes the rest), gpu at 0."""
     c = SMALL_PERS                      # t1 300, t2 40, wide 64-node tiles, narrow 32-node below 100
     cases = [(c, "gpu", 250, [(64, 250, 100), (32, 100, 0)]),
              (c, "hybrid", 250, [(64, 250, 100), (32, 100, 40)]),
+             (c, "batch", 250, [(64, 250, 100), (32, 100, 40)]),
              (c, "gpu", 90, [(32, 90, 0)]),
              (c, "hybrid", 41, [(32, 41, 40)]),
+             (c, "batch", 41, [(32, 41, 40)]),
+             (c, "batch", 40, []),
              (replace(c, pers_narrow_vt=0), "gpu", 250, [(64, 250, 0)]),
              (replace(c, pers_narrow_below=200), "gpu", 250, [(64, 250, 127), (32, 127, 0)]),
              (replace(c, pers_narrow_below=None), "gpu", 250, [(64, 250, 96), (32, 96, 0)])]
@@ -204,30 +319,32 @@ def test_persistent_shapes_take_turns(rng):
 
 
 def test_put_whose_tiles_skip_goes_narrow_from_the_top(rng):
-    """With the scaled arithmetic (fma), an American put's exercised tiles skip their epochs
-    (pers_skip), and by default the narrow shape then takes over as high as its tiles hold (level
-    127 here) rather than where the wide tiles fill half the sub-partitions (96); a call, or a put
-    with pers_skip off, keeps the old hand-over."""
-    from pricer.engines.gpu import pers_skip_limit
+    """With the scaled arithmetic (fma), an American put's exercised tiles skip their epochs, and by
+    default the narrow shape then takes over as high as its tiles hold (level 127 here) rather than
+    where the wide tiles fill half the sub-partitions (96); a call keeps the latter. Through
+    price_one: with fma, the engine's own routes would send these N to the batch runner."""
+    from pricer.engines.gpu.regimes import pers_skip_limit
     config = replace(SMALL_PERS, pers_narrow_below=None, fma=True)
     top, half = [(64, 250, 127), (32, 127, 0)], [(64, 250, 96), (32, 96, 0)]
-    for call, cfg, want in ((False, config, top), (True, config, half),
-                            (False, replace(config, pers_skip=False), half)):
-        p = options(rng, [250], call=call, american=True)
+    for call, want in ((False, top), (True, half)):
+        p = lattice_parameters(dict(
+            spot=np.array([100.0]), strike=np.array([rng.uniform(90, 130)]), maturity=np.array([1.0]),
+            volatility=np.array([rng.uniform(0.15, 0.4)]), rate=np.array([0.05]),
+            dividend=np.array([0.0]), steps=np.array([250]), call=np.array([call]),
+            american=np.array([True])))
         assert call or not np.isnan(pers_skip_limit(p.strike[0], 250, p.pu[0], p.pd[0], p.log_up[0],
                                                     p.log_down[0]))
-        kernels = LoggedPersKernels(cfg)
-        got = GpuEngine("gpu", config=cfg, kernels=kernels).price(p)
-        np.testing.assert_array_equal(got, SerialEngine().price(p))
-        assert kernels.log == want, (call, cfg.pers_skip)
+        kernels = LoggedPersKernels(config)
+        got = GpuEngine("gpu", config=config, kernels=kernels).price_one(p, 0)
+        assert got == SerialEngine().price(p)[0]
+        assert kernels.log == want, call
 
 
 def test_pers_skip_limit():
     """No limit (NaN) where holding pays at least as much as exercising (no interest); below the
     serial engine's limit, whose rounding-error bounds it widens."""
-    from pricer.engines.gpu import pers_skip_limit
-    from pricer.engines.serial import exercise_limit
-    from pricer.lattice import lattice_parameters
+    from pricer.engines.cpu.kernels import exercise_limit
+    from pricer.engines.gpu.regimes import pers_skip_limit
     cols = dict(spot=np.full(3, 100.0), strike=np.full(3, 100.0), maturity=np.full(3, 1.0),
                 volatility=np.full(3, 0.2), rate=np.array([0.0, 0.05, 0.05]),
                 dividend=np.array([0.0, 0.0, 0.08]), steps=np.array([1000, 1000, 100_000]),
@@ -258,24 +375,21 @@ class StrandedPersKernels(NumpyKernels):
         return failed
 
 
-def test_stranded_persistent_kernel_falls_back(rng, capsys):
-    """gpu/hybrid re-price the option on the launch-per-K regimes and stop using the persistent
-    kernel (one warning); mode `pers` raises GpuError instead of returning a NaN price."""
-    from pricer.engines.gpu import GpuError
+@pytest.mark.parametrize("mode", MODES)
+def test_stranded_persistent_kernel_falls_back(mode, rng, capsys):
+    """Where the persistent kernel gives up, the engine re-prices the option on the mid fallback
+    and stops using the persistent kernel (pers_off; one warning): no NaN price comes out."""
     config = SMALL_PERS
     p = options(rng, [config.t2 + 3 * (config.pers_w - config.pers_k), config.t2 + 5, 700])
-    for mode in ("gpu", "hybrid"):
-        kernels = StrandedPersKernels(config)
-        engine = GpuEngine(mode, config=config, kernels=kernels)
-        np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
-        assert engine.pers_off and kernels.launches == 1
-        assert capsys.readouterr().err.count("persistent GPU kernel gave up") == 1
-    with pytest.raises(GpuError, match="gave up waiting"):
-        GpuEngine("pers", config=config, kernels=StrandedPersKernels(config)).price(p)
+    kernels = StrandedPersKernels(config)
+    engine = GpuEngine(mode, config=config, kernels=kernels)
+    np.testing.assert_array_equal(engine.price(p), SerialEngine().price(p))
+    assert engine.pers_off and kernels.launches == 1
+    assert capsys.readouterr().err.count("persistent GPU kernel gave up") == 1
 
 
 def test_pers_pows():
-    from pricer.engines.gpu import pers_pows
+    from pricer.engines.gpu.regimes import pers_pows
     out = np.empty(2 * 64 + 2)
     assert pers_pows(0.5, 64, out)
     assert out[0] == 1.0 and out[64] == 0.5 ** 64 and out[65] == 1.0 and out[129] == 2.0 ** 64
@@ -311,19 +425,6 @@ def test_blocks_skipped_for_exercise_never_exercise(rng):
     assert skipped > 0
 
 
-def test_emulated_batch_equals_serial(rng):
-    p = options(rng, BATCH_EDGES[:10] + [700, 2048, 4097])
-    rows = np.arange(len(p))
-    np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows), SerialEngine().price(p))
-    # with `levels` (Greeks) the kernel also keeps levels 2 and 1, bitwise the serial engine's
-    from pricer.engines.serial import LEVEL_VALUES
-    ref_levels, levels = np.empty((len(p), LEVEL_VALUES)), np.full((len(p), LEVEL_VALUES), -1.0)
-    np.testing.assert_array_equal(NumpyKernels(GpuConfig()).batch(p, rows, levels),
-                                  SerialEngine().price(p, ref_levels))
-    assert np.array_equal(levels, ref_levels, equal_nan=True)
-    assert list(batch_class(np.array([1, 255, 256, 511, 512, 2047, 2048, 8191]))) == [0, 0, 1, 1, 2, 3, 4, 5]
-
-
 def test_config_is_checked():
     with pytest.raises(ValueError):
         GpuConfig(tiled_k=GpuConfig().tiled_w).check()
@@ -331,29 +432,66 @@ def test_config_is_checked():
         GpuConfig(warp_k=0).check()
     with pytest.raises(ValueError):
         GpuConfig(mid_b=64, mid_vt=2, mid_k=128).check()
-    with pytest.raises(ValueError):
-        GpuConfig(mid_b=48).check()
-    for bad in (dict(pers_k=60), dict(pers_k=256), dict(pers_vt=4, pers_k=8 * 32), dict(pers_warps=0),
+    # every shape is always in use: no 0 to turn the persistent kernel or the mid shape off
+    for bad in (dict(mid_b=48), dict(mid_b=0), dict(mid_b=16), dict(pers_vt=0), dict(pers_vt=0, pers_k=3),
+                dict(pers_k=60), dict(pers_k=256), dict(pers_vt=4, pers_k=8 * 32), dict(pers_warps=0),
                 dict(pers_vt=33)):
         with pytest.raises(ValueError):
             GpuConfig(**bad).check()
-    GpuConfig(pers_vt=0, pers_k=3).check()    # off: its shape is not looked at
-    with pytest.raises(ValueError):
-        GpuEngine("pers", config=GpuConfig(pers_vt=0), kernels=NumpyKernels(GpuConfig()))
-    with pytest.raises(ValueError):
-        GpuEngine("nope", kernels=NumpyKernels(GpuConfig()))
+    SMALL_PERS.check()
+    MEDIUM_PERS.check()
+    # the single regimes are `pricer bench gpu`'s (OneRegime), no longer the engine's modes
+    for mode in ("wavefront", "tiled", "warp", "pers", "nope"):
+        with pytest.raises(ValueError, match="unknown GPU mode"):
+            GpuEngine(mode, kernels=NumpyKernels(GpuConfig()))
+    for regime in ("gpu", "hybrid", "pers", "nope"):
+        with pytest.raises(ValueError, match="unknown regime"):
+            OneRegime(regime, config=GpuConfig(), kernels=NumpyKernels(GpuConfig()))
 
 
-def test_local_rank_from_launcher(monkeypatch):
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK", "PMI_LOCAL_RANK",
-                "SLURM_LOCALID"):
+def test_local_rank(monkeypatch):
+    """The launcher's variables first, else the run's word (set_local_rank), else 0; no MPI call
+    (it could wait on a rank that failed before asking)."""
+    import sys
+
+    from pricer.engines import set_local_rank as engines_set_local_rank
+    from pricer.engines.gpu import runtime
+    for var in runtime.LOCAL_RANK_VARIABLES:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "mpi4py.MPI", None)
+    monkeypatch.setattr(runtime, "_run_local_rank", None)     # restored after the test
+    monkeypatch.setitem(sys.modules, "mpi4py", None)          # an MPI query would fail
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
     assert local_rank() == 0
+    runtime.set_local_rank(2)
+    assert local_rank() == 2
+    engines_set_local_rank(5)                                 # the run's entry point
+    assert local_rank() == 5
+    monkeypatch.setenv("SLURM_LOCALID", "x")                  # not a number: not a word
+    assert local_rank() == 5
     monkeypatch.setenv("SLURM_LOCALID", "3")
     assert local_rank() == 3
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
     assert local_rank() == 1
+    runtime.set_local_rank(None)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
+    monkeypatch.delenv("SLURM_LOCALID")
+    assert local_rank() == 0
+    assert runtime.launcher_local_rank({"MPI_LOCALRANKID": "4"}) == 4
+    assert runtime.launcher_local_rank({}) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("below_t1", ["pers", "mid"])
+def test_emulated_regimes_keep_the_first_levels_bitwise(rng, mode, below_t1):
+    """With `levels` (Greeks) the GPU stops at level 2 and the host keeps levels 2 and 1: in exact
+    mode the kept values and the prices are bitwise the serial engine's (numpy emulation)."""
+    p = options(rng, np.r_[1, 2, 3, rng.integers(4, 700, 12)])
+    ref_levels = np.empty((len(p), LEVEL_VALUES))
+    ref = SerialEngine().price(p, ref_levels)
+    levels = np.full((len(p), LEVEL_VALUES), -1.0)
+    got = emulated(mode, SMALL_PERS, pers_off=below_t1 == "mid").price(p, levels)
+    assert np.array_equal(got, ref)
+    assert np.array_equal(levels, ref_levels, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,66 +499,81 @@ def test_local_rank_from_launcher(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines():
-    """Every option through the regimes (no batch kernel), default arithmetic."""
-    return {mode: GpuEngine(mode, batch_max_steps=0) for mode in MODES}
+    """The GPU engines as they run by default (fma), and the single regimes."""
+    made = {mode: GpuEngine(mode) for mode in MODES}
+    made.update({regime: OneRegime(regime) for regime in REGIMES})
+    return made
 
 
 @pytest.fixture(scope="module")
 def exact_engines():
     """As `engines`, exact arithmetic (fma=False): bitwise equal to serial."""
-    return {mode: GpuEngine(mode, batch_max_steps=0, fma=False) for mode in MODES}
+    made = {mode: GpuEngine(mode, fma=False) for mode in MODES}
+    made.update({regime: OneRegime(regime, fma=False) for regime in REGIMES})
+    return made
 
 
 def small_cuda_kernels(config):
     """CudaKernels whose persistent kernel acts as if only SMALL_PERS_TILES tiles fit at once."""
-    from pricer.engines.gpu import CudaKernels
+    from pricer.engines.gpu.regimes import CudaKernels
     kernels = CudaKernels(config)
-    if config.pers_vt:
-        assert kernels.pers_tiles() >= SMALL_PERS_TILES
-        kernels._pers_tiles = SMALL_PERS_TILES
+    assert kernels.pers_tiles() >= SMALL_PERS_TILES
+    kernels._pers_tiles = SMALL_PERS_TILES
     return kernels
 
 
 @pytest.fixture(scope="module")
-def small_engines():
-    kernels = {name: small_cuda_kernels(cfg) for name, cfg in
-               (("mid", SMALL), ("warp", SMALL_WARP), ("pers", SMALL_PERS))}
-    return {(mode, name): GpuEngine(mode, config=cfg, kernels=kernels[name]) for mode in MODES
-            for name, cfg in (("mid", SMALL), ("warp", SMALL_WARP), ("pers", SMALL_PERS))
-            if mode != "pers" or cfg.pers_vt}
+def small_kernels():
+    return small_cuda_kernels(SMALL_PERS)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_runtime_one_context():
-    from pricer.engines.gpu import GpuRuntime
+    import pycuda.driver as cuda
+
+    from pricer.engines.gpu.runtime import GpuRuntime
     rt = GpuRuntime.get()
     assert rt is GpuRuntime.get()
-    assert rt.arch.startswith("sm_") and not rt.closed
-    import pycuda.driver as cuda
+    assert rt.arch.startswith("sm_") and not rt.closed and rt.sms > 0
     assert cuda.Context.get_current() is not None
-    assert rt.device_index == local_rank() % cuda.Device.count()
+    assert rt.device_index == rt.local_rank % cuda.Device.count()
+    assert rt.local_rank == local_rank()
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("below_t1", ["mid", "warp", "pers"])
-def test_gpu_small_config_boundaries(mode, below_t1, small_engines, rng):
-    if (mode, below_t1) not in small_engines:
-        pytest.skip("mode pers needs the persistent kernel")
-    p = every_kind(rng, boundary_steps(dict(mid=SMALL, warp=SMALL_WARP, pers=SMALL_PERS)[below_t1]))
-    got = small_engines[mode, below_t1].price(p)
+@pytest.mark.parametrize("below_t1", ["pers", "mid"])
+def test_gpu_small_config_boundaries(mode, below_t1, small_kernels, rng):
+    """SMALL_PERS's edges on the GPU (exact mode: every option through the regimes), on a GPU cut
+    down to SMALL_PERS_TILES persistent tiles; `mid`: the fallback after the persistent kernel gave
+    up (pers_off). Bitwise the serial engine's."""
+    engine = GpuEngine(mode, config=SMALL_PERS, kernels=small_kernels)
+    engine.pers_off = below_t1 == "mid"
+    p = every_kind(rng, boundary_steps(SMALL_PERS))
+    got = engine.price(p)
     ref = SerialEngine().price(p)
-    assert_close(got, ref, p, mode)
-    if not SMALL.fma:
-        np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got, ref)
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_gpu_small_config_one_regime(regime, small_kernels, rng):
+    """The single regimes with SMALL_PERS's small tiles (exact mode), all the way down: bitwise."""
+    steps = boundary_steps(SMALL_PERS)
+    p = every_kind(rng, steps)
+    got = OneRegime(regime, config=SMALL_PERS, kernels=small_kernels).price(p)
+    np.testing.assert_array_equal(got, SerialEngine().price(p))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES + REGIMES)
 def test_gpu_default_config_small_n(mode, engines, rng):
+    """The default configuration's edges (fma): through the regimes (and, for gpu/hybrid/batch,
+    through the engine's own routes: the batch runner) within tolerance of serial."""
     c = GpuConfig()
     steps = [1, 2, 3, 7, 64, c.t2 - 1, c.t2, c.t2 + 1, c.warp_w - 1, c.warp_w, c.warp_w + 1,
              c.t2 + c.warp_k, c.t2 + c.warp_k + 1, c.tiled_w - 1, c.tiled_w, c.tiled_w + 1,
@@ -428,28 +581,66 @@ def test_gpu_default_config_small_n(mode, engines, rng):
     if mode == "wavefront":
         steps = steps[:-1]
     p = every_kind(rng, steps)
-    assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
+    ref = SerialEngine().price(p)
+    assert_close(through_regimes(engines[mode], p), ref, p, f"{mode} regimes")
+    if mode in MODES:
+        assert_close(engines[mode].price(p), ref, p, mode)
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode", ["gpu", "hybrid", "tiled", "warp", "pers"])
+@pytest.mark.parametrize("mode", MODES + ("tiled", "warp"))
 def test_gpu_fresh_random_options(mode, engines, rng):
     p = options(rng, rng.integers(1, 10_001, 24))
-    assert_close(engines[mode].price(p), SerialEngine().price(p), p, mode)
+    ref = SerialEngine().price(p)
+    assert_close(through_regimes(engines[mode], p), ref, p, f"{mode} regimes")
+    if mode in MODES:
+        assert_close(engines[mode].price(p), ref, p, mode)
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
-def test_gpu_batch_kernel(mode, rng):
-    """Portfolios mixing batch size classes, options wider than any class, and (hybrid) CPU ones."""
-    steps = BATCH_EDGES + list(rng.integers(1, 8192, 30)) + [8192, 8193, 9000]
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_routes(mode, rng):
+    """Portfolios mixing the batch runner's options (N <= MAX_STEPS), options wider than that (the
+    regimes) and (hybrid) the CPU's, shuffled: within tolerance of the CPU engines with fma, bitwise
+    in the exact mode (every option through the regimes, hybrid's small ones on the CPU)."""
+    steps = ([1, 2, 3, 100, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 4095, 4096,
+              8191, 8192, MAX_STEPS - 1, MAX_STEPS, MAX_STEPS + 1, MAX_STEPS + 600]
+             + list(rng.integers(1, MAX_STEPS + 1, 30)))
     p = every_kind(rng, steps)
-    order = rng.permutation(len(p))
-    p = p.take(order)
-    assert_close(GpuEngine(mode).price(p), SerialEngine().price(p), p, mode)
-    np.testing.assert_array_equal(GpuEngine(mode, fma=False).price(p), SerialEngine().price(p))
+    p = p.take(rng.permutation(len(p)))
+    ref = CpuEngine().price(p)          # bitwise equal to serial, all cores
+    assert_close(GpuEngine(mode).price(p), ref, p, mode)
+    np.testing.assert_array_equal(GpuEngine(mode, fma=False).price(p), ref)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_and_hybrid_price_like_batch(rng):
+    """With fma, gpu and hybrid send their options up to MAX_STEPS (above hybrid's cpu_max_steps)
+    through the batch runner, as `batch` does: bitwise the same prices and kept levels (Greeks).
+    hybrid's options up to cpu_max_steps are the cpu engine's, bitwise."""
+    steps = [1, 2, 3, 16, 17, 499, 500, 501, 1000, 4096, 8191, MAX_STEPS] + \
+        list(rng.integers(1, MAX_STEPS + 1, 40))
+    p = every_kind(rng, steps)
+    p = p.take(rng.permutation(len(p)))
+    want_levels = np.empty((len(p), LEVEL_VALUES))
+    want = GpuEngine("batch").price(p, want_levels)
+    assert_close(want, CpuEngine().price(p), p, "batch")
+    for mode, extra in (("gpu", {}), ("hybrid", {}), ("hybrid", dict(cpu_max_steps=16))):
+        engine = GpuEngine(mode, **extra)
+        levels = np.full((len(p), LEVEL_VALUES), -1.0)
+        got = engine.price(p, levels)
+        on_runner = p.steps > engine.cpu_max_steps
+        label = f"{mode} {extra}"
+        np.testing.assert_array_equal(got[on_runner], want[on_runner], err_msg=label)
+        assert np.array_equal(levels[on_runner], want_levels[on_runner], equal_nan=True), label
+        if (~on_runner).any():
+            cpu_levels = np.empty((int((~on_runner).sum()), LEVEL_VALUES))
+            cpu = CpuEngine().price(p.take(np.flatnonzero(~on_runner)), cpu_levels)
+            np.testing.assert_array_equal(got[~on_runner], cpu, err_msg=label)
+            assert np.array_equal(levels[~on_runner], cpu_levels, equal_nan=True), label
 
 
 @pytest.mark.gpu
@@ -459,20 +650,24 @@ def test_gpu_t1_boundary_default(engines, rng):
     steps = [c.t1 - 1, c.t1, c.t1 + 1, c.t1 + c.tiled_k + 1, 100_000]
     p = options(rng, steps)
     ref = CpuEngine().price(p)          # bitwise equal to serial, all cores
-    for mode in ("hybrid", "gpu"):
+    for mode in MODES:
         assert_close(engines[mode].price(p), ref, p, mode)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_fma_within_tolerance(rng):
+    """fma through the regimes with T1 = 2000 (tiled above), the persistent kernel or (pers_off) the
+    mid fallback below, and through each engine's routes (the batch runner)."""
     p = every_kind(rng, [1, 2, 499, 501, 3000, 10_000])
     ref = SerialEngine().price(p)
-    for mode, extra in (("gpu", {}), ("hybrid", dict(t2=100)), ("gpu", dict(pers_vt=0)),
-                        ("gpu", dict(mid_b=0, pers_vt=0)), ("pers", {})):
-        got = GpuEngine(mode, fma=True, t1=2000, batch_max_steps=0, **extra).price(p)
-        assert_close(got, ref, p, f"fma {mode} {extra}")
-    assert_close(GpuEngine("hybrid", fma=True).price(p), ref, p, "fma batch")
+    for mode, extra, pers_off in (("gpu", {}, False), ("hybrid", dict(t2=100), False),
+                                  ("batch", {}, False), ("gpu", {}, True), ("hybrid", {}, True)):
+        engine = GpuEngine(mode, fma=True, t1=2000, **extra)
+        engine.pers_off = pers_off
+        label = f"fma {mode} {extra} pers_off={pers_off}"
+        assert_close(through_regimes(engine, p), ref, p, label + " regimes")
+        assert_close(engine.price(p), ref, p, label)
 
 
 @pytest.mark.gpu
@@ -480,23 +675,26 @@ def test_gpu_fma_within_tolerance(rng):
 def test_gpu_exact_mode_is_bitwise(exact_engines, rng):
     p = every_kind(rng, [1, 2, 600, 3000, 20_000])
     ref = SerialEngine().price(p)
-    for mode in ("gpu", "hybrid", "tiled", "warp", "pers", "wavefront"):
+    for mode in MODES + ("tiled", "warp", "wavefront"):
         if mode == "wavefront":
             p, ref = p.take(np.arange(16)), ref[:16]
         np.testing.assert_array_equal(exact_engines[mode].price(p), ref, err_msg=mode)
+    mid = GpuEngine("gpu", fma=False, t1=2000)   # the mid fallback below T1
+    mid.pers_off = True
+    np.testing.assert_array_equal(mid.price(p), ref, err_msg="mid")
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("fma", [True, False], ids=["fma", "exact"])
 def test_gpu_persistent_kernel(fma, rng):
-    """The persistent kernel (default shape) on fresh random American/European calls/puts: exact mode
-    bitwise equal to serial, fma within tolerance; N around its tile and epoch edges, from T2 and
-    from 0, tiny N, gpu/hybrid with T1 = 2000 (tiled above it); and in `pers` mode on a GPU cut
-    down to SMALL_PERS_TILES tiles, so that levels wider than it holds go through tiled first. The
-    default hand-over (~50 000 on a 132-SM GPU) lies above these N, so the default engines run the
-    narrow shape alone; the wide shape runs alone with pers_narrow_vt = 0, and both with the
-    hand-over at level 1000."""
+    """The persistent kernel (default shape) on fresh random American/European calls/puts, through
+    the regimes: exact mode bitwise equal to serial, fma within tolerance; N around its tile and
+    epoch edges, from T2 and from 0, tiny N; from the top of each option (the default T1 lies above
+    these N), with T1 = 2000 (tiled above it), and on a GPU cut down to SMALL_PERS_TILES tiles, so
+    that levels wider than it holds go through tiled first. The default hand-over (~50 000 on a
+    132-SM GPU) lies above these N, so the default engines run the narrow shape alone; the wide
+    shape runs alone with pers_narrow_vt = 0, and both with the hand-over at level 1000."""
     c = GpuConfig()
     own = c.pers_w - c.pers_k
     below = 1000
@@ -507,19 +705,18 @@ def test_gpu_persistent_kernel(fma, rng):
         steps.update({edge - 1, edge, edge + 1})
     p = every_kind(rng, sorted(steps) + list(rng.integers(1, 10_001, 6)))
     ref = SerialEngine().price(p)
-    cut = small_cuda_kernels(GpuConfig(fma=fma, batch_max_steps=0))
-    for label, engine in (("pers", GpuEngine("pers", fma=fma, batch_max_steps=0)),
-                          ("gpu t1=2000", GpuEngine("gpu", fma=fma, batch_max_steps=0, t1=2000)),
-                          ("hybrid t1=2000", GpuEngine("hybrid", fma=fma, batch_max_steps=0, t1=2000)),
-                          ("pers, 8 tiles fit", GpuEngine("pers", config=cut.config, kernels=cut)),
-                          ("pers, one shape", GpuEngine("pers", fma=fma, batch_max_steps=0,
-                                                        pers_narrow_vt=0)),
+    cut = small_cuda_kernels(GpuConfig(fma=fma))
+    for label, engine in (("gpu", GpuEngine("gpu", fma=fma)),
+                          ("batch", GpuEngine("batch", fma=fma)),
+                          ("gpu t1=2000", GpuEngine("gpu", fma=fma, t1=2000)),
+                          ("hybrid t1=2000", GpuEngine("hybrid", fma=fma, t1=2000)),
+                          ("gpu, 8 tiles fit", GpuEngine("gpu", config=cut.config, kernels=cut)),
+                          ("gpu, one shape", GpuEngine("gpu", fma=fma, pers_narrow_vt=0)),
                           ("gpu t1=2000, narrow below 1000",
-                           GpuEngine("gpu", fma=fma, batch_max_steps=0, t1=2000,
-                                     pers_narrow_below=below)),
+                           GpuEngine("gpu", fma=fma, t1=2000, pers_narrow_below=below)),
                           ("hybrid, narrow below 1000",
-                           GpuEngine("hybrid", fma=fma, batch_max_steps=0, pers_narrow_below=below))):
-        got = engine.price(p)
+                           GpuEngine("hybrid", fma=fma, pers_narrow_below=below))):
+        got = through_regimes(engine, p)
         assert_close(got, ref, p, label)
         if not fma:
             np.testing.assert_array_equal(got, ref, err_msg=label)
@@ -541,43 +738,42 @@ def test_gpu_persistent_kernel_repeats(rng):
             np.testing.assert_array_equal(got[0], ref)
 
 
+def unscaled(monkeypatch):
+    """fma without the persistent kernel's scaled arithmetic (as where pd^pers_k is too small)."""
+    import pricer.engines.gpu.engine as engine_module
+    real = engine_module.pers_pows
+    monkeypatch.setattr(engine_module, "pers_pows", lambda pd, k, out: real(pd, k, out) and False)
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_persistent_kernel_unscaled_fma(rng, monkeypatch):
     """fma mode where pd^pers_k is too small for the scaled arithmetic: the kernel's unscaled path."""
-    import pricer.engines.gpu as gpu
-    real = gpu.pers_pows
-    monkeypatch.setattr(gpu, "pers_pows", lambda pd, k, out: real(pd, k, out) and False)
+    unscaled(monkeypatch)
     p = every_kind(rng, [1, 63, 64, 65, 500, 3000])
-    assert_close(GpuEngine("pers", fma=True).price(p), SerialEngine().price(p), p, "unscaled fma")
+    assert_close(through_regimes(GpuEngine("gpu", fma=True), p), SerialEngine().price(p), p,
+                 "unscaled fma")
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("feature", ["pers_eu_tiles", "pers_expipe", "pers_skip"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
-def test_persistent_kernel_features_change_no_bit(feature, scaled, rng, monkeypatch):
-    """American tiles that cannot exercise during an epoch take the European node (pers_eu_tiles),
-    a scaled American step's exercise values are computed a step ahead (pers_expipe), and a put's
-    tiles whose nodes all hold their exercise value skip the epoch (pers_skip): prices bitwise
-    those of the kernel without the feature, in both shapes, with the scaled and the
-    unscaled fma arithmetic, on calls and puts with dividends from deep in to far out of the money
-    (exact mode: test_gpu_exact_mode_is_bitwise compares with serial)."""
-    import pricer.engines.gpu as gpu
+def test_gpu_persistent_kernel_money_range(scaled, rng, monkeypatch):
+    """The persistent kernel's fma paths on calls and puts with dividends from deep in to far out of
+    the money, in both shapes: the European body of tiles that cannot exercise, the exercise values
+    computed a step ahead, and (scaled) a put's tiles skipping the epochs where all their nodes hold
+    their exercise value, which also moves the default hand-over to the narrow shape up: within
+    tolerance of the cpu engine, through the regimes (exact mode: test_gpu_exact_mode_is_bitwise)."""
     if not scaled:
-        real = gpu.pers_pows
-        monkeypatch.setattr(gpu, "pers_pows", lambda pd, k, out: real(pd, k, out) and False)
-    steps = [64, 500, 999, 1000, 1001, 3000, 20_000, 60_000, 120_000]
+        unscaled(monkeypatch)
+    steps = [64, 500, 999, 1000, 1001, 3000, 20_000]
     p = every_kind(rng, np.repeat(steps, 3))
     p.strike[:] = p.spot * np.resize([0.5, 0.9, 1.0, 1.1, 2.0], len(p))
-    # pers_skip moves a put's default hand-over to the narrow shape, and with it the epochs' bounds
-    # (the scaled values' rounding): hybrid gets the same fixed hand-over on both sides
-    hybrid = dict(pers_narrow_below=30_000) if feature == "pers_skip" else {}
-    for mode, extra in (("pers", dict(pers_narrow_below=1000)), ("hybrid", hybrid)):
-        on = GpuEngine(mode, batch_max_steps=0, **extra)
-        off = GpuEngine(mode, batch_max_steps=0, **{feature: False}, **extra)
-        assert getattr(on.config, feature) and not getattr(off.config, feature)
-        np.testing.assert_array_equal(on.price(p), off.price(p), err_msg=mode)
+    ref = CpuEngine().price(p)
+    for mode, extra in (("gpu", dict(pers_narrow_below=1000)), ("gpu", {}), ("hybrid", {}),
+                        ("hybrid", dict(pers_narrow_below=10_000))):
+        got = through_regimes(GpuEngine(mode, fma=True, **extra), p)
+        assert_close(got, ref, p, f"{mode} {extra}")
 
 
 @pytest.mark.gpu
@@ -596,7 +792,7 @@ def test_gpu_one_million_steps(engines, rng):
 @needs_gpu
 def test_mpirun_two_ranks_one_gpu_cli(tmp_path):
     from helpers import run_pricer
-    from pricer.results import read_results
+    from pricer.io.results import read_results
     src = tmp_path / "p.h5"
     gen = run_pricer(["generate", "--dist", "random", "--count", "40", "--seed", "7", "--min-steps", "1",
                       "--max-steps", "3000", "-o", src])
@@ -609,18 +805,3 @@ def test_mpirun_two_ranks_one_gpu_cli(tmp_path):
     assert h["attrs"]["backend"] == "hybrid" and int(h["attrs"]["ranks"]) == 2
     np.testing.assert_array_equal(h["id"], s["id"])
     np.testing.assert_allclose(h["price"], s["price"], rtol=1e-11, atol=0)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_emulated_regimes_keep_the_first_levels_bitwise(rng, mode):
-    """With `levels` (Greeks) the GPU stops at level 2 and the host keeps levels 2 and 1: in exact
-    mode the kept values and the prices are bitwise the serial engine's (numpy emulation)."""
-    from pricer.engines.serial import LEVEL_VALUES
-    p = options(rng, np.r_[1, 2, 3, rng.integers(4, 700, 12)])
-    ref_levels = np.empty((len(p), LEVEL_VALUES))
-    ref = SerialEngine().price(p, ref_levels)
-    levels = np.full((len(p), LEVEL_VALUES), -1.0)
-    config = SMALL_PERS if mode == "pers" else SMALL
-    got = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config)).price(p, levels)
-    assert np.array_equal(got, ref)
-    assert np.array_equal(levels, ref_levels, equal_nan=True)

@@ -1,4 +1,4 @@
-"""Issue 7 on the GPU backends: an injected fault (an exception, a GPU error, a hard kill) in a rank
+"""Fault handling on the GPU backends: an injected fault (an exception, a GPU error, a hard kill) in a rank
 pricing on the GPU ends the whole job within 10 s, named by rank 0, with nothing written and no rank
 left; kill -9 and --resume with the `batch` backend give bitwise the prices and Greeks of an
 uninterrupted `batch` run (a price does not depend on the chunk or launch that priced it). Real
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import env, mpiexec, pricer_command
-from pricer.results import read_results
+from pricer.io.results import read_results
 from test_gpu import GPU
 from test_reliability import (CHUNK, DEADLINE, _chunks, bitwise_equal, book,  # noqa: F401 (fixture)
                               kill_9_after_chunks, leftover_processes)

@@ -1,4 +1,4 @@
-"""Every QuantLib tree on every GPU backend against QuantLib 1.44's BinomialVanillaEngine (issue 5):
+"""Every QuantLib tree on every GPU backend against QuantLib 1.44's BinomialVanillaEngine:
 prices of a few hundred fresh options per tree, and price, delta, gamma and theta of the lattice's
 first levels. Marked `gpu`: skipped here with the reason; run on the GPU machine (../shared/device),
 where the kit does not install QuantLib: without it every test here skips, saying so. Its wheel
@@ -8,10 +8,11 @@ along as an ignored path (carry [".device", "dist/quantlib"]):
     source .device/setup.sh; python3 -m pip install -q --no-index --no-deps --target /tmp/site
     dist/quantlib/*.whl; python3 -m pytest -m gpu -q -s -rs tests/test_gpu_trees.py   (one line)
 
-Backends: `batch`; `hybrid` and `gpu` as they run by default (options up to batch_max_steps = 8191
-steps go through their own batch kernel, hybrid's N <= 16 on the CPU), and the same two with the
-batch kernel off (`hybrid-regimes`, `gpu-regimes`: every option through the regime kernels, the
-first levels finished on the host), so both paths meet QuantLib.
+Backends: `batch`; `hybrid` and `gpu` as they run by default (options up to MAX_STEPS = 16383 steps,
+so all of these, go through the batch runner as in `batch`, hybrid's N <= 16 on the CPU), and the
+same two with every option through the single-option regimes (`hybrid-regimes`, `gpu-regimes`:
+test_gpu.ThroughRegimes, GpuEngine.price_one per option, the first levels finished on the host),
+so both paths meet QuantLib with fma.
 
 Each test prints one greppable line per tree and backend, e.g. (made-up numbers):
     PARITY tree=lr backend=hybrid n=300 max_rel=1.2e-11 trapped=4
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pricer.lattice import TREE_NAMES
+from pricer.model.lattice import TREE_NAMES
 from test_gpu import GPU
 
 pytestmark = GPU
@@ -43,20 +44,21 @@ def quantlib():
 
 
 def gpu_engines() -> dict:
-    from pricer.engines.batch import BatchEngine
-    from pricer.engines.gpu import GpuEngine
-    return {"batch": BatchEngine(),
-            "hybrid": GpuEngine("hybrid", t2=64, cpu_max_steps=16),
-            "gpu": GpuEngine("gpu"),
-            "hybrid-regimes": GpuEngine("hybrid", t2=64, cpu_max_steps=16, batch_max_steps=0),
-            "gpu-regimes": GpuEngine("gpu", batch_max_steps=0)}
+    from pricer.engines.gpu.engine import GpuEngine
+    from test_gpu import ThroughRegimes
+    hybrid, gpu = GpuEngine("hybrid", t2=64, cpu_max_steps=16), GpuEngine("gpu")
+    return {"batch": GpuEngine("batch"),
+            "hybrid": hybrid,
+            "gpu": gpu,
+            "hybrid-regimes": ThroughRegimes(hybrid),
+            "gpu-regimes": ThroughRegimes(gpu)}
 
 
 def parity_options(rng, n: int):
     """test_trees.parity_book's options (calls and puts, American and European, q != 0 of either sign,
-    30 days to 3 years) with N log-uniform from 10 to 5000 and one at 5000: every size class of the
-    batch kernel (256 ... 8192 nodes wide) gets options: ~33 each from 256 to 4096 nodes, ~10 in the
-    widest (N 4096-5000), half below 256. QuantLib prices them once per tree, one at a time,
+    30 days to 3 years) with N log-uniform from 10 to 5000 and one at 5000: every octave of N
+    from 256 to 4096 gets ~33 options, N 4096-5000 ~10, and half lie below 256, so the batch
+    runner's size classes from narrow to wide all meet QuantLib. QuantLib prices them once per tree, one at a time,
     single-threaded: ~1e6 nodes per option on average, 3.1e8 per tree, measured 1.3-1.4 s per tree
     (ql-crr, jr, eqp, trigeorgis) and 3.9-5.5 s (tian, lr, joshi4, which take a pow per node) on the
     2-core development machine; 21 s for all QuantLib work in this file. parity_book's own N (mostly
@@ -100,7 +102,7 @@ def test_greeks_on_gpu_backends_match_quantlib(rng, tree):
     its bar: GREEK_RTOL = 1e-8 relative to max(|QuantLib|, floor), floors from
     test_greeks.greek_floors. QuantLib's Greeks are computed once per tree."""
     quantlib()
-    from pricer.greeks import Analytics, price_with_analytics
+    from pricer.model.greeks import Analytics, price_with_analytics
     from test_greeks import GREEK_RTOL, greek_errors, greeks_book, quantlib_greeks
     cols, days, _ = greeks_book(rng, GREEK_OPTIONS, tree)
     theirs = quantlib_greeks(cols, days, tree)

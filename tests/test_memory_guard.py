@@ -1,23 +1,27 @@
-"""Issue 7's device memory guard (pricer/memory.py, "device memory"; docs/reliability.md section 4).
+"""The memory guard (pricer/run/memory.py; docs/reliability.md): the host estimate, and the device
+guard that fits every rank's share to its GPU by the engine's own sizing (GpuEngine.device_need).
 
-Everywhere (no GPU): the estimate against what the engines' own code allocates, counted through a
-recording stand-in for pycuda under the real CudaBatchRunner / CudaKernels; the chunk shrinking,
-the call splitting and the refusal as pure functions; and the whole path through real
-`mpiexec -n 3` runs of the CLI with stand-in engines (a CPU-backed batch runner, the numpy kernel
-emulation) and a stand-in measurement, so that the gather, rank 0's fit, the verdict and each
-rank's setting are exercised here.
+Everywhere (no GPU): device_need against what the engines' own code allocates, counted through a
+recording stand-in for pycuda (tests/fake_cuda.py) under the real CudaBatchRunner / CudaKernels;
+the chunk shrinking and the refusal through memory.fit_devices; and the whole path through real
+`mpiexec -n 3` runs of the CLI with stand-in GPU backends (a CPU-backed batch runner, a stand-in
+measurement of an 80 GiB GPU), so that the gather, rank 0's fit, the verdict and each rank's
+setting are exercised here.
 
-Marked `gpu` (they skip here with the reason; run them on the GPU machine, ../shared/device):
-    source .device/setup.sh && python3 -m pytest -m gpu -q -s tests/test_memory_guard.py
-a tiny PRICER_DEVICE_MEMORY_LIMIT makes `batch` stream in smaller chunks with bitwise the same
-prices and `hybrid` price in smaller calls with bitwise the same prices; an impossible one with a
-large-N option on `hybrid` exits 2 naming the numbers, nothing written; and the estimate is
-compared with what cuMemGetInfo sees the engines take (printed, for docs/reliability.md).
+Marked `gpu` (they skip here with the reason; run them on the GPU machine):
+    python3 -m pytest -m gpu -q -s tests/test_memory_guard.py
+a tiny PRICER_DEVICE_MEMORY_LIMIT makes `batch` and `hybrid` stream in smaller chunks with bitwise
+the same prices; an impossible one with a large-N option on `hybrid` exits 2 naming the numbers,
+nothing written; and device_need is compared with what cuMemGetInfo sees the engines take
+(printed, for docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,20 +30,43 @@ import time
 import numpy as np
 import pytest
 
+from fake_cuda import FakeEvent, FakeRuntime, Tracker
 from helpers import env, mpiexec
-from pricer import memory
-from pricer.checkpoint import chunk_grid
-from pricer.engines.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS
+from pricer.engines import AUTO_CPU_MAX_NODES, gpu_available
+from pricer.engines.base import DeviceInfo
+from pricer.engines.cpu.parallel import CpuEngine
+from pricer.engines.gpu.batch_layout import INPUT_BYTES_PER_OPTION, KEY_BINS, batch_row_bytes
+from pricer.engines.gpu.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS
+from pricer.engines.gpu.batch_runner import CudaBatchRunner
+from pricer.engines.gpu.config import GpuConfig
+from pricer.engines.gpu.engine import (BATCH_SETS, BATCH_SORT_BYTES, REGIME_BYTES_PER_NODE,
+                                       GpuEngine, regime_bytes)
+from pricer.engines.gpu.regimes import CudaKernels
 from pricer.errors import InputError
-from pricer.greeks import Analytics, price_with_analytics
-from pricer.lattice import lattice_parameters
-from pricer.portfolio import Portfolio, write_portfolio
-from pricer.results import read_results
-from test_gpu import needs_gpu
+from pricer.io.checkpoint import chunk_grid
+from pricer.io.portfolio import Portfolio, write_portfolio
+from pricer.io.results import read_results
+from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
+from pricer.run import memory
 
 MIB = 1 << 20
 ANALYTICS = [Analytics(), Analytics(greeks=True), Analytics(richardson=True),
              Analytics(greeks=True, richardson=True)]
+ANALYTICS_IDS = ["price", "greeks", "richardson", "both"]
+SORT = BATCH_SETS * BATCH_SORT_BYTES      # the runner's GPU sort counts, whatever its chunks
+ROW = BATCH_SETS * batch_row_bytes(False)  # a chunk row in both buffer sets: 140 bytes
+
+
+def _why_no_gpu() -> str:
+    if importlib.util.find_spec("pycuda") is None:
+        return "pycuda is not installed (it is in the GPU machine kit)"
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        return "nvcc not found (needed to build the kernels)"
+    return "no usable CUDA device"
+
+
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
 
 
 def book(steps, seed: int = 3, first_id: int = 500) -> Portfolio:
@@ -65,147 +92,54 @@ def take(cols: dict, a: int, b: int) -> dict:
     return {k: v[a:b] for k, v in cols.items()}
 
 
-# ------------------------------------------------------- a recording stand-in for pycuda.driver
-
-class Tracker:
-    def __init__(self):
-        self.live = self.peak = 0
-        self.sizes = []
-
-    def add(self, n):
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        self.sizes.append(n)
+# GpuEngine's configuration in these tests: the defaults, with hybrid's CPU share up to 500 steps
+CONFIG = GpuConfig(cpu_max_steps=500)
 
 
-class FakeAllocation:
-    _next = 1 << 32
-
-    def __init__(self, nbytes, tracker):
-        self.nbytes, self.tracker, self.freed = int(nbytes), tracker, False
-        self.address = FakeAllocation._next
-        FakeAllocation._next += int(nbytes) + 4096
-        tracker.add(self.nbytes)
-
-    def __int__(self):
-        return self.address
-
-    def free(self):
-        if not self.freed:
-            self.freed = True
-            self.tracker.live -= self.nbytes
+def sizing_engine(mode: str = "batch", config: GpuConfig = CONFIG, **kw) -> GpuEngine:
+    """A GpuEngine for its device_need alone (its kernels and runner are never made)."""
+    return GpuEngine(mode, config=config, **kw)
 
 
-class FakeStream:
-    def synchronize(self):
-        pass
-
-    def wait_for_event(self, event):
-        pass
-
-
-class FakeEvent:
-    def record(self, stream=None):
-        pass
-
-    def time_since(self, other):
-        return 0.0
+def counted_engine(tracker: Tracker, mode: str = "batch", config: GpuConfig = CONFIG,
+                   occupancy: bool = False, **kw) -> GpuEngine:
+    """The real GpuEngine, CudaBatchRunner and CudaKernels over counted allocations."""
+    rt = FakeRuntime(tracker, occupancy=occupancy)
+    return GpuEngine(mode, config=config, kernels=CudaKernels(config, rt),
+                     runner=CudaBatchRunner(runtime=rt), **kw)
 
 
-class FakeFunction:
-    def prepare(self, signature):
-        pass
-
-    def prepared_async_call(self, *args, **kwargs):
-        pass
-
-
-class FakeModule:
-    def get_function(self, name):
-        return FakeFunction()
-
-
-class FakeCuda:
-    """pycuda.driver as the engines use it: allocations are counted, copies and launches do
-    nothing (downloads give zeros)."""
-
-    def __init__(self, tracker):
-        self.tracker = tracker
-        self.Stream, self.Event = FakeStream, FakeEvent
-
-    def mem_alloc(self, nbytes):
-        return FakeAllocation(nbytes, self.tracker)
-
-    def pagelocked_empty(self, shape, dtype):
-        return np.zeros(shape, dtype)
-
-    def memcpy_htod(self, dst, src):
-        pass
-
-    def memcpy_dtoh(self, dst, src):
-        dst[...] = 0.0
-
-    def memcpy_htod_async(self, dst, src, stream=None):
-        pass
-
-    def memcpy_dtoh_async(self, dst, src, stream=None):
-        dst[...] = 0.0
-
-
-def fake_runtime(tracker):
-    """A GpuRuntime whose alloc/free are the real methods, over the recording stand-in."""
-    from pricer.engines.gpu import GpuRuntime
-    rt = GpuRuntime.__new__(GpuRuntime)
-    rt.cuda, rt.stream, rt.closed = FakeCuda(tracker), FakeStream(), False
-    rt._allocations, rt._modules = [], {}
-    rt.module = lambda defines, source="binomial.cu": FakeModule()
-    return rt
-
-
-def counted_batch_engine(tracker, chunk_options=DEFAULT_CHUNK_OPTIONS, cpu_max_nodes=0):
-    from pricer.engines.batch import BatchEngine, CudaBatchRunner
-    from pricer.engines.gpu import CudaKernels, GpuConfig, GpuEngine
-    rt = fake_runtime(tracker)
-    engine = BatchEngine(runner=CudaBatchRunner(runtime=rt, chunk_options=chunk_options),
-                         cpu_max_nodes=cpu_max_nodes)
-    config = GpuConfig(cpu_max_steps=500)
-    engine._hybrid = GpuEngine("hybrid", config=config, kernels=CudaKernels(config, rt))
-    return engine
-
-
-def counted_gpu_engine(tracker, mode):
-    from pricer.engines.gpu import CudaKernels, GpuConfig, GpuEngine
-    config = GpuConfig(cpu_max_steps=300, t2=300)
-    return GpuEngine(mode, config=config, kernels=CudaKernels(config, fake_runtime(tracker)))
-
-
-def price_share(engine, p: Portfolio, cuts, analytics: Analytics):
-    """As distributed._compute: prepare, then one engine call per chunk."""
-    prepare = getattr(engine, "prepare", None)
-    if prepare is not None:
-        prepare(p.steps, levels=analytics.greeks)
+def price_share(engine, p: Portfolio, cuts, analytics: Analytics, chunk_options: int = 0,
+                warm_up: bool = True):
+    """As the run's driver (start_engine, compute): warm up, the device fit, prepare, then one
+    engine call per chunk."""
+    if warm_up:
+        engine.warm_up()
+    engine.fit_device(chunk_options)
+    engine.prepare(p.steps, levels=analytics.greeks)
     cols = columns(p)
     for a, b in zip(cuts[:-1], cuts[1:]):
         price_with_analytics(engine, take(cols, a, b), "crr", p.id[a:b], analytics)
 
 
-# ------------------------------------------------------------------------------ the estimate
+def _info(device="host:0000:01:00.0", free=80 * (1 << 30)):
+    return DeviceInfo(free=float(free), total=float(free), device=device, name="Test GPU")
+
+
+# ------------------------------------------------------------------------------ the sizes
 
 def test_sizes_are_the_engines():
-    from pricer.engines.batch_plan import INPUT_BYTES_PER_OPTION
-    from pricer.engines.serial import LEVEL_VALUES
-    assert memory.batch_row_bytes(False) == INPUT_BYTES_PER_OPTION + 4 + 8 == 70   # 4: class key
-    assert memory.batch_row_bytes(True) == INPUT_BYTES_PER_OPTION + 4 + 8 * (1 + LEVEL_VALUES) == 110
-    assert memory.regime_bytes(100_000) == 32 * 100_002
-    assert memory.regime_bytes(10) == 32 * 1024 and memory.regime_bytes(0) == 0
-    assert memory.gpu_batch_bytes(100) == 16 * 101 + 56
-    assert memory.gpu_batch_bytes(100, levels=True) == 16 * 101 + 56 + 8 * LEVEL_VALUES
+    assert batch_row_bytes(False) == INPUT_BYTES_PER_OPTION + 4 + 8 == 70   # 4: the class key
+    assert batch_row_bytes(True) == INPUT_BYTES_PER_OPTION + 4 + 8 * (1 + LEVEL_VALUES) == 110
+    assert BATCH_SORT_BYTES == 2 * 4 * KEY_BINS == 2 * 4 * (MAX_STEPS + 1)
+    assert regime_bytes(100_000) == REGIME_BYTES_PER_NODE * 100_002 == 32 * 100_002
+    assert regime_bytes(10) == 32 * 1024 and regime_bytes(0) == 0
 
 
 def test_host_estimate_with_every_rank_reading():
     """--distribute read moves the columns as read from rank 0 to each rank's own rows, and every
     rank holds the book's id and steps columns: per rank, 16 bytes per option of the book plus
-    the columns, matrix row and result of each of its own (docs/reliability.md, section 6)."""
+    the columns, matrix row and result of each of its own (docs/reliability.md)."""
     n, ranks = 10_000_000, 4
     scatter = memory.estimate(n, 1, ranks, ranks, 4096, 16, 1, 1, False, False)
     read = memory.estimate(n, 1, ranks, ranks, 4096, 16, 1, 1, False, False, read=True)
@@ -216,39 +150,108 @@ def test_host_estimate_with_every_rank_reading():
     assert read.root < scatter.root and read.other > scatter.other
 
 
-@pytest.mark.parametrize("analytics", ANALYTICS, ids=["price", "greeks", "richardson", "both"])
-def test_batch_estimate_is_what_the_runner_allocates(analytics, rng):
-    """The real CudaBatchRunner and hybrid regimes over counted allocations: after pricing, the
-    engine holds exactly the estimate (its buffers and the widest hybrid option's arrays)."""
+def test_host_estimate_refusal_names_the_numbers(monkeypatch):
+    monkeypatch.setenv("PRICER_MEMORY_LIMIT", "1M")
+    est = memory.estimate(1_000_000, 1, 2, 2, 4096, 100, 1, 1, False, False)
+    assert est.available == MIB and not est.fits()
+    with pytest.raises(InputError, match=r"book.h5: not enough memory: .* GiB on rank 0 .* for the "
+                                         r"2 rank\(s\) on rank 0's node, which has 0.00 GiB"):
+        memory.check(est, "book.h5")
+    monkeypatch.setenv("PRICER_MEMORY_LIMIT", "64G")
+    memory.check(memory.estimate(1_000_000, 1, 2, 2, 4096, 100, 1, 1, False, False), "book.h5")
+
+
+# ----------------------------------------------- device_need against the real allocations
+
+MODES = [("batch", CONFIG), ("hybrid", CONFIG), ("gpu", CONFIG),
+         ("hybrid-exact", GpuConfig(cpu_max_steps=500, fma=False))]
+
+
+@pytest.mark.parametrize("mode,config", MODES, ids=[m for m, _ in MODES])
+@pytest.mark.parametrize("analytics", ANALYTICS, ids=ANALYTICS_IDS)
+def test_device_need_is_what_the_engine_allocates(mode, config, analytics, rng):
+    """The real CudaBatchRunner and CudaKernels over counted allocations, driven as the run drives
+    them: after pricing, the engine holds exactly what its device_need says (the runner's two
+    buffer sets of one chunk and its sort counts, and the widest regime option's arrays), and
+    never held more; with the default chunks and with chunks fitted down to 37 options."""
+    mode = mode.split("-")[0]
     steps = np.concatenate([rng.integers(3, 3000, 300), rng.integers(MAX_STEPS - 5, MAX_STEPS + 1, 5),
                             [MAX_STEPS + 1, 40_000, 25_001]])
+    if not config.fma:   # every option through the regimes, one launch sequence each: fewer
+        steps = np.concatenate([rng.integers(3, 3000, 20), [MAX_STEPS, 9000, 40_000]])
     p = book(rng.permutation(steps))
     cuts = chunk_grid(p.steps, 3e8, 10**9)
-    for chunk_options in (DEFAULT_CHUNK_OPTIONS, 37):
+    for chunk_options in (0, 37):
         tracker = Tracker()
-        engine = counted_batch_engine(tracker, chunk_options)
-        need = memory.device_need(memory.device_profile(engine), p.steps, cuts, analytics)
-        price_share(engine, p, cuts, analytics)
+        engine = counted_engine(tracker, mode, config)
+        engine.fit_device(chunk_options)
+        need = engine.device_need(p.steps, cuts, analytics)
+        price_share(engine, p, cuts, analytics, chunk_options)
         assert need.held_steps == 40_000 and p.steps[need.held_row] == 40_000
         assert tracker.live == tracker.peak == need.total, (tracker.live, tracker.peak, need)
+        if config.fma:
+            assert need.streamed > 0 and need.unit == BATCH_SETS * batch_row_bytes(analytics.greeks)
+        else:
+            assert need.streamed == 0 and need.held == regime_bytes(40_000)
 
 
-def test_batch_estimate_counts_the_largest_call(rng):
+def test_device_need_counts_the_largest_call(rng):
     """Chunks priced one call each: the buffers grow to the largest call (five lattices per option
-    with --greeks), not beyond chunk_options; `auto`'s CPU calls take none."""
+    with --greeks), not beyond the chunk options."""
     p = book(rng.integers(16, 200, 400))
     cuts = np.array([0, 10, 300, 400])
     tracker = Tracker()
-    engine = counted_batch_engine(tracker, chunk_options=1000)
+    engine = counted_engine(tracker)
+    engine.fit_device(1000)
     greeks = Analytics(greeks=True)
-    need = memory.device_need(memory.device_profile(engine), p.steps, cuts, greeks)
-    assert need.streamed == 2 * 1000 * 110                      # 58 in, 4 key, 8 out, 40 levels
-    assert need.held == 2 * 2 * 4 * (MAX_STEPS + 1)             # the GPU sort's counts and starts
+    need = engine.device_need(p.steps, cuts, greeks)
+    assert need.streamed == 2 * 1000 * 110                  # 58 in, 4 key, 8 out, 40 levels
+    assert need.held == SORT and need.held_row == -1        # no regime option
     price_share(engine, p, cuts, greeks)
-    assert tracker.live == need.total
+    assert tracker.live == tracker.peak == need.total
+
+
+def test_auto_small_share_on_the_cpu_needs_no_device_memory(rng):
+    """`auto` is batch whose share of at most AUTO_CPU_MAX_NODES nodes runs on the CPU: its device
+    need is 0, it allocates nothing for that share, and memory.fit_devices passes it on a GPU with
+    nothing free beyond DEVICE_ALLOWANCE."""
     small = book(np.full(50, 20))
-    auto = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS, cpu_max_nodes=2e6)
-    assert memory.device_need(auto, small.steps, np.array([0, 50]), Analytics()).total == 0
+    cuts = np.array([0, 50])
+    tracker = Tracker()
+    auto = counted_engine(tracker, cpu_max_nodes=AUTO_CPU_MAX_NODES)
+    need = auto.device_need(small.steps, cuts, Analytics())
+    assert need.total == 0
+    price_share(auto, small, cuts, Analytics(), warm_up=False)
+    assert tracker.peak == 0
+    nothing_more = _info(free=memory.DEVICE_ALLOWANCE)      # the allowance and not a byte more
+    fitted = memory.fit_devices(auto, [nothing_more], [(small.steps, cuts, small.id)], Analytics(),
+                                "x.h5", environ={})
+    assert list(fitted.chunk_options) == [0] and fitted.notes == []
+    # a share above the threshold is batch's
+    big = book(np.full(500, 2000))
+    assert auto.device_need(big.steps, np.array([0, 500]), Analytics()).total == SORT + 500 * ROW
+
+
+def test_warm_up_buffers_are_inside_the_allowance():
+    """warm_up prices one option of each kernel class before the share is known: its buffers (a
+    few rows and the sort counts) stay, outside device_need, far inside DEVICE_ALLOWANCE."""
+    tracker = Tracker()
+    counted_engine(tracker).warm_up()
+    assert 0 < tracker.live < memory.DEVICE_ALLOWANCE / 100
+
+
+def test_persistent_ring_is_inside_the_allowance(rng):
+    """On a runtime with occupancy figures the regimes run the persistent kernel, whose ring (kept
+    from its first launch, sized by the tiles the GPU holds) is outside device_need and inside
+    DEVICE_ALLOWANCE; everything else is device_need exactly."""
+    p = book([300, 2000, 40_000, MAX_STEPS + 1])
+    cuts = np.array([0, 4])
+    tracker = Tracker()
+    engine = counted_engine(tracker, "gpu", occupancy=True)
+    need = engine.device_need(p.steps, cuts, Analytics())
+    price_share(engine, p, cuts, Analytics())
+    assert engine.kernels.pers_top() > 40_000            # the persistent kernel took it
+    assert need.total < tracker.live < need.total + memory.DEVICE_ALLOWANCE / 4
 
 
 def test_batch_stats_sum_every_chunks_event_times(rng, monkeypatch):
@@ -257,129 +260,139 @@ def test_batch_stats_sum_every_chunks_event_times(rng, monkeypatch):
     chunk records them again; the last two chunks' only when last_stats is read (once)."""
     reads = []
     monkeypatch.setattr(FakeEvent, "time_since", lambda self, other: reads.append(1) or 1.0)
-    engine = counted_batch_engine(Tracker(), chunk_options=100)
+    engine = counted_engine(Tracker())
+    engine.fit_device(100)
     params = lattice_parameters(columns(book(rng.integers(16, 200, 450))))
     engine.price(params)                                    # 5 chunks on 2 buffers
     assert len(reads) == 3 * 3                              # chunks 0-2, before their reuse
-    stats = engine.runner.last_stats
+    stats = engine.runner().last_stats
     assert len(reads) == 5 * 3 and stats["chunks"] == 5
     assert stats["copy_in"] == stats["kernels"] == stats["copy_out"] == pytest.approx(5e-3)
-    assert engine.runner.last_stats == stats and len(reads) == 5 * 3
+    assert engine.runner().last_stats == stats and len(reads) == 5 * 3
 
 
-@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
-@pytest.mark.parametrize("analytics", ANALYTICS, ids=["price", "greeks", "richardson", "both"])
-def test_gpu_estimate_is_what_the_kernels_allocate(mode, analytics, rng):
-    """The real CudaKernels over counted allocations: the regime buffers of the widest option
-    stay (32 bytes per node of N + 2), the batch kernel's arrays live for a call; the peak is
-    within the estimate, and each part of the estimate is reached."""
-    steps = np.concatenate([rng.integers(3, 8191, 200), [9000, 30_000, 8191, 300, 301]])
-    p = book(rng.permutation(steps))
-    cuts = chunk_grid(p.steps, 5e7, 10**9)
+def test_device_info_is_the_engines_measurement():
+    """memory.device_info: the engine's measurement in its context (free and total bytes, host and
+    PCI bus id, name); None for an engine without a GPU or one that cannot say."""
     tracker = Tracker()
-    engine = counted_gpu_engine(tracker, mode)
-    profile = memory.device_profile(engine)
-    need = memory.device_need(profile, p.steps, cuts, analytics)
-    price_share(engine, p, cuts, analytics)
-    assert need.held == memory.regime_bytes(30_000) == tracker.live
-    assert tracker.peak <= need.total
-    calls = [memory.gpu_call_bytes(profile, p.steps[a:b], analytics).sum()
-             for a, b in zip(cuts[:-1], cuts[1:])]
-    assert need.streamed == max(calls) > 0
+    engine = counted_engine(tracker)
+    info = memory.device_info(engine)
+    assert info.free == info.total == 80.0 * (1 << 30) and info.name == "Stand-in GPU"
+    assert info.device.endswith(":0000:01:00.0")
+    assert memory.device_info(CpuEngine()) is None and memory.device_info(None) is None
+
+    class Broken(GpuEngine):
+        def device_info(self):
+            raise RuntimeError("no context")
+
+    assert memory.device_info(Broken("batch", config=CONFIG)) is None
 
 
-def test_one_call_allocates_exactly_the_estimate():
-    """gpu/hybrid's batch kernel: 16 (N + 1) + 56 bytes per option, all freed after the call."""
-    p = book([600, 700, 8191, 1000, 5])
-    tracker = Tracker()
-    engine = counted_gpu_engine(tracker, "hybrid")
-    need = memory.device_need(memory.device_profile(engine), p.steps, np.array([0, 5]), Analytics())
-    price_share(engine, p, [0, 5], Analytics())
-    assert tracker.peak == need.streamed == sum(16 * (n + 1) + 56 for n in (600, 700, 8191, 1000))
-    assert tracker.live == 0 and need.held == 0
+# ------------------------------------------------------------------ every GPU backend alike
+
+def test_gpu_and_hybrid_stream_through_the_runner_as_batch(rng):
+    """gpu and hybrid price options up to MAX_STEPS with the batch runner: the same chunk buffers
+    as batch (hybrid less its CPU share), no per-call arrays; above MAX_STEPS the regimes' arrays.
+    In the exact mode (fma=False) every option goes through the regimes: nothing streams."""
+    steps = rng.integers(1, MAX_STEPS + 1, 3000)
+    cuts = np.array([0, 1000, 3000])
+    a = Analytics()
+    # prepare() sizes the buffers for the share's runner options: one chunk of them all here
+    batch = sizing_engine("batch").device_need(steps, cuts, a)
+    assert (batch.held, batch.streamed, batch.held_row) == (SORT, 3000 * ROW, -1)
+    assert sizing_engine("gpu").device_need(steps, cuts, a) == batch
+    on_runner = np.count_nonzero(steps > CONFIG.cpu_max_steps)
+    hybrid = sizing_engine("hybrid").device_need(steps, cuts, a)
+    assert (hybrid.held, hybrid.streamed, hybrid.held_row) == (SORT, on_runner * ROW, -1)
+    assert on_runner < 3000
+    exact = sizing_engine("gpu", GpuConfig(fma=False)).device_need(steps, cuts, a)
+    assert exact.streamed == 0 and exact.held == regime_bytes(steps.max())
+    assert steps[exact.held_row] == steps.max()
 
 
-# -------------------------------------------------------------------- shrinking and splitting
-
-def test_batch_chunks_shrink_to_the_budget(rng):
-    p = book(rng.integers(16, 4000, 5000))
-    profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
+@pytest.mark.parametrize("mode", ["batch", "hybrid", "gpu"])
+def test_chunks_shrink_to_the_budget(mode, rng):
+    """DeviceNeed.fit: 0 where the engine fits as it is, else the options per chunk that fit the
+    budget (fit_device then makes device_need fit it), None where one option per chunk does not."""
+    p = book(rng.integers(501, 4000, 5000))
     cuts = np.array([0, 5000])
-    need = memory.device_need(profile, p.steps, cuts, Analytics())
-    sort = memory.BATCH_SETS * memory.BATCH_SORT_BYTES            # whatever the chunks
-    assert need.total == 5000 * 2 * 70 + sort
-    assert memory.fit(need, need.total) == 0                      # fits as it is
-    budget = sort + 100_000
-    chunk = memory.fit(need, budget)
+    engine = sizing_engine(mode)
+    need = engine.device_need(p.steps, cuts, Analytics())
+    assert need.total == 5000 * ROW + SORT
+    assert need.fit(need.total) == 0
+    budget = SORT + 100_000
+    chunk = need.fit(budget)
     assert chunk == 100_000 // 140 == 714
-    smaller = memory.DeviceProfile("batch", chunk_options=chunk)
-    assert memory.device_need(smaller, p.steps, cuts, Analytics()).total <= budget
-    assert memory.fit(need, sort + 139) is None                   # not even one option per chunk
+    engine.fit_device(chunk)
+    assert engine.chunk_options == 714
+    assert engine.device_need(p.steps, cuts, Analytics()).total <= budget
+    assert need.fit(SORT + 139) is None                      # not even one option per chunk
 
 
-def test_batch_shrink_keeps_the_wide_option_whole():
+def test_shrink_keeps_the_wide_option_whole():
     p = book([100] * 1000 + [1_000_000])
-    profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
-    need = memory.device_need(profile, p.steps, np.array([0, 1001]), Analytics())
-    assert need.held == 32 * 1_000_002 + memory.BATCH_SETS * memory.BATCH_SORT_BYTES
-    assert need.held_row == 1000
-    assert memory.fit(need, need.held + 140 * 10) == 10
-    assert memory.fit(need, need.held + 131) is None
+    need = sizing_engine("batch").device_need(p.steps, np.array([0, 1001]), Analytics())
+    assert need.held == 32 * 1_000_002 + SORT and need.held_row == 1000
+    assert need.held_steps == 1_000_000 and need.held_what.startswith("32 bytes per node")
+    assert need.fit(need.held + 140 * 10) == 10
+    assert need.fit(need.held + 139) is None
 
 
-def test_gpu_calls_split_to_the_budget(rng):
-    profile = memory.DeviceProfile("hybrid", cpu_max_steps=500, batch_max_steps=8191)
-    steps = rng.integers(1, 12000, 3000)
-    row = memory.gpu_call_bytes(profile, steps, Analytics())
-    assert (row[steps <= 500] == 0).all() and (row[steps > 8191] == 0).all()
-    budget = 1 * MIB
-    cuts = memory.split_calls(row, budget)
-    assert cuts[0] == 0 and cuts[-1] == steps.size and (np.diff(cuts) > 0).all()
-    sums = np.add.reduceat(row, cuts[:-1])
-    assert (sums <= budget).all()
-    # greedy: adding the next row to a call would pass the budget
-    assert all(sums[j] + row[cuts[j + 1]] > budget for j in range(len(cuts) - 2))
-    assert list(memory.split_calls(np.array([5.0, 3 * MIB, 5.0]), MIB)) == [0, 1, 2, 3]
-    need = memory.device_need(profile, steps, np.array([0, steps.size]), Analytics())
-    assert memory.fit(need, need.held + budget) == budget
-    # with --greeks the batch kernel keeps the first levels: each option and its four bumped
-    # copies, 40 bytes of levels each
-    assert (memory.gpu_call_bytes(profile, steps, Analytics(greeks=True))
-            == 5 * memory.gpu_call_bytes(profile, steps, Analytics()) + 5 * 40 * (row > 0)).all()
-
-
-def _info(device="host:0000:01:00.0:", free=80 * (1 << 30)):
-    return memory.DeviceInfo(free=float(free), total=float(free), device=device, name="Test GPU")
-
+# ------------------------------------------------------------------------- memory.fit_devices
 
 def test_refusal_names_option_steps_and_gib():
-    profile = memory.DeviceProfile("hybrid", cpu_max_steps=500, batch_max_steps=8191)
+    engine = sizing_engine("hybrid")
     p = book([1000, 100_000_000, 20])
     shares = [(p.steps, np.array([0, 3]), p.id)]
     with pytest.raises(InputError) as err:
-        memory.fit_devices(profile, [_info(free=2 << 30)], shares, Analytics(), "book.h5", environ={})
+        memory.fit_devices(engine, [_info(free=2 << 30)], shares, Analytics(), "book.h5", environ={})
     text = str(err.value)
     for needle in ("book.h5: not enough GPU memory", "option id 501 (N = 100000000 steps)",
-                   "needs 2.98 GiB on the device", "the GPU of rank 0 (Test GPU) has 2 GiB free",
+                   "needs 2.98 GiB on the device (32 bytes per node",
+                   "the GPU of rank 0 (Test GPU) has 2 GiB free", "the hybrid backend",
                    "--backend cpu"):
         assert needle in text, (needle, text)
-    fitted = memory.fit_devices(profile, [_info(free=4 << 30)], shares, Analytics(), "book.h5",
+    fitted = memory.fit_devices(engine, [_info(free=4 << 30)], shares, Analytics(), "book.h5",
                                 environ={})
-    assert list(fitted.settings) == [0] and fitted.notes == []
+    assert list(fitted.chunk_options) == [0] and fitted.notes == []
 
 
-def test_ranks_sharing_a_gpu_share_its_memory():
-    profile = memory.DeviceProfile("batch", chunk_options=DEFAULT_CHUNK_OPTIONS)
-    p = book(np.full(1000, 50))
+def test_refusal_without_a_wide_option_names_the_least():
+    """No regime option, but not even one option per chunk fits: the backend's least need."""
+    engine = sizing_engine("batch")
+    p = book(np.full(10, 100))
+    limit = {memory.DEVICE_LIMIT_VARIABLE: str(memory.DEVICE_ALLOWANCE + SORT + 100)}
+    with pytest.raises(InputError) as err:
+        memory.fit_devices(engine, [_info()], [(p.steps, np.array([0, 10]), p.id)], Analytics(),
+                           "book.h5", environ=limit)
+    text = str(err.value)
+    for needle in ("book.h5: not enough GPU memory: the batch backend needs at least "
+                   f"{memory.gib(SORT + ROW + memory.DEVICE_ALLOWANCE)} on rank 0's GPU",
+                   "(PRICER_DEVICE_MEMORY_LIMIT)", "--backend cpu"):
+        assert needle in text, (needle, text)
+
+
+@pytest.mark.parametrize("mode", ["batch", "hybrid", "gpu"])
+def test_ranks_sharing_a_gpu_share_its_memory(mode):
+    """PRICER_DEVICE_MEMORY_LIMIT replaces every GPU's free memory; ranks on one GPU split it; an
+    unmeasured rank is not checked. The note is the same for every GPU backend."""
+    engine = sizing_engine(mode)
+    p = book(np.full(1000, 600))
     share = (p.steps, np.array([0, 1000]), p.id)
-    sort = memory.BATCH_SETS * memory.BATCH_SORT_BYTES
-    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * (memory.DEVICE_ALLOWANCE + sort + 140 * 100))}
+    per_rank = memory.DEVICE_ALLOWANCE + SORT + ROW * 100
+    limit = {memory.DEVICE_LIMIT_VARIABLE: str(2 * per_rank)}
     shared = [_info("a"), _info("a"), _info("b"), None]
-    fitted = memory.fit_devices(profile, shared, [share] * 4, Analytics(), "x.h5", environ=limit)
-    # a: two ranks, 100 options' room each; b: alone, 2 * allowance + 200 options' room; None: unmeasured
-    assert list(fitted.settings) == [100, 100, 0, 0], fitted.settings
-    assert fitted.notes == ["GPU memory: batch chunks of 100 options (not 1048576) on ranks 0, 1, "
-                            "to fit 0.5 GiB free per rank (less 0.5 GiB kept for CUDA)"], fitted.notes
+    fitted = memory.fit_devices(engine, shared, [share] * 4, Analytics(), "x.h5", environ=limit)
+    # a: two ranks, 100 options' room each; b: alone, twice that and an allowance; None: unmeasured
+    assert list(fitted.chunk_options) == [100, 100, 0, 0], fitted.chunk_options
+    assert fitted.notes == [f"GPU memory: chunks of 100 options on the GPU (not "
+                            f"{DEFAULT_CHUNK_OPTIONS}) on ranks 0, 1, to fit "
+                            f"{memory.size_text(per_rank)} free per rank (less "
+                            f"{memory.size_text(memory.DEVICE_ALLOWANCE)} kept for CUDA)"], fitted.notes
+    assert memory.size_text(per_rank) == memory.size_text(memory.DEVICE_ALLOWANCE) == "0.5 GiB"
+    # without the variable each GPU's own measurement: 80 GiB fits
+    fitted = memory.fit_devices(engine, shared, [share] * 4, Analytics(), "x.h5", environ={})
+    assert list(fitted.chunk_options) == [0, 0, 0, 0] and fitted.notes == []
 
 
 @pytest.mark.parametrize("text,value", [("1024", 1024), ("64K", 65536), ("1.5G", 1.5 * (1 << 30)),
@@ -398,50 +411,52 @@ def test_bad_device_limit_is_refused(text):
 # --------------------------------------- the whole path with stand-in engines, real mpiexec
 
 STAND_IN = textwrap.dedent('''
-    """pricer's CLI with the GPU backends on stand-ins (tests/test_memory_guard.py): `batch` with a
-    runner that prices on the CPU and says its chunk_options, `hybrid` on the numpy emulation; every
-    rank "measures" an 80 GiB GPU of its own."""
-    import os, sys
-    import numpy as np
+    """pricer's CLI with the GPU backends on stand-ins (tests/test_memory_guard.py): GpuEngine with
+    a batch runner that prices on the CPU and says its chunk options, the regimes on the numpy
+    emulation; every rank "measures" an 80 GiB GPU of its own."""
+    import sys
+    sys.path.insert(0, sys.argv.pop(1))          # tests/, for numpy_kernels
     from mpi4py import MPI
-    import pricer.distributed as d
-    import pricer.memory as m
-    from pricer.engines.batch import BatchEngine
-    from pricer.engines.batch_plan import DEFAULT_CHUNK_OPTIONS, chunk_bounds
-    from pricer.engines.cpu import CpuEngine
-    from pricer.engines.gpu import GpuConfig, GpuEngine, NumpyKernels
+    from numpy_kernels import NumpyKernels
+    from pricer.engines.base import DeviceInfo, Engine, register
+    from pricer.engines.cpu.parallel import CpuEngine
+    from pricer.engines.gpu.batch_plan import DEFAULT_CHUNK_OPTIONS, chunk_bounds
+    from pricer.engines.gpu.config import GpuConfig
+    from pricer.engines.gpu.engine import GpuEngine
 
-    class CpuRunner:
+    RANK = MPI.COMM_WORLD.Get_rank()
+
+    class CpuRunner(Engine):
+        name, uses_gpu = "batch runner", True
+
         def __init__(self):
             self.chunk_options = DEFAULT_CHUNK_OPTIONS
-        def function(self, cls):
-            pass
-        def _ensure_buffers(self, size, levels):
-            pass
-        def price(self, params, index=None, levels=None, one_wave=None):   # warm_up: one_wave
-            rows = np.arange(len(params)) if index is None else index
-            chunks = len(chunk_bounds(rows.size, self.chunk_options))
-            print(f"stand-in rank {MPI.COMM_WORLD.Get_rank()}: chunk_options "
-                  f"{self.chunk_options}, {chunks} chunks", file=sys.stderr, flush=True)
-            return CpuEngine().price(params.take(rows), levels)
 
-    class Counted(GpuEngine):
+        def price(self, params, levels=None):
+            chunks = len(chunk_bounds(len(params), self.chunk_options))
+            print(f"stand-in rank {RANK}: chunk_options {self.chunk_options}, {chunks} chunks",
+                  file=sys.stderr, flush=True)
+            return CpuEngine().price(params, levels)
+
+    class StandIn(GpuEngine):
         def price(self, params, levels=None):
             print(f"stand-in call of {len(params)} lattices", file=sys.stderr, flush=True)
             return super().price(params, levels)
 
-    def get_engine(name, **overrides):
-        if name == "batch":
-            return BatchEngine(runner=CpuRunner())
-        config = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, warp_vt=4,
-                           warp_k=30, mid_b=32, mid_vt=2, mid_k=25, fma=False, batch_max_steps=300)
-        return Counted(name, config=config, kernels=NumpyKernels(config))
+        def device_info(self):
+            return DeviceInfo(80.0 * (1 << 30), 80.0 * (1 << 30), f"stand-in:{RANK}",
+                              "Stand-in GPU")
 
-    d.resolve_backend = lambda name: name
-    d.get_engine = get_engine
-    rank = MPI.COMM_WORLD.Get_rank()
-    m.measure_device = lambda engine: m.DeviceInfo(80.0 * (1 << 30), 80.0 * (1 << 30),
-                                                   f"stand-in:{rank}", "Stand-in GPU")
+    def factory(mode):
+        def make(**overrides):
+            config = GpuConfig(t1=300, t2=40, tiled_b=32, tiled_vt=4, tiled_k=50, mid_b=32,
+                               mid_vt=2, mid_k=25, pers_vt=2, pers_k=16, pers_warps=2)
+            return StandIn(mode, config=config, kernels=NumpyKernels(config), runner=CpuRunner(),
+                           **overrides)
+        return make
+
+    for mode in ("gpu", "hybrid", "batch"):
+        register(mode, factory(mode), help="a stand-in")
     from pricer.cli import main
     raise SystemExit(main(sys.argv[1:]))
 ''')
@@ -452,32 +467,35 @@ def stand_in_run(tmp_path, args, limit, ranks=3, timeout=60):
     script.write_text(STAND_IN)
     e = env()
     e[memory.DEVICE_LIMIT_VARIABLE] = str(limit)
-    cmd = [sys.executable, str(script)] + [str(a) for a in args]
+    cmd = [sys.executable, str(script), os.path.dirname(os.path.abspath(__file__))]
+    cmd += [str(a) for a in args]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks)] + cmd
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
 
 
 def serial_prices(p: Portfolio):
-    from pricer.engines.serial import SerialEngine
+    from pricer.engines.cpu.serial import SerialEngine
     return SerialEngine().price(lattice_parameters(columns(p)))
 
 
-def test_stand_in_batch_streams_smaller_chunks_on_every_rank(tmp_path):
-    """3 ranks, PRICER_DEVICE_MEMORY_LIMIT = allowance + the sort's + 37 options' buffers: every rank's runner
-    is set to chunks of 37 options before it prices, rank 0 says so, the prices are the serial
-    engine's bitwise."""
+@pytest.mark.parametrize("backend", ["batch", "hybrid"])
+def test_stand_in_streams_smaller_chunks_on_every_rank(backend, tmp_path):
+    """3 ranks, PRICER_DEVICE_MEMORY_LIMIT = allowance + the sort's counts + 37 options' buffers:
+    every rank's runner is set to chunks of 37 options before it prices, rank 0 says so (the same
+    note for every GPU backend), the prices are the serial engine's bitwise (hybrid's options of
+    at most 40 steps on the CPU engine, the rest on the stand-in runner's)."""
     p = book(np.random.default_rng(1).integers(3, 300, 240))
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
-    proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "batch", "--threads", "1"],
-                        memory.DEVICE_ALLOWANCE + memory.BATCH_SETS * memory.BATCH_SORT_BYTES
-                        + 140 * 37)
+    proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", backend, "--threads", "1"],
+                        memory.DEVICE_ALLOWANCE + SORT + ROW * 37)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     for rank in range(3):
         assert f"stand-in rank {rank}: chunk_options 37," in proc.stderr, text
-    assert "GPU memory: batch chunks of 37 options (not 1048576) on all 3 ranks" in proc.stdout, text
+    assert (f"GPU memory: chunks of 37 options on the GPU (not {DEFAULT_CHUNK_OPTIONS}) on all 3 "
+            f"ranks") in proc.stdout, text
     got = read_results(str(out))
     np.testing.assert_array_equal(got["id"], p.id)
     assert (got["price"].view(np.int64) == serial_prices(p).view(np.int64)).all()
@@ -505,27 +523,22 @@ def test_stand_in_refusal_exits_2_on_every_rank_nothing_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["book.h5", "stand_in.py"]
 
 
-def test_stand_in_hybrid_prices_a_chunk_in_several_calls(tmp_path):
-    """One process, hybrid on the emulation with 12 KiB per call for the batch kernel's arrays:
-    the chunk goes in several calls, the prices are the serial engine's (the emulation is exact)."""
+def test_stand_in_fits_without_a_note(tmp_path):
+    """One process, the same book on a GPU with room: no shrink, no note, the default chunks."""
     p = book(np.random.default_rng(2).integers(41, 300, 60))
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
-    proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "hybrid"],
-                        memory.DEVICE_ALLOWANCE + 12 * 1024, ranks=0)
+    proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "gpu"],
+                        memory.DEVICE_ALLOWANCE + SORT + ROW * 60, ranks=0)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    calls = proc.stderr.count("stand-in call of")
-    per_option = memory.gpu_batch_bytes(p.steps)
-    assert calls >= per_option.sum() / (12 * 1024), text
-    assert "GPU memory: chunks priced in engine calls of at most" in proc.stdout, text
+    assert f"stand-in rank 0: chunk_options {DEFAULT_CHUNK_OPTIONS}, 1 chunks" in proc.stderr, text
+    assert "GPU memory" not in proc.stdout, text
     got = read_results(str(out))
-    np.testing.assert_allclose(got["price"], serial_prices(p), rtol=1e-13, atol=1e-13)
+    assert (got["price"].view(np.int64) == serial_prices(p).view(np.int64)).all()
 
 
 # ------------------------------------------------------------------------ on a real GPU
-
-
 
 def _cli(args, limit=None, ranks=None, timeout=300):
     e = env()
@@ -558,12 +571,12 @@ def test_gpu_batch_streams_smaller_chunks_same_prices(tmp_path):
     free = _cli(["price", src, "-o", tmp_path / "free.h5", "--backend", "batch"], ranks=2)
     assert free.returncode == 0, free.stdout + free.stderr
     assert "GPU memory" not in free.stdout, free.stdout
-    limit = 2 * (memory.DEVICE_ALLOWANCE + memory.BATCH_SETS * memory.BATCH_SORT_BYTES + 64 * 1024)
+    limit = 2 * (memory.DEVICE_ALLOWANCE + SORT + 64 * 1024)
     tight = _cli(["price", src, "-o", tmp_path / "tight.h5", "--backend", "batch"], limit, ranks=2)
     assert tight.returncode == 0, tight.stdout + tight.stderr
     print(tight.stdout)
-    assert "GPU memory: batch chunks of 468 options (not 1048576) on all 2 ranks" in tight.stdout, \
-        tight.stdout
+    assert (f"GPU memory: chunks of 468 options on the GPU (not {DEFAULT_CHUNK_OPTIONS}) on all 2 "
+            f"ranks") in tight.stdout, tight.stdout
     a, b = read_results(str(tmp_path / "free.h5")), read_results(str(tmp_path / "tight.h5"))
     np.testing.assert_array_equal(a["id"], b["id"])
     assert _bitwise(a["price"], b["price"])
@@ -573,8 +586,8 @@ def test_gpu_batch_streams_smaller_chunks_same_prices(tmp_path):
 @needs_gpu
 def test_gpu_hybrid_refuses_an_option_too_wide_exit_2(tmp_path):
     """Real CLI, 2 ranks on one GPU, allowance + 1 MiB each: the option of N = 200 000 (6.1 MiB of
-    device arrays) is refused before any pricing: exit 2, one message naming its id, N and the GiB,
-    nothing written, both ranks out."""
+    regime arrays, with the runner's sort counts where other options use it) is refused before any
+    pricing: exit 2, one message naming its id, N and the GiB, nothing written, both ranks out."""
     p = book([1000] * 20 + [200_000] + [600] * 20, first_id=9000)
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
@@ -584,39 +597,44 @@ def test_gpu_hybrid_refuses_an_option_too_wide_exit_2(tmp_path):
     print(text)
     assert proc.returncode == 2, text
     assert text.count("pricer: error:") == 1 and "Traceback" not in text, text
-    for needle in ("not enough GPU memory: option id 9020 (N = 200000 steps) needs 0.00596 GiB",
-                   "GiB free (PRICER_DEVICE_MEMORY_LIMIT), shared by 2 ranks"):
-        assert needle in proc.stderr, (needle, text)
+    said = re.search(r"not enough GPU memory: option id 9020 \(N = 200000 steps\) needs "
+                     r"([0-9.e-]+) GiB", proc.stderr)
+    assert said, text
+    # the regime arrays, and the sort counts if this rank's other options go through the runner
+    assert float(said[1]) in (float(memory.gib(regime_bytes(200_000)).split()[0]),
+                              float(memory.gib(regime_bytes(200_000) + SORT).split()[0])), text
+    assert "GiB free (PRICER_DEVICE_MEMORY_LIMIT), shared by 2 ranks" in proc.stderr, text
     assert sorted(os.listdir(tmp_path)) == ["book.h5"]
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_hybrid_streams_calls_same_prices(tmp_path):
-    """Real CLI, one process, allowance + 1 MiB: hybrid prices its chunk in calls of at most 1 MiB
-    of batch-kernel arrays; bitwise the prices without the limit."""
-    p = book(np.random.default_rng(6).integers(2000, 8000, 300))   # above the CPU crossover
+def test_gpu_hybrid_streams_smaller_chunks_same_prices(tmp_path):
+    """Real CLI, one process, allowance + the sort's counts + 50 options' buffers: hybrid's options
+    up to MAX_STEPS stream through the batch runner in chunks of 50 (the note as batch's);
+    bitwise the prices without the limit."""
+    p = book(np.random.default_rng(6).integers(9000, MAX_STEPS + 1, 300))   # above the CPU's share
     src = tmp_path / "book.h5"
     write_portfolio(str(src), p)
     free = _cli(["price", src, "-o", tmp_path / "free.h5", "--backend", "hybrid"])
     assert free.returncode == 0, free.stdout + free.stderr
     tight = _cli(["price", src, "-o", tmp_path / "tight.h5", "--backend", "hybrid"],
-                 memory.DEVICE_ALLOWANCE + MIB)
+                 memory.DEVICE_ALLOWANCE + SORT + ROW * 50)
     assert tight.returncode == 0, tight.stdout + tight.stderr
     print(tight.stdout)
-    assert "GPU memory: chunks priced in engine calls of at most 1 MiB" in tight.stdout
+    assert (f"GPU memory: chunks of 50 options on the GPU (not {DEFAULT_CHUNK_OPTIONS}) on "
+            f"rank 0") in tight.stdout, tight.stdout
     a, b = read_results(str(tmp_path / "free.h5")), read_results(str(tmp_path / "tight.h5"))
     assert _bitwise(a["price"], b["price"])
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_estimate_against_cuMemGetInfo(capsys):
-    """What the engines take on the device (cuMemGetInfo before and after) against the estimate:
-    never more than estimate + DEVICE_ALLOWANCE, and at least half the estimate. Prints both (the
+def test_gpu_device_need_against_cuMemGetInfo(capsys):
+    """What the engines take on the device (cuMemGetInfo before and after) against their
+    device_need: never more than it + DEVICE_ALLOWANCE, and at least half of it. Prints both (the
     figures docs/reliability.md asks for)."""
-    from pricer.engines.batch import BatchEngine
-    from pricer.engines.gpu import GpuEngine, GpuRuntime
+    from pricer.engines.gpu.runtime import GpuRuntime
     rt = GpuRuntime.get()
     rows = []
 
@@ -629,22 +647,22 @@ def test_gpu_estimate_against_cuMemGetInfo(capsys):
 
     steps = np.random.default_rng(8).integers(16, 2000, 1_500_000)
     for greeks in (False, True):
-        batch = BatchEngine()
+        batch = GpuEngine("batch")
         batch.warm_up()                 # its kernels loaded: what is measured is the buffers
-        need = memory.device_need(memory.device_profile(batch), steps, np.array([0, steps.size]),
-                                  Analytics(greeks=greeks))
+        need = batch.device_need(steps, np.array([0, steps.size]), Analytics(greeks=greeks))
         took = used(lambda: batch.prepare(steps, levels=greeks))
-        batch.runner._release()
+        batch.runner()._release()       # the next engine's buffers are measured alone
         rows.append((f"batch prepare, 1.5M options, greeks={greeks}", need.total, took))
     hybrid = GpuEngine("hybrid")
+    kernels = hybrid.kernels            # loaded before the measurement
     wide = np.array([5_000_000])
-    need = memory.device_need(memory.device_profile(hybrid), wide, np.array([0, 1]), Analytics())
-    took = used(lambda: hybrid.kernels.reserve(int(wide[0]) + 2))
-    for buffer in hybrid.kernels._bufs:
+    need = hybrid.device_need(wide, np.array([0, 1]), Analytics())
+    took = used(lambda: kernels.reserve(int(wide[0]) + 2))
+    for buffer in kernels.reserve(int(wide[0]) + 2):
         rt.free(buffer)
     rows.append(("hybrid regime buffers, N = 5e6", need.total, took))
     with capsys.disabled():
         for what, estimate, took in rows:
-            print(f"\n{what}: estimate {estimate / MIB:.1f} MiB, cuMemGetInfo {took / MIB:.1f} MiB")
+            print(f"\n{what}: device_need {estimate / MIB:.1f} MiB, cuMemGetInfo {took / MIB:.1f} MiB")
     for what, estimate, took in rows:
         assert took <= estimate + memory.DEVICE_ALLOWANCE and took >= estimate / 2, (what, estimate, took)

@@ -93,7 +93,7 @@ class DeviceNeed:
     def fit(self, budget: float) -> int | None:
         """The options per chunk that fit `budget` bytes: 0 if the engine fits as it is; None if
         even one option per chunk does not fit."""
-        if self.total <= budget:
+        if self.total == 0 or self.total <= budget:   # nothing on the GPU fits any budget
             return 0
         if self.held + self.least > budget:
             return None
@@ -120,12 +120,12 @@ def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None)
         if left.size == 0:
             break
         mask = r.accepts(params.steps if left.size == n else params.steps[left])
-        rows = left[mask]
-        if rows.size == 0:
+        if not mask.any():
             continue
         engine = r.engine if isinstance(r.engine, Engine) else r.engine()
-        if rows.size == n:
+        if left.size == n and mask.all():
             return engine.price(params, levels)
+        rows = left[mask]
         part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
         out[rows] = engine.price_rows(params, rows, part)
         if levels is not None:

@@ -61,7 +61,7 @@ class GpuEngine(Engine):
 
     def __init__(self, mode: str = "gpu", config: GpuConfig | None = None, kernels=None,
                  runner=None, device_name: str | None = None, defaults: dict | None = None,
-                 chunk_options: int = DEFAULT_CHUNK_OPTIONS, cpu_max_nodes: float = 0,
+                 chunk_options: int | None = None, cpu_max_nodes: float = 0,
                  **overrides):
         if mode not in MODES:
             raise ValueError(f"unknown GPU mode {mode!r}; known: {', '.join(MODES)}")
@@ -80,19 +80,20 @@ class GpuEngine(Engine):
                               if mode == "hybrid" else 0)
         self.cpu_max_nodes = cpu_max_nodes
         self._kernels, self._runtime = kernels, runtime
-        self._runner, self._chunk_options = runner, chunk_options
+        # options per chunk of the runner's buffers: as given, else a given runner's, else the default
+        if runner is not None and chunk_options is not None:
+            runner.chunk_options = int(chunk_options)
+        self._runner = runner
+        self._chunk_options = int(chunk_options or DEFAULT_CHUNK_OPTIONS)
         self._cpu = None
         self._host = None
         # set once a persistent launch gave up waiting (its blocks were not all resident, e.g. a
         # GPU shared with other processes' kernels under MPS): the launch-per-K fallback from then on
         self.pers_off = False
-        routes = []
-        if self.cpu_max_steps > 0:
-            routes.append(Route(lambda s: s <= self.cpu_max_steps, self.cpu))
-        if c.fma:
-            routes.append(Route(lambda s: s <= MAX_STEPS, self.runner))
-        routes.append(Route(lambda s: np.ones(s.shape, dtype=bool), _Regimes(self)))
-        self._routes = routes
+        routes = [Route(self._on_cpu, self.cpu), Route(self._on_runner, self.runner),
+                  Route(self._on_regimes, _Regimes(self))]
+        # a route that can take no option is left out (a predicate less per call)
+        self._routes = routes[0 if self.cpu_max_steps > 0 else 1:] if c.fma else routes[::2]
 
     # the parts, made at first use
     @property
@@ -112,6 +113,10 @@ class GpuEngine(Engine):
             from pricer.engines.cpu.parallel import CpuEngine
             self._cpu = CpuEngine()
         return self._cpu
+
+    # which route takes an option of `steps` (also what device_need and prepare count)
+    def _on_cpu(self, steps: np.ndarray) -> np.ndarray:
+        return steps <= self.cpu_max_steps
 
     def _on_runner(self, steps: np.ndarray) -> np.ndarray:
         return (steps > self.cpu_max_steps) & (steps <= MAX_STEPS) if self.config.fma \
@@ -172,7 +177,8 @@ class GpuEngine(Engine):
             need.held_steps = int(widest[need.held_row])
             need.held += float(regime_bytes(need.held_steps))
             need.held_what = (f"{REGIME_BYTES_PER_NODE} bytes per node of its widest level: two "
-                              f"level buffers and the power tables")
+                              f"level buffers and the power tables"
+                              + (", and the batch runner's sort counts" if rows else ""))
         return need
 
     def device_info(self) -> DeviceInfo:

@@ -57,7 +57,8 @@ def pers_skip_limit(strike, steps, pu, pd, log_up, log_down) -> float:
 
 
 class CudaKernels:
-    """The launch interface the schedule uses, backed by pycuda (see NumpyKernels for the emulation)."""
+    """The launch interface the schedule uses, backed by pycuda (tests/numpy_kernels.py emulates it
+    in numpy, so that the schedule runs on machines without a GPU)."""
 
     def __init__(self, config: GpuConfig, runtime: GpuRuntime | None = None):
         self.config = config
@@ -71,16 +72,12 @@ class CudaKernels:
         self._tiled.prepare("PPPPiiddddi")
         self._warp = mod.get_function("warp_steps")
         self._warp.prepare("PPPPiiddddi")
-        self._mid = None
-        if config.mid_b:
-            self._mid = self.rt.module(config.mid_defines()).get_function("tiled_steps")
-            self._mid.prepare("PPPPiiddddi")
-        self._pers = None
-        if config.pers_vt:
-            self._pers = mod.get_function("pers_steps")
-            # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
-            # strike, sign, skip_lim, american, scaled, gen
-            self._pers.prepare("PPPPPPPPiiidddddiiI")
+        self._mid = self.rt.module(config.mid_defines()).get_function("tiled_steps")
+        self._mid.prepare("PPPPiiddddi")
+        self._pers = mod.get_function("pers_steps")
+        # vin, vout, level_base, ratio, pows, ring, progress, status, t, t_stop, tiles, pu, pd,
+        # strike, sign, skip_lim, american, scaled, gen
+        self._pers.prepare("PPPPPPPPiiidddddiiI")
         self._pers_ring = None      # ring, progress, status, tiles, pows, allocation (_pers_alloc)
         self._pers_gen = 0
         self._pers_tiles = None
@@ -96,12 +93,10 @@ class CudaKernels:
         """0 where the runtime cannot say (no such figures, e.g. a stand-in): then the persistent
         kernel is not used."""
         if self._pers_tiles is None:
-            self._pers_tiles = 0
-            if self._pers is not None:
-                try:
-                    self._pers_tiles = self._count_pers_tiles()
-                except Exception:  # noqa: BLE001 -- a runtime without occupancy figures
-                    self._pers_tiles = 0
+            try:
+                self._pers_tiles = self._count_pers_tiles()
+            except Exception:  # noqa: BLE001 -- a runtime without occupancy figures
+                self._pers_tiles = 0
         return self._pers_tiles
 
     def _count_pers_tiles(self) -> int:

@@ -32,10 +32,6 @@ class GpuUnavailable(RuntimeError):
     """No usable GPU: pycuda missing, no device, or no nvcc to build the kernels."""
 
 
-class GpuError(RuntimeError):
-    """A kernel could not finish its work (the persistent kernel's wait gave up)."""
-
-
 def cuda_source_dir() -> Path:
     """cuda/ of the installed package (pricer/cuda) or of the source tree; PRICER_CUDA_DIR wins."""
     env = os.environ.get("PRICER_CUDA_DIR")
