@@ -100,8 +100,8 @@ def test_the_registry_names_every_built_in_backend_auto_first():
 
 
 def test_route_sends_each_option_to_the_first_engine_that_takes_it(rng):
-    """The combinator behind the GPU engines: rows to engines by a predicate on their steps,
-    prices and levels scattered back in input order."""
+    """The combinator behind the GPU engines: rows to engines by ranges of their steps, prices and
+    levels scattered back in input order."""
     class Tagged(Engine):
         def __init__(self, tag):
             self.tag, self.seen = tag, []
@@ -114,17 +114,17 @@ def test_route_sends_each_option_to_the_first_engine_that_takes_it(rng):
 
     small, large = Tagged(1), Tagged(2)
     p = random_params(rng, 40, 400)
-    routes = [Route(lambda s: s <= 100, small), Route(lambda s: np.ones(s.shape, bool), large)]
+    routes = [Route(small, most=100), Route(large, above=100)]
     levels = np.empty((len(p), LEVEL_VALUES))
     got = route(p, routes, levels)
     want = np.where(p.steps <= 100, 1.0, 2.0)
     assert np.array_equal(got, want) and np.array_equal(levels[:, 0], want)
     assert (small.seen[0].steps <= 100).all() and (large.seen[0].steps > 100).all()
     every = Tagged(3)       # one route taking every option gets params as they are, no copy
-    assert np.array_equal(route(p, [Route(lambda s: np.ones(s.shape, bool), every)]),
+    assert np.array_equal(route(p, [Route(every, most=500)]),
                           np.full(len(p), 3.0)) and every.seen[0] is p
     with pytest.raises(ValueError, match="no engine route accepts"):
-        route(p, [Route(lambda s: s <= 100, small)])
+        route(p, [Route(small, most=100)])
 
 
 def test_a_backend_registered_in_process_prices_through_the_python_api(rng):
@@ -179,3 +179,15 @@ def test_price_with_analytics_on_the_oracle_matches_serial(rng):
     for name in analytics.outputs:
         assert np.allclose(ours[name], theirs[name], rtol=1e-9, atol=1e-9), name
     assert TREE_NAMES[0] == "crr"
+
+
+def test_a_routes_range_decisions_agree_with_its_mask():
+    """route() decides from the steps' range alone when a route takes none or all of a call's
+    options; those decisions must be what the elementwise mask says, at every edge."""
+    for above, most in [(0, None), (0, 5), (5, 5), (3, 9), (9, None), (0, 0)]:
+        r = Route(None, most=most, above=above)
+        for least in range(0, 12):
+            for top in range(least, 12):
+                mask = r.accepts(np.arange(least, top + 1))
+                assert r.takes_any(least, top) == bool(mask.any()), (above, most, least, top)
+                assert r.takes_all(least, top) == bool(mask.all()), (above, most, least, top)

@@ -102,38 +102,55 @@ class DeviceNeed:
 
 @dataclass(frozen=True)
 class Route:
-    """Options whose steps satisfy `accepts` (steps -> bool mask) go to `engine` (an Engine, or a
+    """Options of `above` < steps <= `most` (None: no bound) go to `engine` (an Engine, or a
     function that makes it at first use)."""
-    accepts: Callable[[np.ndarray], np.ndarray]
     engine: object
+    most: int | None = None
+    above: int = 0
+
+    def accepts(self, steps: np.ndarray) -> np.ndarray:
+        mask = steps > self.above
+        return mask if self.most is None else mask & (steps <= self.most)
+
+    def takes_any(self, least: int, most: int) -> bool:
+        """Whether some steps of [least, most] are in this route's range (above, self.most]."""
+        top = most if self.most is None else min(most, self.most)
+        return max(least, self.above + 1) <= top
+
+    def takes_all(self, least: int, most: int) -> bool:
+        return self.above < least and (self.most is None or most <= self.most)
 
 
 def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None) -> np.ndarray:
     """Prices of params through `routes`: each option goes to the first route that accepts it (the
-    last route should accept every option left). A route that takes every option gets params as
-    they are; the others get their rows (Engine.price_rows), and their prices and levels are
-    scattered back."""
-    n = len(params)
-    out = np.empty(n)
-    left = np.arange(n)
+    routes together should accept every option). A route that takes every option gets params as
+    they are (decided from the steps' range alone); the others get their rows (Engine.price_rows),
+    and their prices and levels are scattered back."""
+    steps = params.steps
+    out = np.empty(steps.size)
+    if steps.size == 0:
+        return out
+    least, most = int(steps.min()), int(steps.max())
+    left = None                                  # None: every row
     for r in routes:
-        if left.size == 0:
-            break
-        mask = r.accepts(params.steps if left.size == n else params.steps[left])
-        if not mask.any():
+        if not r.takes_any(least, most):
             continue
         engine = r.engine if isinstance(r.engine, Engine) else r.engine()
-        if left.size == n and mask.all():
+        if left is None and r.takes_all(least, most):
             return engine.price(params, levels)
-        rows = left[mask]
+        mask = r.accepts(steps if left is None else steps[left])
+        if not mask.any():
+            continue
+        rows = np.flatnonzero(mask) if left is None else left[mask]
         part = None if levels is None else np.empty((rows.size, LEVEL_VALUES))
         out[rows] = engine.price_rows(params, rows, part)
         if levels is not None:
             levels[rows] = part
-        left = left[~mask]
-    if left.size:
-        raise ValueError(f"no engine route accepts {left.size} option(s)")
-    return out
+        left = np.flatnonzero(~mask) if left is None else left[~mask]
+        if left.size == 0:
+            return out
+    raise ValueError(f"no engine route accepts {steps.size if left is None else left.size} "
+                     f"option(s)")
 
 
 # ------------------------------------------------------------------------------- the registry

@@ -90,10 +90,11 @@ class GpuEngine(Engine):
         # set once a persistent launch gave up waiting (its blocks were not all resident, e.g. a
         # GPU shared with other processes' kernels under MPS): the launch-per-K fallback from then on
         self.pers_off = False
-        routes = [Route(self._on_cpu, self.cpu), Route(self._on_runner, self.runner),
-                  Route(self._on_regimes, _Regimes(self))]
-        # a route that can take no option is left out (a predicate less per call)
-        self._routes = routes[0 if self.cpu_max_steps > 0 else 1:] if c.fma else routes[::2]
+        below = self.cpu_max_steps
+        self._on_cpu = Route(self.cpu, most=below)
+        self._on_runner = Route(self.runner, most=MAX_STEPS if c.fma else below, above=below)
+        self._on_regimes = Route(_Regimes(self), above=max(below, MAX_STEPS) if c.fma else below)
+        self._routes = [self._on_cpu, self._on_runner, self._on_regimes]
 
     # the parts, made at first use
     @property
@@ -114,17 +115,6 @@ class GpuEngine(Engine):
             self._cpu = CpuEngine()
         return self._cpu
 
-    # which route takes an option of `steps` (also what device_need and prepare count)
-    def _on_cpu(self, steps: np.ndarray) -> np.ndarray:
-        return steps <= self.cpu_max_steps
-
-    def _on_runner(self, steps: np.ndarray) -> np.ndarray:
-        return (steps > self.cpu_max_steps) & (steps <= MAX_STEPS) if self.config.fma \
-            else np.zeros(steps.shape, dtype=bool)
-
-    def _on_regimes(self, steps: np.ndarray) -> np.ndarray:
-        return (steps > self.cpu_max_steps) & ~self._on_runner(steps)
-
     # ---- the Engine interface
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
@@ -142,10 +132,10 @@ class GpuEngine(Engine):
         share's largest chunk, before pricing (the run's `setup` stage)."""
         if self.cpu_max_nodes and lattice_nodes(steps).sum() <= self.cpu_max_nodes:
             return
-        narrow = steps[self._on_runner(steps)]
+        narrow = steps[self._on_runner.accepts(steps)]
         if narrow.size:
             self.runner().prepare(narrow, levels)
-        if self._on_regimes(steps).any():
+        if self._on_regimes.accepts(steps).any():
             self.kernels
 
     def device_need(self, steps: np.ndarray, cuts: np.ndarray, analytics) -> DeviceNeed:
@@ -161,13 +151,13 @@ class GpuEngine(Engine):
         narrow = np.zeros(steps.size, dtype=np.int64)
         widest = np.zeros(steps.size, dtype=np.int64)
         for s, count in kinds:
-            narrow += count * self._on_runner(s)
-            widest = np.maximum(widest, np.where(on_gpu & self._on_regimes(s), s, 0))
+            narrow += count * self._on_runner.accepts(s)
+            widest = np.maximum(widest, np.where(on_gpu & self._on_regimes.accepts(s), s, 0))
         # a call's rows go through the runner's buffers in chunks; prepare() sizes them for the
         # share's own options, a call for its lattices: one chunk of the larger
         rows = int(np.add.reduceat(np.where(on_gpu, narrow, 0), starts).max())
         if lattice_nodes(steps).sum() > self.cpu_max_nodes:
-            rows = max(rows, int(self._on_runner(steps).sum()))
+            rows = max(rows, int(self._on_runner.accepts(steps).sum()))
         unit = BATCH_SETS * batch_row_bytes(analytics.greeks)
         rows = chunk_size(rows, self.chunk_options) if rows else 0
         need = DeviceNeed(held=BATCH_SETS * BATCH_SORT_BYTES if rows else 0.0,
