@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pricer.engines import (backends, get_engine, gpu_available, register, resolve_backend,
-                            unregister)
+from pricer.engines import backends, get_engine, register, resolve_backend, unregister
 from pricer.engines.base import Engine, Route, route
 from pricer.errors import InputError
 from pricer.io.portfolio import write_portfolio
@@ -18,12 +17,10 @@ from pricer.model.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.model.lattice import LEVEL_VALUES, TREE_NAMES, lattice_parameters
 from pricer.tools.generate import generate
 
+from gpu_cases import GPU
 from helpers import ROOT, env, mpiexec
 from oracle import OracleEngine, oracle_prices, relative_error
 
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(),
-                                           reason="needs pycuda, a CUDA device and nvcc "
-                                                  "(../shared/device)")]
 BACKENDS = [pytest.param(name, marks=GPU if name in ("gpu", "hybrid", "batch") else [])
             for name in ("serial", "cpu", "gpu", "hybrid", "batch")]
 

@@ -17,9 +17,7 @@ gpu/hybrid price options up to MAX_STEPS bitwise as `batch` does (the same runne
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 
 from dataclasses import replace
 
@@ -27,8 +25,6 @@ import numpy as np
 import pytest
 
 from numpy_kernels import NumpyKernels
-from pricer.engines import gpu_available
-from pricer.engines.base import Engine
 from pricer.engines.cpu.kernels import power_tables
 from pricer.engines.cpu.parallel import CpuEngine
 from pricer.engines.cpu.serial import SerialEngine
@@ -38,6 +34,8 @@ from pricer.engines.gpu.engine import MODES, GpuEngine
 from pricer.engines.gpu.runtime import local_rank
 from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
 from pricer.tools.bench_gpu import OneRegime
+
+from gpu_cases import ThroughRegimes, every_kind, needs_gpu, options
 
 # The single regimes `pricer bench gpu` runs (the seed's Table 5), each all the way down.
 REGIMES = ("wavefront", "tiled", "warp")
@@ -60,55 +58,6 @@ CONFIGS = {"small-pers": SMALL_PERS, "medium-pers": MEDIUM_PERS}
 # tiles the stand-in GPUs of the tests hold at once (NumpyKernels.pers_tiles, and a CudaKernels cut
 # down to it), so that levels wider than that (tiled first) are cheap to reach
 SMALL_PERS_TILES = 8
-
-
-def _why_no_gpu() -> str:
-    if importlib.util.find_spec("pycuda") is None:
-        return "pycuda is not installed (it is in the GPU machine kit, ../shared/device)"
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        return "nvcc not found (needed to build the kernels)"
-    return "no usable CUDA device"
-
-
-needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
-GPU = [pytest.mark.gpu, needs_gpu]
-
-
-def options(rng, steps, call=None, american=None):
-    n = len(steps)
-    cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n),
-                maturity=rng.uniform(0.05, 3.0, n), volatility=rng.uniform(0.05, 0.6, n),
-                rate=rng.uniform(0.0, 0.08, n), dividend=rng.uniform(0.0, 0.05, n),
-                steps=np.asarray(steps, dtype=np.int64),
-                call=(rng.random(n) < 0.5) if call is None else np.full(n, call),
-                american=(rng.random(n) < 0.6) if american is None else np.full(n, american))
-    return lattice_parameters(keep_nodes_in_range(keep_p_inside(cols)))
-
-
-def keep_nodes_in_range(cols: dict) -> dict:
-    """Maturities shortened where the lattice's node prices would leave FP64's range (lattice.py
-    refuses those): (u/d)^N = e^{2 sigma sqrt(T N)} (CRR) at most e^500."""
-    most = (250.0 / (cols["volatility"] * np.sqrt(cols["steps"]))) ** 2
-    cols["maturity"] = np.minimum(cols["maturity"], most)
-    return cols
-
-
-def keep_p_inside(cols: dict) -> dict:
-    """Volatilities raised so that p stays inside (0, 1) at N = 1: it needs sigma > |r - q| sqrt(dt)
-    (low volatility with a high rate, or a high dividend, can leave it; the dividend was missing
-    here once, and a seed found it)."""
-    drift = np.abs(cols["rate"] - cols["dividend"])
-    cols["volatility"] = np.maximum(cols["volatility"], 2 * drift * np.sqrt(cols["maturity"]) + 0.05)
-    return cols
-
-
-def every_kind(rng, steps):
-    """Each N as an American/European call/put."""
-    steps = np.repeat(np.asarray(steps), 4)
-    p = options(rng, steps)
-    p.call[:] = np.tile([True, True, False, False], steps.size // 4)
-    p.american[:] = np.tile([True, False, True, False], steps.size // 4)
-    return p
 
 
 def error(got, ref, strike):
@@ -151,20 +100,6 @@ def boundary_steps(c: GpuConfig, pers_tiles: int = SMALL_PERS_TILES):
         for edge in (own, n.pers_w, 2 * own, mid, mid + c.pers_k, mid + own, pers_tiles * own):
             s.update({edge - 1, edge, edge + 1})
     return sorted(x for x in s if x >= 1)
-
-
-class ThroughRegimes(Engine):
-    """Every option of a GpuEngine through its regimes (GpuEngine.price_one: tiled, persistent
-    kernel, CPU tail), whatever its steps: the route the engine itself takes only in the exact mode
-    or above MAX_STEPS. With fma this is how the regimes meet options narrower than that."""
-
-    def __init__(self, engine: GpuEngine):
-        self.engine = engine
-        self.name = f"{engine.name}-regimes"
-
-    def price(self, params, levels=None) -> np.ndarray:
-        return np.array([self.engine.price_one(params, k, levels=levels)
-                         for k in range(len(params))])
 
 
 def through_regimes(engine, p, levels=None) -> np.ndarray:

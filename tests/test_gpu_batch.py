@@ -8,9 +8,6 @@ Marked `gpu`: they skip here with the reason and run on the GPU machine (../shar
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 
 import numpy as np
 import pytest
@@ -23,57 +20,14 @@ from pricer.engines.gpu.batch_plan import (CAPACITY, CLASSES, KERNELS, MAX_STEPS
                                            class_of, width_keys)
 from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
 
+from gpu_cases import GPU, every_kind, keep_p_inside, needs_gpu, options
+
 # relative; absolute, scaled by the strike, for prices below 1e-8 of the strike
 TOLERANCE = 1e-11            # the batch runner (steps <= MAX_STEPS)
 REGIME_TOLERANCE = 1e-9      # options wider than every class, through the single-option regimes
 
 
-def _why_no_gpu() -> str:
-    if importlib.util.find_spec("pycuda") is None:
-        return "pycuda is not installed (it is in the GPU machine kit, ../shared/device)"
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        return "nvcc not found (needed to build the kernels)"
-    return "no usable CUDA device"
-
-
-needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
-pytestmark = [pytest.mark.gpu, needs_gpu]
-
-
-# fresh random options (as test_gpu's, kept here so that this file needs no other test module)
-def keep_p_inside(cols: dict) -> dict:
-    """Volatilities raised so that p stays inside (0, 1) at N = 1: sigma > |r - q| sqrt(dt)."""
-    drift = np.abs(cols["rate"] - cols["dividend"])
-    cols["volatility"] = np.maximum(cols["volatility"], 2 * drift * np.sqrt(cols["maturity"]) + 0.05)
-    return cols
-
-
-def keep_nodes_in_range(cols: dict) -> dict:
-    """Maturities shortened where the lattice's node prices would leave FP64's range (lattice.py
-    refuses those): (u/d)^N = e^{2 sigma sqrt(T N)} (CRR) at most e^500."""
-    most = (250.0 / (cols["volatility"] * np.sqrt(cols["steps"]))) ** 2
-    cols["maturity"] = np.minimum(cols["maturity"], most)
-    return cols
-
-
-def options(rng, steps, call=None, american=None):
-    n = len(steps)
-    cols = dict(spot=rng.uniform(50, 150, n), strike=rng.uniform(50, 150, n),
-                maturity=rng.uniform(0.05, 3.0, n), volatility=rng.uniform(0.05, 0.6, n),
-                rate=rng.uniform(0.0, 0.08, n), dividend=rng.uniform(0.0, 0.05, n),
-                steps=np.asarray(steps, dtype=np.int64),
-                call=(rng.random(n) < 0.5) if call is None else np.full(n, call),
-                american=(rng.random(n) < 0.6) if american is None else np.full(n, american))
-    return lattice_parameters(keep_nodes_in_range(keep_p_inside(cols)))
-
-
-def every_kind(rng, steps):
-    """Each N as an American/European call/put."""
-    steps = np.repeat(np.asarray(steps), 4)
-    p = options(rng, steps)
-    p.call[:] = np.tile([True, True, False, False], steps.size // 4)
-    p.american[:] = np.tile([True, False, True, False], steps.size // 4)
-    return p
+pytestmark = GPU
 
 
 def assert_close(got, ref, p, label=""):

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import env, mpiexec, pricer_command
 from pricer.io.results import read_results
-from test_gpu import GPU
+from gpu_cases import GPU
 from test_reliability import (CHUNK, DEADLINE, _chunks, bitwise_equal, book,  # noqa: F401 (fixture)
                               kill_9_after_chunks, leftover_processes)
 

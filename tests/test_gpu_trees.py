@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from pricer.model.lattice import TREE_NAMES
-from test_gpu import GPU
+from gpu_cases import GPU
 
 pytestmark = GPU
 
@@ -45,7 +45,7 @@ def quantlib():
 
 def gpu_engines() -> dict:
     from pricer.engines.gpu.engine import GpuEngine
-    from test_gpu import ThroughRegimes
+    from gpu_cases import ThroughRegimes
     hybrid, gpu = GpuEngine("hybrid", t2=64, cpu_max_steps=16), GpuEngine("gpu")
     return {"batch": GpuEngine("batch"),
             "hybrid": hybrid,

@@ -18,10 +18,8 @@ nothing written; and device_need is compared with what cuMemGetInfo sees the eng
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -32,7 +30,7 @@ import pytest
 
 from fake_cuda import FakeEvent, FakeRuntime, Tracker
 from helpers import env, mpiexec
-from pricer.engines import AUTO_CPU_MAX_NODES, gpu_available
+from pricer.engines import AUTO_CPU_MAX_NODES
 from pricer.engines.base import DeviceInfo
 from pricer.engines.cpu.parallel import CpuEngine
 from pricer.engines.gpu.batch_layout import INPUT_BYTES_PER_OPTION, KEY_BINS, batch_row_bytes
@@ -50,6 +48,8 @@ from pricer.model.greeks import Analytics, price_with_analytics
 from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
 from pricer.run import memory
 
+from gpu_cases import needs_gpu
+
 MIB = 1 << 20
 ANALYTICS = [Analytics(), Analytics(greeks=True), Analytics(richardson=True),
              Analytics(greeks=True, richardson=True)]
@@ -58,15 +58,6 @@ SORT = BATCH_SETS * BATCH_SORT_BYTES      # the runner's GPU sort counts, whatev
 ROW = BATCH_SETS * batch_row_bytes(False)  # a chunk row in both buffer sets: 140 bytes
 
 
-def _why_no_gpu() -> str:
-    if importlib.util.find_spec("pycuda") is None:
-        return "pycuda is not installed (it is in the GPU machine kit)"
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        return "nvcc not found (needed to build the kernels)"
-    return "no usable CUDA device"
-
-
-needs_gpu = pytest.mark.skipif(not gpu_available(), reason=_why_no_gpu() if not gpu_available() else "")
 
 
 def book(steps, seed: int = 3, first_id: int = 500) -> Portfolio:
