@@ -86,7 +86,7 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
 
 
 def plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
-                matrix: np.ndarray | None, input_sha256: str, trees: list, assignment) -> Plan:
+               matrix: np.ndarray | None, input_sha256: str, trees: list, assignment) -> Plan:
     """Every row priced; each rank's rows as partition.assign placed them: contiguous slices, or
     whole options in another order (then rows travel in that order and Plan.assemble undoes it).
     `matrix` None: the ranks read their own rows (--distribute read)."""
