@@ -80,11 +80,11 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="replace an existing output file")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="save every finished chunk in DIR (seen by every rank), so that --resume "
-                        "can finish a killed run (docs/reliability.md)")
+                   help="save every finished chunk in DIR (seen by every rank); the same command "
+                        "later prices only what DIR does not hold (a DIR of another input or "
+                        "other settings is refused): docs/reliability.md")
     p.add_argument("--resume", action="store_true", default=None,
-                   help="with --checkpoint DIR: price only the chunks DIR does not hold yet; refused "
-                        "if DIR was made from another input or with other settings")
+                   help="accepted with --checkpoint DIR, which resumes by itself")
     p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
                    help="lattice nodes per chunk, the unit of checkpoints and failure checks "
                         "(default: by backend, about a second of one rank's work)")

@@ -1,6 +1,6 @@
 """Fault handling on the GPU backends: an injected fault (an exception, a GPU error, a hard kill) in a rank
 pricing on the GPU ends the whole job within 10 s, named by rank 0, with nothing written and no rank
-left; kill -9 and --resume with the `batch` backend give bitwise the prices and Greeks of an
+left; kill -9 and a restart with the `batch` backend give bitwise the prices and Greeks of an
 uninterrupted `batch` run (a price does not depend on the chunk or launch that priced it). Real
 `mpirun -n 2` runs of the real command, both ranks on one GPU. Marked `gpu`: skipped here with the
 reason, run on the GPU machine (../shared/device)."""
@@ -69,7 +69,7 @@ def test_batch_kill_9_and_resume_bitwise_equal(tmp_path, book):
     assert not out.exists()
     saved = _chunks(folder)
     assert 0 < saved
-    proc, _ = run(args + ["--resume"])
+    proc, _ = run(args)                  # the same command resumes by itself
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got, want = read_results(str(out)), read_results(str(whole))
     for name in ("price", "delta", "gamma", "theta", "vega", "rho"):

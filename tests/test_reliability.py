@@ -135,7 +135,7 @@ def test_fault_ends_job_named_nothing_written(tmp_path, book, fault):
 
 def test_kill_9_and_resume_bitwise_equal(tmp_path, book, rng):
     """kill -9 of the whole job (launcher and ranks) at a random moment while chunks are being
-    saved, then --resume: only the missing chunks are priced, and the prices are bitwise those of
+    saved, then the same command again: only the missing chunks are priced, and the prices are bitwise those of
     an uninterrupted run (here the one-process serial reference)."""
     path, portfolio = book
     out, folder = tmp_path / "prices.h5", tmp_path / "ck"
@@ -146,7 +146,7 @@ def test_kill_9_and_resume_bitwise_equal(tmp_path, book, rng):
     assert not out.exists()
     saved = _chunks(folder)
     assert 0 < saved, saved
-    proc, seconds = timed_run(args + ["--resume"], {})
+    proc, seconds = timed_run(args, {})       # the same command resumes by itself
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = read_results(str(out))
     want = reference(portfolio, Analytics(greeks=True))
@@ -203,21 +203,98 @@ def test_resume_refuses_other_input_or_settings(tmp_path, book, change, needle):
         extra = ["--tree", "jr"]
     else:
         extra = ["--greeks"]
-    proc = run_pricer(["price", other, "-o", tmp_path / "b.h5", "--resume"] + base + extra)
+    proc = run_pricer(["price", other, "-o", tmp_path / "b.h5"] + base + extra)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr
     assert not (tmp_path / "b.h5").exists()
 
 
-def test_checkpoint_folder_in_use_needs_resume(tmp_path, book):
-    path, _ = book
+def test_the_same_command_starts_and_resumes_a_checkpoint(tmp_path, book):
+    """One command serves the first run and every restart (a requeued job): --checkpoint DIR
+    starts in a new or empty DIR, and continues the checkpoint DIR holds; --resume is accepted on
+    a first run. A DIR with other files and no checkpoint is refused."""
+    path, portfolio = book
     folder = tmp_path / "ck"
     args = ["--chunk-nodes", CHUNK, "--threads", "1", "--checkpoint", folder]
-    assert run_pricer(["price", path, "-o", tmp_path / "a.h5"] + args).returncode == 0
-    proc = run_pricer(["price", path, "-o", tmp_path / "b.h5"] + args)
-    assert proc.returncode == 2 and "pass --resume" in proc.stderr, proc.stderr
+    first = run_pricer(["price", path, "-o", tmp_path / "a.h5", "--resume"] + args)
+    assert first.returncode == 0 and "from the checkpoint" not in first.stdout, first.stderr
+    again = run_pricer(["price", path, "-o", tmp_path / "b.h5"] + args)
+    assert again.returncode == 0, again.stderr
+    assert f"({len(portfolio)} of them from the checkpoint)" in again.stdout, again.stdout
+    assert bitwise_equal(read_results(str(tmp_path / "a.h5"))["price"],
+                         read_results(str(tmp_path / "b.h5"))["price"])
     proc = run_pricer(["price", path, "-o", tmp_path / "c.h5", "--resume"])
     assert proc.returncode == 2 and "--resume needs --checkpoint" in proc.stderr, proc.stderr
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    proc = run_pricer(["price", path, "-o", tmp_path / "d.h5", "--checkpoint", stray])
+    assert proc.returncode == 2 and "not empty and holds no checkpoint" in proc.stderr, proc.stderr
+    assert (stray / "notes.txt").read_text() == "mine" and not (tmp_path / "d.h5").exists()
+
+
+def _corrupt(folder, how: str, rng) -> str:
+    """Damage one chunk file of a finished checkpoint, as a disk, a person or a script might."""
+    files = sorted(p for p in folder.iterdir() if p.name.startswith("chunk-"))
+    victim = files[len(files) // 2]
+    blob = bytearray(victim.read_bytes())
+    body = blob.index(b"\n") + 1
+    if how == "random-bytes":
+        blob[body:body + 64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+    elif how == "one-bit":
+        blob[body + int(rng.integers(0, len(blob) - body))] ^= 1 << int(rng.integers(0, 8))
+    elif how == "zeros":
+        blob[body:] = bytes(len(blob) - body)
+    elif how == "nan":
+        blob[body:] = np.full((len(blob) - body) // 8, np.nan).tobytes()
+    elif how == "empty":
+        blob = bytearray()
+    elif how == "truncated":
+        blob = blob[:len(blob) - 8]
+    elif how == "other-chunk":    # another chunk's whole file (same rows where the grid allows)
+        donor = next(p for p in files if p != victim and p.stat().st_size == victim.stat().st_size)
+        blob = bytearray(donor.read_bytes())
+    victim.write_bytes(bytes(blob))
+    return victim.name
+
+
+@pytest.mark.parametrize("how", ["random-bytes", "one-bit", "zeros", "nan", "empty", "truncated",
+                                 "other-chunk"])
+def test_a_damaged_chunk_is_priced_again_never_used(tmp_path, rng, how):
+    """A chunk file that fails its checksum (bound to the run, the chunk and its rows) is priced
+    again, and the summary says so; the results are bitwise those of an uninterrupted run."""
+    book = make_book()
+    book.steps[:] = 60            # every chunk the same size, so another chunk's file fits
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), book)
+    folder = tmp_path / "ck"
+    args = ["price", path, "--chunk-nodes", 2e4, "--threads", "1", "--checkpoint", folder]
+    assert run_pricer(args + ["-o", tmp_path / "a.h5"]).returncode == 0
+    _corrupt(folder, how, rng)
+    proc = run_pricer(args + ["-o", tmp_path / "b.h5"])
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "1 chunk file(s) failed their checks" in proc.stdout, proc.stdout
+    want = reference(book)
+    assert bitwise_equal(read_results(str(tmp_path / "b.h5"))["price"], want["price"])
+
+
+def test_a_chunk_of_another_run_is_never_used(tmp_path):
+    """Two checkpoints of different inputs with the same grid: a chunk file copied from one into
+    the other fails its check (the run's id is in its checksum) and is priced again."""
+    first, second = make_book(), make_book()
+    second.spot[:] *= 1.01
+    for book, name in ((first, "one"), (second, "two")):
+        write_portfolio(str(tmp_path / f"{name}.h5"), book)
+        assert run_pricer(["price", tmp_path / f"{name}.h5", "-o", tmp_path / f"{name}-out.h5",
+                           "--chunk-nodes", CHUNK, "--threads", "1", "--checkpoint",
+                           tmp_path / name]).returncode == 0
+    chunk = sorted(p.name for p in (tmp_path / "one").iterdir() if p.name.startswith("chunk-"))[0]
+    (tmp_path / "two" / chunk).write_bytes((tmp_path / "one" / chunk).read_bytes())
+    proc = run_pricer(["price", tmp_path / "two.h5", "-o", tmp_path / "again.h5", "--chunk-nodes",
+                       CHUNK, "--threads", "1", "--checkpoint", tmp_path / "two"])
+    assert proc.returncode == 0 and "1 chunk file(s) failed their checks" in proc.stdout, proc.stdout
+    assert bitwise_equal(read_results(str(tmp_path / "again.h5"))["price"],
+                         reference(second)["price"])
 
 
 # ------------------------------------------------------------------------------- memory guard

@@ -1,20 +1,21 @@
-"""Chunks, checkpoints and resume (`--checkpoint DIR`, `--resume`).
+"""Chunks and checkpoints (`--checkpoint DIR`).
 
 Every run prices the portfolio in chunks: consecutive rows cut where the lattice nodes reach
 CHUNK_NODES or the rows CHUNK_ROWS, a grid that depends only on the input's steps. With a
-checkpoint, each rank writes every chunk it finishes to DIR/chunk-NNNNNNNN.npy (float64 rows of
-price and Greeks) through a temporary file and a rename, so a file there is always whole. DIR also
-holds manifest.json: the input's SHA-256 and the settings that change the numbers (tree, backend,
-greeks, richardson, the chunk grid) with their hash; a resume with another input or other settings
-is refused by name. `--resume` prices only the chunks whose files are missing (or unreadable); the
-prices of a chunk do not depend on which rank or run priced it, so the result is bitwise the one an
-uninterrupted run writes. DIR must be visible to every rank (rank 0 reads the chunks back).
+checkpoint, each rank writes every chunk it finishes to DIR/chunk-NNNNNNNN.bin (float64 rows of
+price and Greeks, with a checksum bound to the run: Checkpoint) through a temporary file and a
+rename. DIR also holds manifest.json: the input's SHA-256 and the settings that change the numbers
+(tree, backend, greeks, richardson, the chunk grid) with their hash. The same command serves the
+first run and every restart: a DIR that holds this run's checkpoint is continued (only the chunks
+without a file that passes its checks are priced), an empty or new DIR starts one, and a DIR that
+holds another input's or other settings' checkpoint is refused by name. The prices of a chunk do
+not depend on which rank or run priced it, so the result is bitwise the one an uninterrupted run
+writes. DIR must be visible to every rank (rank 0 reads the chunks back).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 
@@ -24,7 +25,7 @@ from pricer.errors import InputError
 from pricer.files import atomic_write
 from pricer.model.cost import lattice_nodes
 
-FORMAT = "pricer.checkpoint/1"
+FORMAT = "pricer.checkpoint/2"
 MANIFEST = "manifest.json"
 CHUNK_NODES = 2**28   # seconds of one CPU rank's work: the granularity of aborts and of resumes
 CHUNK_ROWS = 2**17    # bounds the per-chunk working arrays for portfolios of small N
@@ -55,45 +56,61 @@ def settings_hash(settings: dict) -> str:
 
 
 class Checkpoint:
-    """The checkpoint folder of one run (rank 0 opens it; every rank saves its chunks)."""
+    """The checkpoint folder of one run: rank 0 opens it (open), every rank that saves chunks
+    attaches to it (attach), rank 0 reads the chunks back (done, load).
+
+    A chunk file is one line of JSON, then the chunk's values (float64, rows x outputs, C order):
+    {"chunk": j, "rows": n, "outputs": k, "run": the run's id, "sha256": digest}, where the run's
+    id binds it to the input and the settings (manifest.json) and the digest covers the run's id,
+    j, n, k and the values. A file that fails any of it (cut short, bytes flipped, another
+    chunk's or another run's file copied over it) is never used: its chunk is priced again."""
 
     def __init__(self, folder: str):
         self.folder = folder
+        self.run = None          # the run's id: the manifest's input and settings hashes
 
     def path(self, chunk: int) -> str:
-        return os.path.join(self.folder, f"chunk-{chunk:08d}.npy")
+        return os.path.join(self.folder, f"chunk-{chunk:08d}.bin")
 
-    def open(self, input_sha256: str, settings: dict, resume: bool) -> None:
-        """Rank 0, before any work: start a new checkpoint, or check that the one to resume was
-        made from this input with these settings."""
+    def open(self, input_sha256: str, settings: dict) -> bool:
+        """Rank 0, before any work: continue the checkpoint DIR holds if it was made from this input
+        with these settings (True), or start one in an empty or new DIR (False); InputError for a
+        DIR that holds another run's checkpoint (naming the difference) or other files."""
         manifest = os.path.join(self.folder, MANIFEST)
         want = {"format": FORMAT, "input_sha256": input_sha256, "settings": settings,
                 "settings_sha256": settings_hash(settings)}
-        if resume:
-            self._check(manifest, want)
-            return
         if os.path.exists(manifest):
-            raise InputError(f"{self.folder}: holds a checkpoint already; pass --resume to continue "
-                             f"it, or give an empty folder")
+            self._check(manifest, want)
+            self.run = f"{input_sha256}:{want['settings_sha256']}"
+            return True
         if os.path.isdir(self.folder) and os.listdir(self.folder):
-            raise InputError(f"{self.folder}: the checkpoint folder is not empty")
+            raise InputError(f"{self.folder}: the checkpoint folder is not empty and holds no "
+                             f"checkpoint ({MANIFEST}); give an empty or new folder")
         try:
             os.makedirs(self.folder, exist_ok=True)
+            atomic_write(manifest, json.dumps(want, indent=1, sort_keys=True).encode(), fsync=True)
         except OSError as exc:
-            raise InputError(f"{self.folder}: cannot create the checkpoint folder: {exc}") from None
-        atomic_write(manifest, json.dumps(want, indent=1, sort_keys=True).encode(), fsync=True)
+            raise InputError(f"{self.folder}: cannot write the checkpoint folder: {exc}") from None
+        self.run = f"{input_sha256}:{want['settings_sha256']}"
+        return False
+
+    def attach(self) -> "Checkpoint":
+        """Any rank, once rank 0 has opened the folder: the run's id, from its manifest."""
+        with open(os.path.join(self.folder, MANIFEST)) as f:
+            have = json.load(f)
+        self.run = f"{have['input_sha256']}:{have['settings_sha256']}"
+        return self
 
     def _check(self, manifest: str, want: dict) -> None:
         try:
             with open(manifest) as f:
                 have = json.load(f)
-        except FileNotFoundError:
-            raise InputError(f"{self.folder}: no checkpoint to resume (no {MANIFEST})") from None
         except (OSError, ValueError) as exc:
             raise InputError(f"{self.folder}: unreadable {MANIFEST}: {exc}") from None
-        if have.get("format") != FORMAT:
-            raise InputError(f"{self.folder}: {MANIFEST} format {have.get('format')!r}, "
-                             f"expected {FORMAT!r}")
+        if not isinstance(have, dict) or have.get("format") != FORMAT:
+            found = have.get("format") if isinstance(have, dict) else None
+            raise InputError(f"{self.folder}: holds a checkpoint of format {found!r}, not "
+                             f"{FORMAT!r}; give an empty or new folder")
         if have.get("input_sha256") != want["input_sha256"]:
             raise InputError(f"{self.folder}: the checkpoint is of a different input: input hash "
                              f"{have.get('input_sha256')} there, {want['input_sha256']} now")
@@ -105,23 +122,50 @@ class Checkpoint:
                              f"settings hash {have.get('settings_sha256')} there, "
                              f"{want['settings_sha256']} now ({diff})")
 
-    def done(self, grid: np.ndarray, outputs: int) -> np.ndarray:
-        """Which chunks have a whole file of the right shape (the others are priced again)."""
-        return np.array([self._valid(j, int(grid[j + 1] - grid[j]), outputs)
-                         for j in range(len(grid) - 1)], dtype=bool)
-
-    def _valid(self, chunk: int, rows: int, outputs: int) -> bool:
-        try:
-            data = np.load(self.path(chunk), mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError):
-            return False
-        return data.dtype == np.float64 and data.shape == (rows, outputs)
+    def _digest(self, chunk: int, rows: int, outputs: int, data: bytes) -> str:
+        h = hashlib.sha256(f"{self.run}:{chunk}:{rows}:{outputs}:".encode())
+        h.update(data)
+        return h.hexdigest()
 
     def save(self, chunk: int, values: np.ndarray) -> None:
         """Any rank: this chunk's rows, atomically (temp file, fsync, rename)."""
-        buffer = io.BytesIO()
-        np.save(buffer, np.ascontiguousarray(values, dtype=np.float64), allow_pickle=False)
-        atomic_write(self.path(chunk), buffer.getvalue(), fsync=True)
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        rows, outputs = values.shape
+        data = values.tobytes()
+        header = {"chunk": int(chunk), "rows": int(rows), "outputs": int(outputs), "run": self.run,
+                  "sha256": self._digest(chunk, rows, outputs, data)}
+        atomic_write(self.path(chunk), json.dumps(header).encode() + b"\n" + data, fsync=True)
 
-    def load(self, chunk: int) -> np.ndarray:
-        return np.load(self.path(chunk), allow_pickle=False)
+    def _read(self, chunk: int, rows: int, outputs: int) -> np.ndarray | None:
+        """The chunk's values if its file passes every check, else None."""
+        try:
+            with open(self.path(chunk), "rb") as f:
+                blob = f.read()
+            line, data = blob.split(b"\n", 1)
+            header = json.loads(line)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(header, dict) or len(data) != 8 * rows * outputs:
+            return None
+        expected = {"chunk": chunk, "rows": rows, "outputs": outputs, "run": self.run,
+                    "sha256": self._digest(chunk, rows, outputs, data)}
+        if any(header.get(key) != value for key, value in expected.items()):
+            return None
+        return np.frombuffer(data, dtype=np.float64).reshape(rows, outputs).copy()
+
+    def done(self, grid: np.ndarray, outputs: int) -> tuple[np.ndarray, int]:
+        """Which chunks have a file that passes every check, and how many files there fail one
+        (their chunks are priced again)."""
+        ok = np.zeros(len(grid) - 1, dtype=bool)
+        failed = 0
+        for j in range(len(grid) - 1):
+            ok[j] = self._read(j, int(grid[j + 1] - grid[j]), outputs) is not None
+            failed += not ok[j] and os.path.exists(self.path(j))
+        return ok, failed
+
+    def load(self, chunk: int, rows: int, outputs: int) -> np.ndarray:
+        """A chunk that done() found whole (checked again: it must not have changed since)."""
+        values = self._read(chunk, rows, outputs)
+        if values is None:
+            raise RuntimeError(f"{self.path(chunk)}: changed while this run was using it")
+        return values

@@ -36,7 +36,7 @@ class RunConfig:
     greeks: bool = False      # also delta, gamma, theta, vega, rho (pricer.model.greeks)
     richardson: bool = False  # price extrapolated from the N- and a ~N/2-step lattice
     checkpoint: str | None = None  # folder where each rank saves its finished chunks
-    resume: bool = False      # price only the chunks the checkpoint does not hold yet
+    resume: bool = False      # accepted for scripts that pass it: a checkpoint resumes by itself
     chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
                                       # None: by backend, chunk_shape)
     progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
@@ -90,7 +90,8 @@ class RunConfig:
                                               and self.chunk_nodes >= 1),
                  name("chunk_nodes"), self.chunk_nodes, "a number >= 1")
         if self.resume and not self.checkpoint:
-            raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume)")
+            raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume; "
+                             "a run given --checkpoint DIR resumes by itself)")
         if self.checkpoint and self.distribute == "read":
             raise InputError("--checkpoint needs --distribute scatter or bcast (rank 0 reads the "
                              "checkpoint and hands out only the chunks still to price), not read")

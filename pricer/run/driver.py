@@ -136,7 +136,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
                       analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
-                      engine_start=agreed.started.seconds, notes=agreed.notes)
+                      engine_start=agreed.started.seconds, notes=plan.notes + agreed.notes)
 
 
 def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
@@ -261,7 +261,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     rank and ends the job (faults.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
-    checkpoint = Checkpoint(cfg.checkpoint) if cfg.checkpoint else None
+    checkpoint = None
     analytics = cfg.analytics()
     values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
     done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
@@ -270,6 +270,8 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
         if started.error is not None:
             raise started.error
         engine, engine_name = started.engine, started.engine.name
+        if cfg.checkpoint:
+            checkpoint = Checkpoint(cfg.checkpoint).attach()
         engine.fit_device(chunk_options)       # before prepare() sizes the buffers
         t = time.perf_counter()
         if local.shape[0]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +44,7 @@ class Plan:
     chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1 without checkpoint)
     reuse: list             # [(rows, checkpoint chunk)] read back instead of priced
     checkpoint: Checkpoint | None
+    notes: list = field(default_factory=list)   # for the run's summary
 
     def assemble(self, priced: np.ndarray) -> np.ndarray:
         """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
@@ -52,7 +53,7 @@ class Plan:
         full = np.empty((len(self.input_ids), priced.shape[1]))
         full[self.todo] = priced
         for (a, b), chunk in self.reuse:
-            full[a:b] = self.checkpoint.load(chunk)
+            full[a:b] = self.checkpoint.load(chunk, b - a, priced.shape[1])
         return full
 
 
@@ -69,9 +70,9 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
                            assign(portfolio.steps, size, cfg.partition))
     grid = chunk_grid(portfolio.steps, *cfg.chunk_shape())
     checkpoint = Checkpoint(cfg.checkpoint)
-    checkpoint.open(input_sha256, checkpoint_settings(cfg, grid), cfg.resume)
-    outputs = len(cfg.analytics().outputs)
-    done = checkpoint.done(grid, outputs) if cfg.resume else np.zeros(len(grid) - 1, bool)
+    resumed = checkpoint.open(input_sha256, checkpoint_settings(cfg, grid))
+    done, failed = checkpoint.done(grid, len(cfg.analytics().outputs)) if resumed \
+        else (np.zeros(len(grid) - 1, bool), 0)
     missing = np.flatnonzero(~done)
     todo = np.flatnonzero(np.repeat(~done, np.diff(grid)))
     lengths = np.diff(grid)[missing]
@@ -80,9 +81,11 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
         else np.zeros(0)
     bounds = cuts[split_chunks(costs, size)]
     reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
+    notes = [f"checkpoint: {failed} chunk file(s) failed their checks (cut short, changed, or "
+             f"another chunk's or run's) and were priced again"] if failed else []
     return Plan(portfolio.id, trees, input_sha256, np.ascontiguousarray(matrix[todo]),
                 portfolio.steps[todo], portfolio.id[todo], todo, bounds, cuts,
-                missing.astype(np.int64), reuse, checkpoint)
+                missing.astype(np.int64), reuse, checkpoint, notes)
 
 
 def plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
