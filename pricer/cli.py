@@ -185,18 +185,15 @@ def _run(args, cfg, prepare=None) -> int:
 
 
 def _generate(args) -> int:
-    import os
+    """Rank 0 writes the file (under mpiexec the other ranks wait for its verdict): once, not
+    once per rank."""
+    from mpi4py import MPI
 
-    from pricer.io.portfolio import write_portfolio
-    from pricer.tools.generate import generate
+    from pricer.run.collectives import outcome
+    from pricer.tools.generate import write_generated
 
-    if os.path.exists(args.output) and not args.overwrite:
-        raise InputError(f"{args.output}: exists; pass --overwrite to replace it")
-    portfolio = generate(args.dist, args.count, args.seed, steps=args.steps, exercise=args.exercise,
-                         min_steps=args.min_steps, max_steps=args.max_steps)
-    write_portfolio(args.output, portfolio)
-    print(f"wrote {args.output}: {len(portfolio)} options ({args.dist}, seed {args.seed}), "
-          f"{portfolio.nodes():.4g} nodes")
+    comm = MPI.COMM_WORLD
+    outcome(comm, (lambda: write_generated(args)) if comm.Get_rank() == 0 else None)
     return 0
 
 
@@ -248,6 +245,8 @@ def _exit_1_on_sigterm() -> None:
     SIGTERM once its command has returned)."""
     def terminated(signum, frame):
         try:
+            from pricer.files import cleanup
+            cleanup()                # temporary files, the output's lock
             sys.stderr.write("pricer: terminated (SIGTERM)\n")
             sys.stderr.flush()
         finally:
@@ -269,6 +268,8 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
+        from pricer.files import cleanup
+        cleanup()
         if argv is None:
             # the exit code is decided; the interpreter's and MPI's teardown that follows runs
             # without Python signal handlers, where a SIGTERM would still turn it into 143

@@ -1,10 +1,15 @@
-"""Two file helpers every layer uses: an atomic write, and the per-user cache folders."""
+"""File helpers every layer uses: an atomic write, the per-user cache folders, and the checks that
+an input can be read and an output written before any work."""
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from pathlib import Path
 from typing import Callable
+
+from pricer.errors import InputError
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None] | bytes,
@@ -16,6 +21,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None] | bytes,
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    _LEFT_BEHIND.add(tmp)
     try:
         if isinstance(write, (bytes, bytearray, memoryview)):
             with open(tmp, "wb") as f:
@@ -30,6 +36,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None] | bytes,
                     os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
+        _LEFT_BEHIND.discard(tmp)
         if os.path.exists(tmp):
             os.remove(tmp)
 
@@ -42,3 +49,141 @@ def cache_dir(what: str, variable: str | None = None) -> Path:
         return Path(os.environ[variable])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pricer" / what
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_input_file(path: str, what: str = "file") -> None:
+    """InputError unless `path` is a regular file this process can read: a FIFO or a device
+    (/dev/zero) would make a reader wait or read for ever, so they are refused before any read."""
+    if not isinstance(path, str) or not path:
+        raise InputError(f"{path!r}: a {what} name is needed")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such {what}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path}: is {_kind(mode)}, not a regular {what}")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: the {what} is not readable (permission denied)")
+
+
+def check_output_file(path: str, overwrite: bool, what: str = "output") -> None:
+    """InputError unless a run may write `path`: a name is given; an existing path is a regular
+    file and `overwrite` is set (a device, FIFO, socket or directory never is replaced); its folder
+    exists and a file can be created in it (tried: permissions, read-only mounts and /proc)."""
+    if not isinstance(path, str) or not path:
+        raise InputError(f"{path!r}: an {what} file name is needed")
+    if os.path.lexists(path):
+        mode = os.stat(path).st_mode if os.path.exists(path) else os.lstat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{path}: is {_kind(mode)}; the {what} must be a regular file "
+                             f"(never replaced, --overwrite or not)")
+        if not overwrite:
+            raise InputError(f"{path}: exists; pass --overwrite to replace it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{path}: folder {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write in folder {folder}: {exc.strerror}") from None
+
+
+# Paths this process must not leave behind if it is stopped: temporary files being written, and
+# the lock files of the outputs it claims (cleanup, called on SIGTERM and at exit).
+_LEFT_BEHIND: set = set()
+
+
+def cleanup() -> None:
+    """Remove this process's temporary files and release its output claims (a handler for
+    SIGTERM/SIGINT, which ends the process without running `finally` blocks, calls this)."""
+    for item in list(_LEFT_BEHIND):
+        if isinstance(item, OutputLock):
+            item.release()
+        else:
+            try:
+                os.remove(item)
+            except OSError:
+                pass
+            _LEFT_BEHIND.discard(item)
+
+
+class OutputLock:
+    """A claim on an output for the whole of a run: the file .NAME.lock beside it, held with a
+    POSIX lock (fcntl.lockf), which the operating system drops when the holder dies however it
+    dies, so a dead holder's claim is taken over, and the file says who holds it. A second run
+    that finds the lock held is refused (InputError) naming the holder."""
+
+    def __init__(self, target: str):
+        folder, name = os.path.split(os.path.abspath(target))
+        self.target = target
+        self.path = os.path.join(folder, f".{name}.lock")
+        self.fd = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+        import json
+        import socket
+        import sys
+        import time
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise InputError(f"{self.target}: another run is writing it ({holder}); wait for "
+                                 f"it to end, or choose another output") from None
+            try:    # its last holder may have removed the file between our open and our lock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        self.fd = fd
+        _LEFT_BEHIND.add(self)
+        return self
+
+    def release(self) -> None:
+        """Give the claim up and remove the lock file (while still holding it, so that a run
+        waiting on this file sees it gone and claims a new one)."""
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        _LEFT_BEHIND.discard(self)
+
+
+def expand_placeholders(path: str | None, environ=os.environ) -> str | None:
+    """`path` with {array_task} replaced by the Slurm array task id (SLURM_ARRAY_TASK_ID), so that
+    the tasks of a job array write one file each; InputError where the id is not set."""
+    if not isinstance(path, str) or "{array_task}" not in path:
+        return path
+    task = environ.get("SLURM_ARRAY_TASK_ID", "")
+    if not task:
+        raise InputError(f"{path}: uses {{array_task}}, but SLURM_ARRAY_TASK_ID is not set (not "
+                         f"a task of a Slurm job array)")
+    return path.replace("{array_task}", task)

@@ -35,9 +35,12 @@ def env() -> dict:
     return e
 
 
-def run_pricer(args, ranks: int | None = None, timeout: float = 120, cwd=None):
-    """Run `pricer ARGS` (under `mpiexec -n RANKS` if ranks is given); returns CompletedProcess."""
+def run_pricer(args, ranks: int | None = None, timeout: float = 120, cwd=None,
+               extra_env: dict | None = None):
+    """Run `pricer ARGS` (under `mpiexec -n RANKS` if ranks is given, with `extra_env` set);
+    returns CompletedProcess."""
     cmd = pricer_command() + [str(a) for a in args]
     if ranks is not None:
         cmd = [mpiexec(), "-n", str(ranks)] + cmd
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(env(), **(extra_env or {})), cwd=cwd)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import tomllib
 
 from pricer.errors import InputError
+from pricer.files import check_input_file
 
 KEYS = {
     "portfolio": {"path", "generate"},
@@ -26,6 +27,8 @@ KEYS = {
     "output": {"path", "overwrite"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))
+GENERATE_TYPES = {"dist": str, "count": int, "seed": int, "steps": int, "exercise": str,
+                  "min_steps": int, "max_steps": int}
 # RunConfig field -> (table, key) of the job file (pricer.run.config.RunConfig.from_job)
 JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
             "overwrite": ("output", "overwrite"),
@@ -35,17 +38,24 @@ JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
 
 def load_job(path: str) -> dict:
     """The job as a nested dict, checked for unknown or missing keys (InputError names them)."""
+    check_input_file(path, "job file")
     try:
         with open(path, "rb") as f:
             job = tomllib.load(f)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such job file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the job file: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: not valid TOML: {exc}") from None
     _check_keys(path, job)
     for table, key in REQUIRED:
         if key not in job.get(table, {}):
             raise InputError(f"{path}: missing key {table}.{key}")
+    for key, value in job["portfolio"].get("generate", {}).items():
+        kind = GENERATE_TYPES[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InputError(f"{path}: portfolio.generate.{key} must be "
+                             f"{'a whole number' if kind is int else 'a string'}, got {value!r} "
+                             f"({type(value).__name__})")
     return job
 
 
@@ -60,7 +70,10 @@ def _check_keys(path: str, job: dict) -> None:
         for key in section:
             if key not in KEYS[table]:
                 raise InputError(f"{path}: unknown key {table}.{key}; known: {', '.join(sorted(KEYS[table]))}")
-    for key in job.get("portfolio", {}).get("generate", {}):
+    spec = job.get("portfolio", {}).get("generate", {})
+    if not isinstance(spec, dict):
+        raise InputError(f"{path}: portfolio.generate must be a table")
+    for key in spec:
         if key not in KEYS["portfolio.generate"]:
             raise InputError(f"{path}: unknown key portfolio.generate.{key}; known: "
                              f"{', '.join(sorted(KEYS['portfolio.generate']))}")

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from pricer.errors import InputError, first_ids
-from pricer.files import atomic_write
+from pricer.files import atomic_write, check_input_file
 from pricer.model.cost import lattice_nodes
 from pricer.model.lattice import TREE_NAMES, tree_codes
 
@@ -168,10 +168,7 @@ def read_index(path: str) -> PortfolioIndex:
 
 def _with_file(path: str, read):
     """read(f) on the open file, with a missing, unreadable or non-HDF5 file named."""
-    if not os.path.exists(path):
-        raise InputError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise InputError(f"{path}: is a directory, not a portfolio file")
+    check_input_file(path)
     if not h5py.is_hdf5(path):
         raise InputError(f"{path}: not an HDF5 file")
     try:

@@ -11,7 +11,7 @@ import numpy as np
 
 from pricer import __version__
 from pricer.errors import InputError
-from pricer.files import atomic_write
+from pricer.files import atomic_write, check_output_file
 
 SCHEMA = "pricer.results/1"
 
@@ -25,20 +25,12 @@ def sha256_of_file(path: str, block: int = 1 << 22) -> str:
 
 
 def check_output_path(path: str, overwrite: bool, protect: str | None = None) -> None:
-    """Refuse before any work: an existing output without --overwrite, a folder that is not there,
-    or the input itself (`protect`), which is never overwritten, --overwrite or not."""
-    if os.path.isdir(path):
-        raise InputError(f"{path}: is a directory; give a file name for the results")
-    if protect is not None and os.path.exists(path) and os.path.exists(protect) \
-            and os.path.samefile(path, protect):
+    """Refuse before any work: an output that cannot be written (files.check_output_file), or the
+    input itself (`protect`), which is never overwritten, --overwrite or not."""
+    if protect is not None and isinstance(path, str) and path and os.path.exists(path) \
+            and os.path.exists(protect) and os.path.samefile(path, protect):
         raise InputError(f"{path}: is the input portfolio; the input is never overwritten")
-    if os.path.exists(path) and not overwrite:
-        raise InputError(f"{path}: exists; pass --overwrite to replace it")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(f"{path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"{path}: folder {folder} is not writable")
+    check_output_file(path, overwrite, "results")
 
 
 def utc_now() -> str:

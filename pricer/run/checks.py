@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from pricer.errors import InputError
+from pricer.files import check_input_file
 from pricer.io.portfolio import columns_from_matrix, read_portfolio
 from pricer.io.results import check_output_path, sha256_of_file
 from pricer.model.greeks import BUMP, BUMPS, check
@@ -21,6 +22,7 @@ from pricer.run.config import RunConfig
 def read_and_check(cfg: RunConfig):
     """Rank 0 only: everything that can be wrong with the input, found before any work."""
     cfg.check()
+    check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
     # file reads release the GIL, and on a large input it is a large share of rank 0's read

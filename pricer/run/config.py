@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 from pricer.engines import backends, resolve_backend
 from pricer.errors import InputError
+from pricer.files import expand_placeholders
 from pricer.io.checkpoint import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import tree_named
@@ -56,6 +57,13 @@ class RunConfig:
         nodes = self.chunk_nodes if self.chunk_nodes is not None else (
             GPU_CHUNK_NODES if gpu else CHUNK_NODES)
         return nodes, GPU_CHUNK_ROWS if gpu else CHUNK_ROWS
+
+    def expand_placeholders(self) -> "RunConfig":
+        """{array_task} in the input, output and checkpoint paths replaced by the Slurm array task's
+        id (pricer.files.expand_placeholders), on every rank alike."""
+        for key in ("input", "output", "checkpoint"):
+            setattr(self, key, expand_placeholders(getattr(self, key)))
+        return self
 
     # ---- checks
     def check(self, names: dict | None = None) -> "RunConfig":
@@ -132,10 +140,8 @@ def _whole(value) -> bool:
 
 
 def _shown(value) -> str:
-    """A value as a message shows it, with its type where that is the fault."""
-    kind = type(value).__name__
-    return f"{value!r}" if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        or value is None else f"{value!r} (a {kind})"
+    """A value as a message shows it: its repr and its type."""
+    return f"{value!r} ({type(value).__name__})"
 
 
 def _require(ok: bool, name: str, value, what: str) -> None:

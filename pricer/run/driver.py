@@ -132,6 +132,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     plan = agreed.plan
     _write(cfg, plan, plan.assemble(full), all_stats, engine_name, size,
            time.perf_counter() - t_start)
+    plan.lock.release()
     stages["write"] = time.perf_counter() - t
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
@@ -145,11 +146,16 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     rank, size = comm.Get_rank(), comm.Get_size()
     ranks_here, local_rank = node_ranks(comm)
     set_local_rank(local_rank)            # the GPU of this rank, where the launcher says nothing
+    # every rank expands the paths alike ({array_task}): one verdict if it cannot
+    _, status, message, failure = attempt(cfg.expand_placeholders)
+    verdict(comm, status, message)
+    if failure is not None:
+        raise failure
     reading = cfg.distribute == "read"    # every rank reads its own rows
     if reading and prepare is not None:   # the input is made before anyone reads it
         outcome(comm, prepare if rank == ROOT else None)
         prepare = None
-    plan, own, status, message, failure = None, None, 0, None, None
+    plan, own = None, None
     # the plan is made in a second thread while every rank starts its engine (a GPU context does not
     # shrink with more ranks, so it goes beside the read rather than after it)
     with ThreadPoolExecutor(max_workers=1) as pool:

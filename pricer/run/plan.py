@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pricer.files import OutputLock, check_input_file
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
 from pricer.io.portfolio import read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_of_file
@@ -45,6 +46,7 @@ class Plan:
     reuse: list             # [(rows, checkpoint chunk)] read back instead of priced
     checkpoint: Checkpoint | None
     notes: list = field(default_factory=list)   # for the run's summary
+    lock: OutputLock | None = None               # rank 0's claim on the output, until written
 
     def assemble(self, priced: np.ndarray) -> np.ndarray:
         """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
@@ -58,7 +60,26 @@ class Plan:
 
 
 def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
-    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk."""
+    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk; the output is
+    claimed last (OutputLock), once nothing else can refuse the run here."""
+    plan = _plan(cfg, size, node_ranks, prepare)
+    plan.lock = claim_output(cfg)
+    return plan
+
+
+def claim_output(cfg: RunConfig) -> OutputLock:
+    """The output claimed for this run; its checks made again under the claim, since a run that
+    held it until now may have written it meanwhile."""
+    lock = OutputLock(cfg.output).acquire()
+    try:
+        check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     check_launcher(size)
     if prepare is not None:
         prepare()
@@ -120,6 +141,7 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
     if rank == ROOT:
         check_launcher(size)
     cfg.check()
+    check_input_file(cfg.input)   # before any read: a FIFO or a device never ends
     if rank == ROOT:
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -137,6 +159,7 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
         if rank == ROOT:
             check_memory(cfg, len(index), index.steps, index.has_tree, size, node_ranks)
             plan = plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
+            plan.lock = claim_output(cfg)
     return plan, own
 
 

@@ -66,6 +66,8 @@ def generate(dist: str, count: int, seed: int = 0, steps: int = 1000, exercise: 
         raise InputError(f"unknown exercise {exercise!r}; known: {', '.join(EXERCISE)}")
     if count < 1:
         raise InputError(f"--count must be >= 1, got {count}")
+    if seed < 0:
+        raise InputError(f"--seed must be >= 0, got {seed}")
     if steps < 1 or min_steps < 1 or max_steps < min_steps:
         raise InputError(f"steps must be >= 1 and min_steps <= max_steps "
                          f"(got {steps}, {min_steps}, {max_steps})")
@@ -114,3 +116,26 @@ def _generated_by(path: str) -> str | None:
     except (OSError, KeyError):
         return None
     return stamp.decode() if isinstance(stamp, bytes) else stamp
+
+
+# bytes of memory per generated option: its columns and the arrays they are drawn from
+GENERATE_BYTES_PER_OPTION = 200
+
+
+def write_generated(args) -> None:
+    """`pricer generate`: the book of args, checked before any work (output path, memory), then
+    written; prints what it wrote."""
+    from pricer.files import check_output_file
+    from pricer.run.memory import GIB, available_bytes
+
+    check_output_file(args.output, args.overwrite, "portfolio")
+    need, have = args.count * GENERATE_BYTES_PER_OPTION, available_bytes()
+    if need > have:
+        raise InputError(f"--count {args.count}: generating it needs ~{need / GIB:.2f} GiB of "
+                         f"memory, this machine has {have / GIB:.2f} GiB available")
+    portfolio = generate(args.dist, args.count, args.seed, steps=args.steps,
+                         exercise=args.exercise, min_steps=args.min_steps,
+                         max_steps=args.max_steps)
+    write_portfolio(args.output, portfolio)
+    print(f"wrote {args.output}: {len(portfolio)} options ({args.dist}, seed {args.seed}), "
+          f"{portfolio.nodes():.4g} nodes", flush=True)

@@ -6,16 +6,20 @@ import h5py
 import numpy as np
 
 from pricer.errors import InputError
+from pricer.files import check_input_file
 from pricer.io.portfolio import GROUP, read_portfolio
 
 
 def describe(path: str) -> list[str]:
+    check_input_file(path)
     if not h5py.is_hdf5(path):
-        raise InputError(f"{path}: not an HDF5 file" if __import__("os").path.exists(path)
-                         else f"{path}: no such file")
-    with h5py.File(path, "r") as f:
-        kind = "results" if "results" in f else GROUP
-    return _describe_results(path) if kind == "results" else _describe_portfolio(path)
+        raise InputError(f"{path}: not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            kind = "results" if "results" in f else GROUP
+        return _describe_results(path) if kind == "results" else _describe_portfolio(path)
+    except (OSError, KeyError, ValueError, TypeError) as exc:   # cut short, or not pricer's
+        raise InputError(f"{path}: cannot read it: {exc}") from None
 
 
 def _describe_portfolio(path: str) -> list[str]:

@@ -1,0 +1,232 @@
+"""Inputs and outputs a run must refuse before any work: exit 2, one `pricer: error:` line naming
+the cause, no traceback, nothing written or replaced, and no wait on an input that never ends
+(docs/reliability.md, "Refused before any work")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import env, mpiexec, run_pricer
+from pricer.io.portfolio import write_portfolio
+from pricer.io.results import read_results
+from pricer.tools.generate import generate
+
+BAD_INPUT = 2
+
+
+def refused(proc, *needles) -> str:
+    assert proc.returncode == BAD_INPUT, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.stderr.count("pricer: error:") == 1, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+    return proc.stderr
+
+
+@pytest.fixture
+def book(tmp_path):
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), generate("random", 12, seed=3, max_steps=200))
+    return path
+
+
+def test_an_output_that_is_not_a_regular_file_is_never_replaced(tmp_path, book):
+    """/dev/null, a FIFO and a directory stay what they are, --overwrite or not."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for target, kind in (("/dev/null", "a character device"), (fifo, "a FIFO"),
+                         (tmp_path, "a directory")):
+        for extra in ([], ["--overwrite"]):
+            refused(run_pricer(["price", book, "-o", target] + extra), str(target), kind)
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("target,needle", [("", "file name"), ("/proc/results.h5", "cannot write"),
+                                           ("missing/results.h5", "does not exist")])
+def test_an_output_that_cannot_be_written_is_refused_before_pricing(tmp_path, book, target, needle):
+    refused(run_pricer(["price", book, "-o", target], cwd=tmp_path), needle)
+
+
+def test_an_input_that_never_ends_is_refused_at_once(tmp_path):
+    """A FIFO or /dev/zero as the portfolio: refused without reading it (a read would never end),
+    by one process and by every rank of an mpiexec job reading its own rows."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for source, kind in ((fifo, "a FIFO"), ("/dev/zero", "a character device")):
+        refused(run_pricer(["price", source, "-o", tmp_path / "out.h5"], timeout=30), kind)
+        refused(run_pricer(["price", source, "-o", tmp_path / "out.h5", "--distribute", "read"],
+                           ranks=2, timeout=60), kind)
+    refused(run_pricer(["run", fifo], timeout=30), "a FIFO", "job file")
+    refused(run_pricer(["run", tmp_path], timeout=30), "a directory")
+    refused(run_pricer(["info", fifo], timeout=30), "a FIFO")
+    assert not (tmp_path / "out.h5").exists()
+
+
+JOB = """[portfolio]
+path = "book.h5"
+[pricing]
+backend = "serial"
+[output]
+path = "out.h5"
+"""
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('overwrite = "false"', "output.overwrite must be true or false, got 'false' (str)"),
+    ('overwrite = "no"', "output.overwrite must be true or false, got 'no' (str)"),
+    ("overwrite = 1", "output.overwrite must be true or false, got 1 (int)"),
+])
+def test_a_job_files_overwrite_must_be_a_boolean(tmp_path, book, line, needle):
+    """Before, "false", "no" and 1 replaced an existing result; now they are refused by key, value
+    and type, and the result is intact."""
+    os.rename(book, tmp_path / "book.h5")
+    (tmp_path / "job.toml").write_text(JOB.replace('path = "out.h5"', f'path = "out.h5"\n{line}'))
+    (tmp_path / "out.h5").write_bytes(b"the earlier result")
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), needle)
+    assert (tmp_path / "out.h5").read_bytes() == b"the earlier result"
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (('path = "book.h5"', "path = 42"), "portfolio.path must be a file name, got 42 (int)"),
+    (('path = "book.h5"', 'path = "book.h5"\n[portfolio.generate]\ndist = "random"\ncount = 10\n'
+                          'steps = 1.5'),
+     "portfolio.generate.steps must be a whole number, got 1.5 (float)"),
+    (('path = "book.h5"', 'path = "book.h5"\n[portfolio.generate]\ndist = "random"\ncount = "9"'),
+     "portfolio.generate.count must be a whole number, got '9' (str)"),
+    (('backend = "serial"', "backend = 3"), "pricing.backend must be one of"),
+    (('backend = "serial"', 'backend = "serial"\nthreads = true'),
+     "pricing.threads must be a whole number >= 1, got True (bool)"),
+])
+def test_every_job_file_key_is_type_checked(tmp_path, edit, needle):
+    (tmp_path / "job.toml").write_text(JOB.replace(*edit))
+    refused(run_pricer(["run", "job.toml"], cwd=tmp_path), needle)
+    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "book.h5").exists()
+
+
+def test_info_on_a_truncated_file_is_refused(tmp_path, book):
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(book.read_bytes()[:3000])
+    refused(run_pricer(["info", cut]), str(cut), "cannot read")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--count", "10", "--seed", "-1"], "--seed must be >= 0"),
+    (["--count", str(10**12)], "GiB of memory"),
+])
+def test_generate_refuses_before_any_work(tmp_path, args, needle):
+    refused(run_pricer(["generate", "--dist", "random", "-o", tmp_path / "g.h5"] + args),
+            needle)
+    assert not (tmp_path / "g.h5").exists()
+
+
+def test_generate_refuses_an_output_it_cannot_write(tmp_path):
+    refused(run_pricer(["generate", "--dist", "random", "--count", "5", "-o",
+                        tmp_path / "missing" / "g.h5"]), "does not exist")
+    refused(run_pricer(["generate", "--dist", "random", "--count", "5", "-o", "/dev/null",
+                        "--overwrite"]), "a character device")
+
+
+def test_generate_under_mpiexec_writes_its_file_once(tmp_path):
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "pricer", "generate",
+                           "--dist", "random", "--count", "20", "-o", str(tmp_path / "g.h5")],
+                          capture_output=True, text=True, timeout=120, env=env())
+    assert proc.returncode == 0 and proc.stdout.count("wrote ") == 1, proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["g.h5"]
+    refused(subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "pricer", "generate",
+                            "--dist", "random", "--count", "20", "-o", str(tmp_path / "g.h5")],
+                           capture_output=True, text=True, timeout=120, env=env()), "exists")
+
+
+# ------------------------------------------------------------------------- one output, one run
+
+def _books(tmp_path):
+    paths = []
+    for seed in (1, 2):
+        book = generate("random", 40, seed=seed, max_steps=400)
+        book.id[:] = np.arange(len(book)) + 1000 * seed      # whose results these are
+        paths.append(tmp_path / f"book{seed}.h5")
+        write_portfolio(str(paths[-1]), book)
+    return paths
+
+
+def test_two_runs_writing_one_output_one_is_refused(tmp_path):
+    """Two real runs, different inputs, the same -o, no --overwrite, the second started 0.3 s after
+    the first: the second exits 2 naming the first as the holder; the first's results are whole
+    and its own; no lock or temporary file is left."""
+    first, second = _books(tmp_path)
+    out = tmp_path / "shared.h5"
+    slow = dict(env(), PRICER_CHUNK_DELAY="0.3")
+    cmd = [sys.executable, "-m", "pricer", "price"]
+    a = subprocess.Popen(cmd + [str(first), "-o", str(out), "--chunk-nodes", "1e5",
+                                "--backend", "serial"], env=slow, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    while not any(n.endswith(".lock") for n in os.listdir(tmp_path)) and a.poll() is None:
+        time.sleep(0.05)                                   # the first run has claimed it
+    b = subprocess.run(cmd + [str(second), "-o", str(out), "--backend", "serial"], env=env(),
+                       capture_output=True, text=True, timeout=120)
+    stdout, stderr = a.communicate(timeout=120)
+    assert a.returncode == 0, stderr
+    refused(b, "shared.h5", "another run is writing it", f'"pid": {a.pid}')
+    assert list(read_results(str(out))["id"]) == list(range(1000, 1040))
+    assert sorted(os.listdir(tmp_path)) == ["book1.h5", "book2.h5", "shared.h5"]
+
+
+def test_a_dead_holders_claim_is_taken_over(tmp_path):
+    """A lock file whose holder died (kill -9 leaves it; the operating system drops the lock
+    itself): the next run claims it, writes, and removes it."""
+    first, _ = _books(tmp_path)
+    (tmp_path / ".out.h5.lock").write_text('{"host": "gone", "pid": 999999}')
+    proc = run_pricer(["price", first, "-o", tmp_path / "out.h5", "--backend", "serial"])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["book1.h5", "book2.h5", "out.h5"]
+
+
+def test_sigterm_leaves_no_lock_or_temporary_file(tmp_path):
+    first, _ = _books(tmp_path)
+    slow = dict(env(), PRICER_CHUNK_DELAY="0.5")
+    job = subprocess.Popen([sys.executable, "-m", "pricer", "price", str(first), "-o",
+                            str(tmp_path / "out.h5"), "--chunk-nodes", "1e5", "--backend",
+                            "serial"], env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    while not any(n.endswith(".lock") for n in os.listdir(tmp_path)) and job.poll() is None:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 1 and "terminated" in stderr and "Traceback" not in stderr, stderr
+    assert sorted(os.listdir(tmp_path)) == ["book1.h5", "book2.h5"]
+
+
+def test_array_tasks_write_one_file_each(tmp_path):
+    """-o and a job file's output.path take {array_task}, the Slurm array task's id."""
+    first, _ = _books(tmp_path)
+    for task in ("3", "4"):
+        proc = run_pricer(["price", first, "-o", tmp_path / "res-{array_task}.h5", "--backend",
+                           "serial"], extra_env={"SLURM_ARRAY_TASK_ID": task})
+        assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "res-3.h5").exists() and (tmp_path / "res-4.h5").exists()
+    proc = run_pricer(["price", first, "-o", tmp_path / "res-{array_task}.h5"],
+                      extra_env={"SLURM_ARRAY_TASK_ID": ""})
+    refused(proc, "{array_task}", "SLURM_ARRAY_TASK_ID is not set")
+
+
+def test_the_array_job_writes_its_tasks_own_files(tmp_path):
+    """jobs/array.toml as two tasks of an array would run it: each its own book and results."""
+    from helpers import ROOT
+    (tmp_path / "array.toml").write_text((ROOT / "jobs" / "array.toml").read_text()
+                                         .replace("count = 1000", "count = 50"))
+    for task in ("0", "1"):
+        proc = run_pricer(["run", "array.toml", "--backend", "serial"], cwd=tmp_path,
+                          extra_env={"SLURM_ARRAY_TASK_ID": task})
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["array-book-0.h5", "array-book-1.h5",
+                                            "array-results-0.h5", "array-results-1.h5",
+                                            "array.toml"]
