@@ -24,6 +24,8 @@ def _mpi_excepthook():
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
+        from pricer.files import cleanup
+        cleanup()                  # temporary files and the output's claim, before the abort
         comm = MPI.COMM_WORLD
         if comm.Get_size() > 1:
             sys.stderr.write(f"pricer: rank {comm.Get_rank()} failed; aborting all ranks\n")

@@ -177,7 +177,12 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     if rank == ROOT and status == 0:
         fitted, status, message, failure = attempt(
             lambda: fit_devices(cfg, plan, started.engine, infos))
-    trees = verdict(comm, status, message, own)
+    try:
+        trees = verdict(comm, status, message, own)
+    except BaseException:          # another rank refused the run: rank 0 gives its claim up
+        if plan is not None and plan.lock is not None:
+            plan.lock.release()
+        raise
     if failure is not None:
         raise failure
     if reading and rank == ROOT:

@@ -135,6 +135,8 @@ class FailureWatch:
         self._abort(message)
 
     def _abort(self, message: str) -> None:
+        from pricer.files import cleanup
+        cleanup()                  # temporary files and the output's claim, before the abort
         sys.stdout.flush()
         print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
         if self.comm.Get_size() == 1:
