@@ -13,7 +13,7 @@ import signal
 import sys
 
 from pricer import __version__
-from pricer.errors import InputError
+from pricer.errors import InputError, OutputError
 
 
 def _mpi_excepthook():
@@ -266,6 +266,9 @@ def main(argv=None) -> int:
     except InputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"pricer: error: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -5,6 +5,11 @@ class InputError(Exception):
     """Bad input: a message that names the cause (file, column, option ids, value)."""
 
 
+class OutputError(Exception):
+    """The results could not be written after the run priced them: a message that says why and
+    what was kept (exit code 1, no traceback)."""
+
+
 def first_ids(ids, mask, limit=5):
     """The first few ids where mask holds, formatted for a message ("7, 12, 19 and 3 more")."""
     bad = ids[mask]

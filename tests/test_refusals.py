@@ -230,3 +230,63 @@ def test_the_array_job_writes_its_tasks_own_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["array-book-0.h5", "array-book-1.h5",
                                             "array-results-0.h5", "array-results-1.h5",
                                             "array.toml"]
+
+
+# --------------------------------------------------------------------------------- a full disk
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MiB file system (tmpfs), where this machine lets the tests mount one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_an_output_on_a_disk_too_small_is_refused_before_pricing(tmp_path, small_disk):
+    book = tmp_path / "book.h5"
+    write_portfolio(str(book), generate("uniform", 200_000, seed=1, steps=2))
+    started = time.monotonic()
+    refused(run_pricer(["price", book, "-o", small_disk / "out.h5", "--backend", "serial"]),
+            "not enough disk space", "the results need", "free")
+    assert time.monotonic() - started < 60 and os.listdir(small_disk) == []
+
+
+def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
+    """The disk fills while the run prices (after its checks passed): exit 1, one message, no
+    traceback, no temporary file; with a checkpoint, the command it names writes the results
+    elsewhere without pricing again, bitwise those of an uninterrupted run."""
+    book = tmp_path / "book.h5"
+    portfolio = generate("random", 4000, seed=5, max_steps=200)
+    write_portfolio(str(book), portfolio)
+    folder = tmp_path / "ck"
+    slow = dict(env(), PRICER_CHUNK_DELAY="0.3")
+    job = subprocess.Popen([sys.executable, "-m", "pricer", "price", str(book), "-o",
+                            str(small_disk / "out.h5"), "--backend", "serial", "--chunk-nodes",
+                            "2e6", "--checkpoint", str(folder)], env=slow,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not any(n.endswith(".lock") for n in os.listdir(small_disk)) and job.poll() is None:
+        time.sleep(0.05)
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:                      # leave ~16 KiB free
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        f.write(bytes(max(0, free - (16 << 10))))
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 1, stderr
+    assert "Traceback" not in stderr and stderr.count("pricer: error:") == 1, stderr
+    assert "the results could not be written" in stderr and str(folder) in stderr, stderr
+    assert sorted(os.listdir(small_disk)) == ["filler"]
+    other = tmp_path / "elsewhere.h5"
+    proc = run_pricer(["price", book, "-o", other, "--backend", "serial", "--chunk-nodes", "2e6",
+                       "--checkpoint", folder])
+    assert proc.returncode == 0 and "(4000 of them from the checkpoint)" in proc.stdout, proc.stderr
+    from pricer.engines.cpu.serial import SerialEngine
+    from pricer.io.portfolio import columns_from_matrix
+    from pricer.model.lattice import lattice_parameters
+    want = SerialEngine().price(lattice_parameters(columns_from_matrix(portfolio.to_matrix())))
+    got = read_results(str(other))["price"]
+    assert got.tobytes() == want.tobytes()

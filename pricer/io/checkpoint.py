@@ -51,6 +51,11 @@ def split_chunks(costs: np.ndarray, parts: int) -> np.ndarray:
     return np.concatenate(([0], np.clip(inner, 0, len(costs)), [len(costs)])).astype(np.int64)
 
 
+def checkpoint_bytes(options: int, outputs: int, chunks: int) -> float:
+    """A whole checkpoint's size: the values, a header line per chunk, the manifest."""
+    return options * 8 * outputs + 512.0 * chunks + 4096
+
+
 def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 

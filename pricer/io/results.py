@@ -33,6 +33,12 @@ def check_output_path(path: str, overwrite: bool, protect: str | None = None) ->
     check_output_file(path, overwrite, "results")
 
 
+def results_bytes(options: int, outputs: int) -> float:
+    """A results file's size, over-estimated: id and each output as float64 per option, and room
+    for HDF5's metadata and the per-rank /run datasets."""
+    return 1.1 * options * 8 * (1 + outputs) + (64 << 10)
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -40,24 +46,26 @@ def utc_now() -> str:
 def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict,
                   extra: dict | None = None) -> None:
     """Write /results (id, price in input order, provenance attributes, and the `extra` float64
-    datasets such as the Greeks, in the same order) and /run (per-rank stats) to a temporary file
-    beside `path`, then rename it over `path`."""
-    def write(tmp: str) -> None:
-        with h5py.File(tmp, "w") as f:
-            g = f.create_group("results")
-            g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
-            g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
-            for name, values in (extra or {}).items():
-                g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-            g.attrs["schema"] = SCHEMA
-            g.attrs["pricer_version"] = __version__
-            for key, value in attrs.items():
-                g.attrs[key] = value
-            r = f.create_group("run")
-            for key, value in run.items():
-                r.create_dataset(key, data=value)
-
-    atomic_write(path, write)
+    datasets such as the Greeks, in the same order) and /run (per-rank stats) to `path`,
+    atomically. The file is built in memory and then written as plain bytes: a disk that fills
+    during the write then raises OSError (and leaves nothing) where HDF5 writing to the disk
+    itself failed its own clean-up."""
+    with h5py.File("results.h5", "w", driver="core", backing_store=False) as f:
+        g = f.create_group("results")
+        g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
+        g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
+        for name, values in (extra or {}).items():
+            g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
+        g.attrs["schema"] = SCHEMA
+        g.attrs["pricer_version"] = __version__
+        for key, value in attrs.items():
+            g.attrs[key] = value
+        r = f.create_group("run")
+        for key, value in run.items():
+            r.create_dataset(key, data=value)
+        f.flush()
+        image = f.id.get_file_image()
+    atomic_write(path, image)
 
 
 def read_results(path: str) -> dict:

@@ -12,11 +12,13 @@ import numpy as np
 from pricer.errors import InputError
 from pricer.files import check_input_file
 from pricer.io.portfolio import columns_from_matrix, read_portfolio
-from pricer.io.results import check_output_path, sha256_of_file
+from pricer.io.checkpoint import checkpoint_bytes
+from pricer.io.results import check_output_path, results_bytes, sha256_of_file
 from pricer.model.greeks import BUMP, BUMPS, check
 from pricer.model.lattice import lattice_parameters
 from pricer.run import memory
 from pricer.run.config import RunConfig
+from pricer.run.memory import size_text
 
 
 def read_and_check(cfg: RunConfig):
@@ -80,3 +82,30 @@ def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
             lattice_parameters(part, cfg.tree, ids=ids)
         except InputError as exc:
             raise InputError(f"{what}, and {exc}") from None
+
+
+def check_disk(cfg: RunConfig, options: int, chunks: int) -> None:
+    """The output's folder (and the checkpoint's) has room for what the run will write there —
+    the results file, the checkpoint's chunks not yet saved — or InputError with the numbers,
+    before any pricing (a full disk found only at the write would lose the run)."""
+    outputs = len(cfg.analytics().outputs)
+    wanted = [(os.path.dirname(os.path.abspath(cfg.output)), "the results",
+               results_bytes(options, outputs))]
+    if cfg.checkpoint:
+        folder = cfg.checkpoint if os.path.isdir(cfg.checkpoint) else \
+            os.path.dirname(os.path.abspath(cfg.checkpoint))
+        saved = sum(entry.stat().st_size for entry in os.scandir(cfg.checkpoint)
+                    if entry.is_file()) if os.path.isdir(cfg.checkpoint) else 0
+        wanted.append((folder, "the checkpoint",
+                       max(0.0, checkpoint_bytes(options, outputs, chunks) - saved)))
+    by_device: dict = {}
+    for folder, what, nbytes in wanted:
+        entry = by_device.setdefault(os.stat(folder).st_dev, [folder, [], 0.0])
+        entry[1].append(f"{what} need ~{size_text(nbytes)}")
+        entry[2] += nbytes
+    for folder, whats, nbytes in by_device.values():
+        stats = os.statvfs(folder)
+        free = stats.f_bavail * stats.f_frsize
+        if nbytes > free:
+            raise InputError(f"{cfg.output}: not enough disk space in {folder}: "
+                             f"{' and '.join(whats)}, {size_text(free)} is free")

@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from pricer.engines import get_engine, resolve_backend, set_local_rank
+from pricer.errors import OutputError
 from pricer.io.checkpoint import Checkpoint
 from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
 from pricer.io.results import utc_now, write_results
@@ -221,7 +222,18 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
     outputs = cfg.analytics().outputs
     extra = {name: full[:, j] for j, name in enumerate(outputs) if name != "price"}
-    write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
+    try:
+        write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
+    except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
+        if cfg.checkpoint:
+            kept = (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
+                    f"price {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
+                    f"run's other settings) writes them elsewhere without pricing again")
+        else:
+            kept = ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
+                    "are priced, so that a run that cannot write its results can be finished")
+        raise OutputError(f"{cfg.output}: the results could not be written "
+                          f"({exc.strerror or exc}); {kept}") from None
 
 
 def configure_threads(threads: int | None, ranks_here: int) -> int:

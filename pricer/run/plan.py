@@ -24,7 +24,7 @@ from pricer.io.results import check_output_path, sha256_of_file
 from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
 from pricer.model.partition import assign
-from pricer.run.checks import check_lattices, check_memory, read_and_check
+from pricer.run.checks import check_disk, check_lattices, check_memory, read_and_check
 from pricer.run.collectives import ROOT, check_launcher
 from pricer.run.config import RunConfig
 
@@ -63,6 +63,7 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     """Rank 0 only: every check, then the rows each rank prices, chunk by chunk; the output is
     claimed last (OutputLock), once nothing else can refuse the run here."""
     plan = _plan(cfg, size, node_ranks, prepare)
+    check_disk(cfg, len(plan.input_ids), len(plan.cuts) - 1)
     plan.lock = claim_output(cfg)
     return plan
 
@@ -159,6 +160,7 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
         if rank == ROOT:
             check_memory(cfg, len(index), index.steps, index.has_tree, size, node_ranks)
             plan = plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
+            check_disk(cfg, len(index), len(plan.cuts) - 1)
             plan.lock = claim_output(cfg)
     return plan, own
 
