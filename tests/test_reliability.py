@@ -22,6 +22,7 @@ from pricer.files import OutputLock
 from pricer.model.greeks import Analytics, price_with_analytics
 from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
 from pricer.io.results import read_results
+from pricer.tools.generate import generate
 
 RANKS = 3
 DEADLINE = 10.0
@@ -316,6 +317,44 @@ def test_memory_guard_refuses_with_the_numbers(tmp_path, book):
     assert "not enough memory" in proc.stderr and "GiB on rank 0" in proc.stderr \
         and "0.00 GiB available" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists() and seconds < DEADLINE
+
+
+def _memory_cgroup_v1() -> str | None:
+    """This process's cgroup v1 memory folder, where a child with a limit can be made (root)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "memory" in controllers.split(","):
+                    folder = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+                    return folder if os.access(folder, os.W_OK) else None
+    except OSError:
+        pass
+    return None
+
+
+def test_memory_guard_sees_a_cgroup_limit(tmp_path):
+    """Under a 450 MiB cgroup memory limit (what `sbatch --mem` gives with task/cgroup) a
+    3 000 000-option book is refused with the numbers, exit 2, before it is read, where it used
+    to be read until the kernel killed rank 0 (exit 9, no message)."""
+    parent = _memory_cgroup_v1()
+    if parent is None:
+        pytest.skip("no writable cgroup v1 memory hierarchy here (needs root)")
+    path = tmp_path / "big.h5"
+    write_portfolio(str(path), generate("uniform", 3_000_000, seed=1, steps=8))
+    child = os.path.join(parent, f"pricer-test-{os.getpid()}")
+    os.mkdir(child)
+    try:
+        with open(os.path.join(child, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(450 << 20))
+        command = " ".join(pricer_command() + ["price", str(path), "-o", str(tmp_path / "o.h5")])
+        proc = subprocess.run(["sh", "-c", f"echo $$ > {child}/cgroup.procs && exec {command}"],
+                              capture_output=True, text=True, timeout=120, env=env())
+    finally:
+        os.rmdir(child)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "not enough memory" in proc.stderr and "cgroup memory limit" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o.h5").exists()
 
 
 # ------------------------------------------------------------------------- input never modified

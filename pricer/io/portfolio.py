@@ -166,6 +166,23 @@ def read_index(path: str) -> PortfolioIndex:
     return index
 
 
+def book_shape(path: str) -> tuple[int, int | None, bool]:
+    """(options, largest steps, whether it has a tree column) of a portfolio file, reading only its
+    steps column (in blocks), so that a run can be refused for memory before the book is read; the
+    largest steps is None where the column is not valid (the full read then names the fault)."""
+    def read(f):
+        g, names = _checked_group(path, f)
+        ds = g["steps"]
+        if ds.dtype.kind not in "iu":
+            return int(ds.shape[0]), None, TREE_COLUMN in names
+        blocks = [ds[a:a + (1 << 22)] for a in range(0, ds.shape[0], 1 << 22)]
+        least = min(int(b.min()) for b in blocks)
+        most = max(int(b.max()) for b in blocks)
+        valid = 1 <= least and most <= min(max_steps_for_memory(), np.iinfo(np.int64).max)
+        return int(ds.shape[0]), most if valid else None, TREE_COLUMN in names
+    return _with_file(path, read)
+
+
 def _with_file(path: str, read):
     """read(f) on the open file, with a missing, unreadable or non-HDF5 file named."""
     check_input_file(path)

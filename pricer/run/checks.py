@@ -11,7 +11,7 @@ import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
-from pricer.io.portfolio import columns_from_matrix, read_portfolio
+from pricer.io.portfolio import book_shape, columns_from_matrix, read_portfolio
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_of_file
 from pricer.model.greeks import BUMP, BUMPS, check
@@ -21,11 +21,15 @@ from pricer.run.config import RunConfig
 from pricer.run.memory import size_text
 
 
-def read_and_check(cfg: RunConfig):
-    """Rank 0 only: everything that can be wrong with the input, found before any work."""
+def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
+    """Rank 0 only: everything that can be wrong with the input, found before any work; the node's
+    memory checked from the book's shape before the book itself is read."""
     cfg.check()
     check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+    options, most, has_tree = book_shape(cfg.input)
+    if most is not None:      # else the read below names the steps column's fault
+        check_memory(cfg, options, np.array([most]), has_tree, size, node_ranks)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
     # file reads release the GIL, and on a large input it is a large share of rank 0's read
     with ThreadPoolExecutor(max_workers=1) as pool:

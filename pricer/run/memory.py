@@ -48,6 +48,7 @@ class Estimate:
     other: float     # bytes on each other rank
     available: float
     node_ranks: int
+    source: str = "available"   # what limits `available` (available_memory)
 
     def fits(self) -> bool:
         return self.root + (self.node_ranks - 1) * self.other <= self.available
@@ -60,11 +61,40 @@ def parse_bytes(text: str) -> float:
     return float(text.rstrip("KMG")) * scale
 
 
-def available_bytes(environ=os.environ) -> float:
-    """PRICER_MEMORY_LIMIT (bytes, or with a K/M/G suffix) if set, else the kernel's MemAvailable."""
+# A rank's own footprint before any book: Python, numpy, numba, h5py, mpi4py (measured ~200 MiB of
+# resident memory per rank of `mpiexec -n 2 pricer price` on a tiny book, ~325 MiB in a process that
+# compiles numba's kernels). Counted against totals that include the ranks themselves (a Slurm
+# allocation), not against what is still free (MemAvailable, a cgroup's room), which excludes them.
+RANK_BASELINE = 300 << 20
+
+
+def available_bytes(environ=os.environ, node_ranks: int = 1) -> float:
+    """available_memory's bytes."""
+    return available_memory(environ, node_ranks)[0]
+
+
+def available_memory(environ=os.environ, node_ranks: int = 1) -> tuple[float, str]:
+    """(bytes the run may still take on this node, what limits it): PRICER_MEMORY_LIMIT (bytes, or
+    with a K/M/G suffix) if set; else the least of the kernel's MemAvailable, the room left under
+    this process's memory cgroup (v1 or v2, its own and its parents' limits), and Slurm's memory
+    for the job on this node (SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE, MiB)
+    less RANK_BASELINE for each of the node's ranks."""
     limit = environ.get("PRICER_MEMORY_LIMIT", "").strip().upper()
     if limit:
-        return parse_bytes(limit)
+        return parse_bytes(limit), "available (PRICER_MEMORY_LIMIT)"
+    found = [(_mem_available(), "available")]
+    room = _cgroup_room()
+    if room is not None:
+        found.append((room, "left under this process's cgroup memory limit"))
+    slurm = _slurm_memory(environ)
+    if slurm is not None:
+        found.append((slurm - node_ranks * RANK_BASELINE,
+                      f"of Slurm's memory for the job on this node, less {RANK_BASELINE >> 20} MiB "
+                      f"for each of its {node_ranks} rank(s)"))
+    return min(found)
+
+
+def _mem_available() -> float:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -73,6 +103,53 @@ def available_bytes(environ=os.environ) -> float:
     except OSError:
         pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+NO_LIMIT = 1 << 60      # cgroup v1 writes "no limit" as a number near 2^63
+
+
+def _cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The least room (limit - usage) over this process's memory cgroup and its parents; None
+    where no limit is set or the files cannot be read."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            base, files = root, ("memory.max", "memory.current")                  # v2
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes",
+                                                         "memory.usage_in_bytes")  # v1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            folder = os.path.join(base, *parts[:depth])
+            try:
+                with open(os.path.join(folder, files[0])) as f:
+                    text = f.read().strip()
+                with open(os.path.join(folder, files[1])) as f:
+                    used = float(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if text != "max" and text.isdigit() and int(text) < NO_LIMIT:
+                rooms.append(float(text) - used)
+    return min(rooms) if rooms else None
+
+
+def _slurm_memory(environ) -> float | None:
+    """The job's memory on this node as Slurm states it (MiB in its variables), or None."""
+    per_node = environ.get("SLURM_MEM_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return float(per_node) * (1 << 20)
+    per_cpu, cpus = environ.get("SLURM_MEM_PER_CPU", ""), environ.get("SLURM_CPUS_ON_NODE", "")
+    if per_cpu.isdigit() and cpus.isdigit() and int(per_cpu) > 0:
+        return float(per_cpu) * int(cpus) * (1 << 20)
+    return None
 
 
 def estimate(n: int, outputs: int, ranks: int, node_ranks: int, chunk_rows: int, max_steps: int,
@@ -84,14 +161,17 @@ def estimate(n: int, outputs: int, ranks: int, node_ranks: int, chunk_rows: int,
     if read:   # every rank reads its own rows (and the id and steps columns whole)
         other = n * INDEX_BYTES + share * (columns + MATRIX_BYTES + outputs * 8) + working
         root = other + n * (INDEX_BYTES + 2 * outputs * 8)   # the plan's ids/steps, the results
-        return Estimate(root=float(root), other=float(other), available=available_bytes(),
-                        node_ranks=node_ranks)
+        return Estimate(float(root), float(other), *_available(node_ranks))
     matrix = (n if bcast else share) * MATRIX_BYTES
     other = matrix + share * outputs * 8 + working
     root = (n * (columns + MATRIX_BYTES + 2 * outputs * 8)
             + other)
-    return Estimate(root=float(root), other=float(other), available=available_bytes(),
-                    node_ranks=node_ranks)
+    return Estimate(float(root), float(other), *_available(node_ranks))
+
+
+def _available(node_ranks: int) -> tuple:
+    room, source = available_memory(node_ranks=node_ranks)
+    return room, node_ranks, source
 
 
 def check(est: Estimate, what: str) -> None:
@@ -102,7 +182,7 @@ def check(est: Estimate, what: str) -> None:
         f"{what}: not enough memory: this run needs an estimated {est.root / GIB:.2f} GiB on rank 0 "
         f"and {est.other / GIB:.2f} GiB on each other rank, {(est.root + (est.node_ranks - 1) * est.other) / GIB:.2f} GiB "
         f"for the {est.node_ranks} rank(s) on rank 0's node, which has {est.available / GIB:.2f} GiB "
-        f"available; use more nodes, fewer ranks per node, or split the portfolio")
+        f"{est.source}; use more nodes, fewer ranks per node, or split the portfolio")
 
 
 # ----------------------------------------------------------------------- device memory (GPU)

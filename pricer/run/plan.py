@@ -84,8 +84,7 @@ def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     check_launcher(size)
     if prepare is not None:
         prepare()
-    portfolio, matrix, input_sha256 = read_and_check(cfg)
-    check_memory(cfg, len(portfolio), portfolio.steps, portfolio.tree is not None, size, node_ranks)
+    portfolio, matrix, input_sha256 = read_and_check(cfg, size, node_ranks)
     trees = portfolio.trees_used(cfg.tree)
     if not cfg.checkpoint:
         return plan_whole(cfg, portfolio.id, portfolio.steps, matrix, input_sha256, trees,
