@@ -3,9 +3,14 @@ an input can be read and an output written before any work."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import socket
 import stat
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -132,12 +137,6 @@ class OutputLock:
         self.fd = None
 
     def acquire(self) -> "OutputLock":
-        import fcntl
-        import json
-        import socket
-        import sys
-        import time
-
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
