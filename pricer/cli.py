@@ -208,6 +208,12 @@ def _info(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.what in ("gpu", "batch"):
+        from pricer.engines import gpu_available
+        if not gpu_available():
+            raise InputError(f"no usable GPU here: pricer bench {args.what} times the GPU kernels "
+                             f"and needs pycuda, a visible CUDA device and nvcc (PRICER_NO_GPU "
+                             f"unset)")
     if args.what == "gpu":
         from pricer.tools.bench_gpu import bench_gpu
         return bench_gpu(args)

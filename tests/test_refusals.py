@@ -290,3 +290,9 @@ def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
     want = SerialEngine().price(lattice_parameters(columns_from_matrix(portfolio.to_matrix())))
     got = read_results(str(other))["price"]
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("what", ["gpu", "batch"])
+def test_gpu_benches_without_a_gpu_are_refused(what):
+    proc = run_pricer(["bench", what, "--quick"], extra_env={"PRICER_NO_GPU": "1"})
+    refused(proc, "no usable GPU here", f"pricer bench {what}")
