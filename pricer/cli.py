@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 
 from pricer import __version__
 from pricer.errors import InputError, OutputError
@@ -245,36 +246,70 @@ COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _in
             "calibrate": _calibrate, "scaling": _scaling}
 
 
-def _exit_1_on_sigterm() -> None:
-    """SIGTERM ends pricer with exit code 1 (anything else) rather than death by the signal (143).
-    `srun --kill-on-bad-exit=1` (slurm/) terminates a step's other ranks once one exits non-zero,
-    and reports the largest of the ranks' codes: where every rank refuses bad input with 2, a
-    slower rank terminated on its way out must not turn the job's 2 into 143 (main() ignores
-    SIGTERM once its command has returned)."""
-    def terminated(signum, frame):
-        try:
-            from pricer.files import cleanup
-            cleanup()                # temporary files, the output's lock
-            sys.stderr.write("pricer: terminated (SIGTERM)\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_decided: int | None = None      # the command's exit code, once it has returned
+_ending = threading.Lock()
 
-    signal.signal(signal.SIGTERM, terminated)
+
+def _terminated(signum: int) -> None:
+    """End the process for a signal: exit 1 with one line (the temporary files and the output's
+    lock removed first), or, once the command has returned, with the code it decided."""
+    if _decided is not None:
+        os._exit(_decided)
+    _ending.acquire()      # the Python handler and the watcher may both get here: the first ends it
+    try:
+        from pricer.files import cleanup
+        cleanup()
+        sys.stderr.write(f"pricer: terminated ({signal.Signals(signum).name})\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def _exit_1_on_signals() -> None:
+    """SIGTERM and SIGINT (Ctrl-C) end pricer with exit code 1 (anything else), no traceback,
+    rather than death by the signal (143) or a KeyboardInterrupt. `srun --kill-on-bad-exit=1`
+    (slurm/) terminates a step's other ranks once one exits non-zero and reports the largest of
+    the ranks' codes: a slower rank terminated on its way out must not turn the job's 2 into 143,
+    hence the decided code wins once the command has returned.
+    The signals are honoured at once whatever the main thread is doing: a Python handler runs only
+    between the main thread's bytecodes (a kernel pricing one option of millions of steps held it
+    for minutes), so the handler's C part, which runs in whichever thread the signal reaches, also
+    writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread of ours waits on."""
+    for signum in SIGNALS:
+        signal.signal(signum, lambda number, frame: _terminated(number))
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            got = os.read(read_end, 1)
+            if got and got[0] in SIGNALS:
+                _terminated(got[0])
+
+    threading.Thread(target=watch, name="pricer-signals", daemon=True).start()
 
 
 def main(argv=None) -> int:
-    if argv is None:   # a real command line (tests call main(argv) inside pytest)
-        _exit_1_on_sigterm()
+    global _decided
     args = build_parser().parse_args(argv)
+    if argv is None:   # a real command line (tests call main(argv) inside pytest)
+        _exit_1_on_signals()
     try:
-        return COMMANDS[args.command](args)
+        _decided = COMMANDS[args.command](args)
+        return _decided
     except InputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
+        _decided = 2
         return 2
     except OutputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
+        _decided = 1
         return 1
+    except SystemExit as exc:   # every rank's verdict (BadInput): its code is decided too
+        _decided = exc.code if isinstance(exc.code, int) else 1
+        raise
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

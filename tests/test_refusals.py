@@ -296,3 +296,37 @@ def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
 def test_gpu_benches_without_a_gpu_are_refused(what):
     proc = run_pricer(["bench", what, "--quick"], extra_env={"PRICER_NO_GPU": "1"})
     refused(proc, "no usable GPU here", f"pricer bench {what}")
+
+
+# ----------------------------------------------------------------------------------- signals
+
+def _long_book(tmp_path):
+    """One American put of 1 500 000 steps: tens of seconds in one kernel call on this machine."""
+    book = generate("uniform", 1, seed=1, steps=1_500_000, exercise="american")
+    book.volatility[:] = 0.2
+    book.maturity[:] = 1.0
+    path = tmp_path / "long.h5"
+    write_portfolio(str(path), book)
+    return path
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_is_honoured_at_once_during_a_long_lattice(tmp_path, signum):
+    """SIGTERM or Ctrl-C (SIGINT) while one kernel call prices a lattice of 1.5 M steps: exit 1
+    within 5 s, one line naming the signal, no traceback, nothing written, no lock left."""
+    path = _long_book(tmp_path)
+    job = subprocess.Popen([sys.executable, "-m", "pricer", "price", str(path), "-o",
+                            str(tmp_path / "out.h5"), "--backend", "serial"], env=env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not any(n.endswith(".lock") for n in os.listdir(tmp_path)) and job.poll() is None:
+        time.sleep(0.05)
+    time.sleep(2.0)                           # inside the kernel by now
+    assert job.poll() is None, job.communicate()
+    sent = time.monotonic()
+    job.send_signal(signum)
+    _, stderr = job.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert job.returncode == 1 and took < 5.0, (job.returncode, took, stderr)
+    assert f"terminated ({signal.Signals(signum).name})" in stderr, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert sorted(os.listdir(tmp_path)) == ["long.h5"]
