@@ -15,6 +15,7 @@ import threading
 
 from pricer import __version__
 from pricer.errors import InputError, OutputError
+from pricer.files import cleanup
 
 
 def _mpi_excepthook():
@@ -25,7 +26,6 @@ def _mpi_excepthook():
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        from pricer.files import cleanup
         cleanup()                  # temporary files and the output's claim, before the abort
         comm = MPI.COMM_WORLD
         if comm.Get_size() > 1:
@@ -256,12 +256,10 @@ def _terminated(signum: int) -> None:
     lock removed first), or, once the command has returned, with the code it decided."""
     if _decided is not None:
         os._exit(_decided)
-    _ending.acquire()      # the Python handler and the watcher may both get here: the first ends it
+    _ending.acquire()      # two signals may both get here: the first ends the run
     try:
-        from pricer.files import cleanup
         cleanup()
-        sys.stderr.write(f"pricer: terminated ({signal.Signals(signum).name})\n")
-        sys.stderr.flush()
+        os.write(2, f"pricer: terminated ({signal.Signals(signum).name})\n".encode())
     finally:
         os._exit(1)
 
@@ -274,10 +272,12 @@ def _exit_1_on_signals() -> None:
     hence the decided code wins once the command has returned.
     The signals are honoured at once whatever the main thread is doing: a Python handler runs only
     between the main thread's bytecodes (a kernel pricing one option of millions of steps held it
-    for minutes), so the handler's C part, which runs in whichever thread the signal reaches, also
-    writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread of ours waits on."""
-    for signum in SIGNALS:
-        signal.signal(signum, lambda number, frame: _terminated(number))
+    for minutes), so the handler's C part, which runs in whichever thread the signal reaches,
+    writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread of ours waits on and
+    ends the run from; the Python handler itself does nothing (it could run in the middle of an
+    output's claim, whose cleanup must wait for it)."""
+    for signum in SIGNALS:   # caught (not the default, death), and handled by the thread below
+        signal.signal(signum, lambda number, frame: None)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -301,20 +301,22 @@ def main(argv=None) -> int:
         return _decided
     except InputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
+        cleanup()                  # before the code is decided: a late signal exits at once
         _decided = 2
         return 2
     except OutputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
+        cleanup()
         _decided = 1
         return 1
     except SystemExit as exc:   # every rank's verdict (BadInput): its code is decided too
+        cleanup()
         _decided = exc.code if isinstance(exc.code, int) else 1
         raise
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
-        from pricer.files import cleanup
         cleanup()
         if argv is None:
             # the exit code is decided; the interpreter's and MPI's teardown that follows runs

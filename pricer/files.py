@@ -3,6 +3,7 @@ an input can be read and an output written before any work."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -10,6 +11,7 @@ import socket
 import stat
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -106,13 +108,21 @@ def check_output_file(path: str, overwrite: bool, what: str = "output") -> None:
 
 
 # Paths this process must not leave behind if it is stopped: temporary files being written, and
-# the lock files of the outputs it claims (cleanup, called on SIGTERM and at exit).
+# the lock files of the outputs it claims (cleanup, called on SIGTERM and at exit). A claim is made
+# under _CLAIMING, so that a cleanup from another thread (a signal's) never finds a lock file that
+# exists and is not registered yet.
 _LEFT_BEHIND: set = set()
+_CLAIMING = threading.RLock()
 
 
 def cleanup() -> None:
     """Remove this process's temporary files and release its output claims (a handler for
     SIGTERM/SIGINT, which ends the process without running `finally` blocks, calls this)."""
+    with _CLAIMING:
+        _remove_left_behind()
+
+
+def _remove_left_behind() -> None:
     for item in list(_LEFT_BEHIND):
         if isinstance(item, OutputLock):
             item.release()
@@ -137,11 +147,24 @@ class OutputLock:
         self.fd = None
 
     def acquire(self) -> "OutputLock":
+        with _CLAIMING:
+            return self._acquire()
+
+    def _acquire(self) -> "OutputLock":
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    # a file system without POSIX locks (a Lustre client mounted noflock): go on
+                    # without the claim rather than refuse every run there
+                    os.close(fd)
+                    if os.path.getsize(self.path) == 0:
+                        os.remove(self.path)
+                    sys.stderr.write(f"pricer: warning: {self.target}: cannot claim it for this "
+                                     f"run ({exc.strerror}); two runs could write it at once\n")
+                    return self
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise InputError(f"{self.target}: another run is writing it ({holder}); wait for "

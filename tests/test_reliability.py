@@ -387,3 +387,29 @@ def test_sigterm_exits_1(tmp_path, book):
     job.send_signal(signal.SIGTERM)    # it sleeps after its first chunk
     stdout, stderr = job.communicate(timeout=10)
     assert job.returncode == 1 and "pricer: terminated (SIGTERM)" in stderr, (job.returncode, stderr)
+
+
+def test_a_checkpoint_folder_serves_one_run_at_a_time(tmp_path):
+    """Two runs with one --checkpoint DIR and different outputs: the second is refused while the
+    first holds DIR (their chunks would otherwise carry each other's run id); and a run refused
+    before pricing writes nothing into DIR (no manifest to refuse the next run with)."""
+    path = tmp_path / "book.h5"
+    write_portfolio(str(path), make_book())
+    folder = tmp_path / "ck"
+    slow = dict(env(), PRICER_CHUNK_DELAY="0.2")
+    cmd = pricer_command() + ["price", str(path), "--chunk-nodes", CHUNK, "--threads", "1",
+                              "--checkpoint", str(folder)]
+    first = subprocess.Popen(cmd + ["-o", str(tmp_path / "a.h5")], env=slow,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (tmp_path / ".ck.lock").exists() and first.poll() is None:
+        time.sleep(0.05)
+    second = subprocess.run(cmd + ["-o", str(tmp_path / "b.h5")], env=env(), capture_output=True,
+                            text=True, timeout=120)
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    assert second.returncode == 2 and "another run is writing it" in second.stderr, second.stderr
+    assert not (tmp_path / "b.h5").exists()
+    empty = tmp_path / "empty"
+    proc = run_pricer(["price", path, "-o", tmp_path / "a.h5", "--checkpoint", empty])  # exists
+    assert proc.returncode == 2 and "exists" in proc.stderr
+    assert not empty.exists() or os.listdir(empty) == []

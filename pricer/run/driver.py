@@ -133,7 +133,8 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     plan = agreed.plan
     _write(cfg, plan, plan.assemble(full), all_stats, engine_name, size,
            time.perf_counter() - t_start)
-    plan.lock.release()
+    for lock in plan.locks:
+        lock.release()
     stages["write"] = time.perf_counter() - t
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
@@ -181,8 +182,8 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     try:
         trees = verdict(comm, status, message, own)
     except BaseException:          # another rank refused the run: rank 0 gives its claim up
-        if plan is not None and plan.lock is not None:
-            plan.lock.release()
+        for lock in plan.locks if plan is not None else []:
+            lock.release()
         raise
     if failure is not None:
         raise failure

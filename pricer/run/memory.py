@@ -120,10 +120,11 @@ def _cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
     for line in lines:
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hierarchy == "0" and controllers == "":
-            base, files = root, ("memory.max", "memory.current")                  # v2
+            base, files, cache = root, ("memory.max", "memory.current"), "inactive_file"   # v2
         elif "memory" in controllers.split(","):
             base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes",
-                                                         "memory.usage_in_bytes")  # v1
+                                                         "memory.usage_in_bytes")         # v1
+            cache = "total_inactive_file"
         else:
             continue
         parts = [p for p in path.split("/") if p]
@@ -137,8 +138,23 @@ def _cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
             except (OSError, ValueError):
                 continue
             if text != "max" and text.isdigit() and int(text) < NO_LIMIT:
-                rooms.append(float(text) - used)
+                # page cache the kernel can reclaim counts as used, but is room
+                rooms.append(float(text) - used + _stat(os.path.join(folder, "memory.stat"),
+                                                        cache))
     return min(rooms) if rooms else None
+
+
+def _stat(path: str, key: str) -> float:
+    """A counter of a cgroup's memory.stat (0 where it cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return float(value)
+    except (OSError, ValueError):
+        pass
+    return 0.0
 
 
 def _slurm_memory(environ) -> float | None:

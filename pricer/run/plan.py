@@ -12,6 +12,7 @@ Chunk boundaries always include the ranks' bounds, so a chunk belongs to one ran
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from pricer.files import OutputLock, check_input_file
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
 from pricer.io.portfolio import read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_of_file
+from pricer import __version__
 from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
 from pricer.model.partition import assign
@@ -46,7 +48,7 @@ class Plan:
     reuse: list             # [(rows, checkpoint chunk)] read back instead of priced
     checkpoint: Checkpoint | None
     notes: list = field(default_factory=list)   # for the run's summary
-    lock: OutputLock | None = None               # rank 0's claim on the output, until written
+    locks: list = field(default_factory=list)    # rank 0's claims (OutputLock), until written
 
     def assemble(self, priced: np.ndarray) -> np.ndarray:
         """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
@@ -60,36 +62,48 @@ class Plan:
 
 
 def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
-    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk; the output is
-    claimed last (OutputLock), once nothing else can refuse the run here."""
-    plan = _plan(cfg, size, node_ranks, prepare)
-    check_disk(cfg, len(plan.input_ids), len(plan.cuts) - 1)
-    plan.lock = claim_output(cfg)
-    return plan
-
-
-def claim_output(cfg: RunConfig) -> OutputLock:
-    """The output claimed for this run; its checks made again under the claim, since a run that
-    held it until now may have written it meanwhile."""
-    lock = OutputLock(cfg.output).acquire()
-    try:
-        check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def _plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
+    """Rank 0 only: every check, then the rows each rank prices, chunk by chunk. The output (and
+    the checkpoint folder) are claimed (OutputLock) once the checks pass and before the checkpoint
+    folder is written, so that a refused run writes nothing and two runs never share them."""
     check_launcher(size)
     if prepare is not None:
         prepare()
     portfolio, matrix, input_sha256 = read_and_check(cfg, size, node_ranks)
     trees = portfolio.trees_used(cfg.tree)
-    if not cfg.checkpoint:
-        return plan_whole(cfg, portfolio.id, portfolio.steps, matrix, input_sha256, trees,
-                           assign(portfolio.steps, size, cfg.partition))
-    grid = chunk_grid(portfolio.steps, *cfg.chunk_shape())
+    grid = chunk_grid(portfolio.steps, *cfg.chunk_shape()) if cfg.checkpoint else None
+    check_disk(cfg, len(portfolio), len(grid) - 1 if grid is not None else 0)
+    locks = claim(cfg)
+    try:
+        if grid is None:
+            plan = plan_whole(cfg, portfolio.id, portfolio.steps, matrix, input_sha256, trees,
+                              assign(portfolio.steps, size, cfg.partition))
+        else:
+            plan = _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    plan.locks = locks
+    return plan
+
+
+def claim(cfg: RunConfig) -> list:
+    """The output, and the checkpoint folder if any, claimed for this run; the output's checks
+    made again under the claim, since a run that held it until now may have written it."""
+    locks = []
+    try:
+        for target in filter(None, (cfg.output, cfg.checkpoint)):
+            locks.append(OutputLock(os.path.normpath(target)).acquire())
+        check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid) -> Plan:
+    """The chunks a checkpoint does not hold yet, split over the ranks by cost."""
     checkpoint = Checkpoint(cfg.checkpoint)
     resumed = checkpoint.open(input_sha256, checkpoint_settings(cfg, grid))
     done, failed = checkpoint.done(grid, len(cfg.analytics().outputs)) if resumed \
@@ -159,8 +173,8 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
         if rank == ROOT:
             check_memory(cfg, len(index), index.steps, index.has_tree, size, node_ranks)
             plan = plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
-            check_disk(cfg, len(index), len(plan.cuts) - 1)
-            plan.lock = claim_output(cfg)
+            check_disk(cfg, len(index), 0)
+            plan.locks = claim(cfg)
     return plan, own
 
 
@@ -184,6 +198,7 @@ def _merge_cuts(grid: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 def checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
     """What changes the numbers in a chunk file, or which rows a chunk holds."""
     nodes, rows = cfg.chunk_shape()
-    return {"tree": cfg.tree, "backend": resolve_backend(cfg.backend), "greeks": cfg.greeks,
+    return {"pricer": __version__, "tree": cfg.tree, "backend": resolve_backend(cfg.backend),
+            "greeks": cfg.greeks,
             "richardson": cfg.richardson, "chunk_nodes": float(nodes),
             "chunk_rows": rows, "chunks": len(grid) - 1}
