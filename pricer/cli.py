@@ -296,29 +296,26 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None:   # a real command line (tests call main(argv) inside pytest)
         _exit_1_on_signals()
+    code = None
     try:
-        _decided = COMMANDS[args.command](args)
-        return _decided
+        code = COMMANDS[args.command](args)
     except InputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
-        cleanup()                  # before the code is decided: a late signal exits at once
-        _decided = 2
-        return 2
+        code = 2
     except OutputError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
-        cleanup()
-        _decided = 1
-        return 1
+        code = 1
     except SystemExit as exc:   # every rank's verdict (BadInput): its code is decided too
-        cleanup()
-        _decided = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else 1
         raise
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        code = 0
     finally:
-        cleanup()
+        cleanup()                  # before the code is decided: a late signal exits at once
+        _decided = code
         if argv is None:
             # the exit code is decided; the interpreter's and MPI's teardown that follows runs
             # without Python signal handlers, where a SIGTERM would still turn it into 143
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code

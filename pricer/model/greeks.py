@@ -50,11 +50,17 @@ class Analytics:
 
     def lattice_columns(self, cols: dict) -> list[dict]:
         """The columns of every lattice priced per option, in the engine call's order."""
-        parts = [cols]
+        return [part for _, part in self.described_lattices(cols)]
+
+    def described_lattices(self, cols: dict) -> list[tuple[str, dict]]:
+        """lattice_columns, each with why it is priced (for a refusal's message)."""
+        parts = [("the option's own lattice", cols)]
         if self.greeks:
-            parts += bumped(cols)
+            parts += [(f"--greeks reprices each option with volatility and rate bumped by "
+                       f"+-{BUMP}", part) for part in bumped(cols)]
         if self.richardson:
-            parts.append(dict(cols, steps=richardson_steps(cols["steps"])))
+            parts.append(("--richardson also prices each option on M ~ N/2 steps",
+                          dict(cols, steps=richardson_steps(cols["steps"]))))
         return parts
 
     def lattices(self, steps) -> list:

@@ -14,7 +14,7 @@ from pricer.files import check_input_file
 from pricer.io.portfolio import book_shape, columns_from_matrix, read_portfolio
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_of_file
-from pricer.model.greeks import BUMP, BUMPS, check
+from pricer.model.greeks import check
 from pricer.model.lattice import lattice_parameters
 from pricer.run import memory
 from pricer.run.config import RunConfig
@@ -29,7 +29,7 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     options, most, has_tree = book_shape(cfg.input)
     if most is not None:      # else the read below names the steps column's fault
-        check_memory(cfg, options, np.array([most]), has_tree, size, node_ranks)
+        check_memory(cfg, options, most, has_tree, size, node_ranks)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
     # file reads release the GIL, and on a large input it is a large share of rank 0's read
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -41,13 +41,13 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     return portfolio, matrix, input_sha256
 
 
-def check_memory(cfg: RunConfig, options: int, steps: np.ndarray, has_tree: bool, size: int,
+def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, size: int,
                  node_ranks: int) -> None:
     """The node's memory holds what every rank of it needs (memory.estimate), or InputError."""
     analytics = cfg.analytics()
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
     est = memory.estimate(options, len(analytics.outputs), size, node_ranks, cfg.chunk_shape()[1],
-                          int(steps.max()), analytics.lattice_count,
+                          most_steps, analytics.lattice_count,
                           threads, has_tree, cfg.distribute == "bcast", cfg.distribute == "read")
     memory.check(est, cfg.input)
 
@@ -77,11 +77,7 @@ def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
     since an option near the edge of p in (0, 1), or a joshi4 option at M = 1, can fail there only."""
     analytics = cfg.analytics()
     check(cols, analytics, ids)
-    extra = analytics.lattice_columns(cols)[1:]
-    whats = ([f"--greeks reprices each option with volatility and rate bumped by +-{BUMP}"]
-             * len(BUMPS) if analytics.greeks else [])
-    whats += ["--richardson also prices each option on M ~ N/2 steps"] if analytics.richardson else []
-    for what, part in zip(whats, extra):
+    for what, part in analytics.described_lattices(cols)[1:]:
         try:
             lattice_parameters(part, cfg.tree, ids=ids)
         except InputError as exc:

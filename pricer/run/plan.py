@@ -161,6 +161,9 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(sha256_of_file, cfg.input) if rank == ROOT else None
         index = read_index(cfg.input)
+        if rank == ROOT:      # before the rows are read, as read_and_check does
+            check_memory(cfg, len(index), int(index.steps.max()), index.has_tree, size,
+                         node_ranks)
         assignment = assign(index.steps, size, cfg.partition)
         rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
         part = read_portfolio_rows(cfg.input, rows)   # a part's rows are in input order
@@ -171,7 +174,6 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
                       int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
         plan = None
         if rank == ROOT:
-            check_memory(cfg, len(index), index.steps, index.has_tree, size, node_ranks)
             plan = plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
             check_disk(cfg, len(index), 0)
             plan.locks = claim(cfg)
