@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from pricer import __version__
 from pricer.errors import InputError, OutputError
@@ -91,6 +92,10 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
     p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
                    help="lattice nodes per chunk, the unit of checkpoints and failure checks "
                         "(default: by backend, about a second of one rank's work)")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end the run, naming the rank, when a rank finishes no chunk or is not "
+                        "heard from for SECONDS (default: 120 s plus each chunk's own work at a "
+                        "slow rate; docs/reliability.md)")
     p.add_argument("--quiet", action="store_true",
                    help="print nothing but errors (no progress, no summary)")
 
@@ -253,15 +258,32 @@ _ending = threading.Lock()
 
 def _terminated(signum: int) -> None:
     """End the process for a signal: exit 1 with one line (the temporary files and the output's
-    lock removed first), or, once the command has returned, with the code it decided."""
+    lock removed first), or, once the command has returned, with the code it decided. A rank of
+    a job of several ends the whole job (MPI_Abort): a signal to one rank alone would otherwise
+    leave the others waiting for it, and the launcher's exit code would depend on how it ended
+    them (hydra: 1 at -n 2, 9 at -n 3); with the abort it is 1 whichever rank got the signal."""
     if _decided is not None:
         os._exit(_decided)
     _ending.acquire()      # two signals may both get here: the first ends the run
     try:
-        cleanup()
+        cleanup(final=True)
         os.write(2, f"pricer: terminated ({signal.Signals(signum).name})\n".encode())
+        world = _mpi_world()
+        if world is not None:
+            from pricer.run.faults import ABORT_FLUSH
+            time.sleep(ABORT_FLUSH)     # the launcher forwards our line asynchronously
+            world.Abort(1)
     finally:
         os._exit(1)
+
+
+def _mpi_world():
+    """COMM_WORLD if this process has started MPI in a job of several ranks, else None (MPI is
+    not imported just to look: a command that never started it has no one else to end)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
 
 
 def _exit_1_on_signals() -> None:

@@ -41,7 +41,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None] | bytes,
             if fsync:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _CLAIMING:     # not while a cleanup that ends the process removes it (cleanup(final))
+            os.replace(tmp, path)
+            _LEFT_BEHIND.discard(tmp)
     finally:
         _LEFT_BEHIND.discard(tmp)
         if os.path.exists(tmp):
@@ -115,11 +117,17 @@ _LEFT_BEHIND: set = set()
 _CLAIMING = threading.RLock()
 
 
-def cleanup() -> None:
+def cleanup(final: bool = False) -> None:
     """Remove this process's temporary files and release its output claims (a handler for
-    SIGTERM/SIGINT, which ends the process without running `finally` blocks, calls this)."""
-    with _CLAIMING:
+    SIGTERM/SIGINT, which ends the process without running `finally` blocks, calls this).
+    final: the process is about to end; no other thread renames a file or claims an output from
+    now on (they would fail on what was just removed, and print a traceback before the end)."""
+    _CLAIMING.acquire()
+    try:
         _remove_left_behind()
+    finally:
+        if not final:
+            _CLAIMING.release()
 
 
 def _remove_left_behind() -> None:
@@ -152,7 +160,11 @@ class OutputLock:
 
     def _acquire(self) -> "OutputLock":
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:   # its folder is read-only, missing or not ours
+                raise InputError(f"{self.target}: cannot claim it for this run: cannot create "
+                                 f"{self.path} ({exc.strerror})") from None
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

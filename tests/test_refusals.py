@@ -104,6 +104,12 @@ def test_a_job_files_overwrite_must_be_a_boolean(tmp_path, book, line, needle):
     (('backend = "serial"', "backend = 3"), "pricing.backend must be one of"),
     (('backend = "serial"', 'backend = "serial"\nthreads = true'),
      "pricing.threads must be a whole number >= 1, got True (bool)"),
+    (('backend = "serial"', 'backend = "serial"\nstall_timeout = "60"'),
+     "pricing.stall_timeout must be a number of seconds >= 1, got '60' (str)"),
+    (('backend = "serial"', 'backend = "serial"\nstall_timeout = 0.5'),
+     "pricing.stall_timeout must be a number of seconds >= 1, got 0.5 (float)"),
+    (('backend = "serial"', 'backend = "serial"\nstall_timeout = inf'),
+     "pricing.stall_timeout must be a number of seconds >= 1, got inf (float)"),
 ])
 def test_every_job_file_key_is_type_checked(tmp_path, edit, needle):
     (tmp_path / "job.toml").write_text(JOB.replace(*edit))
@@ -330,3 +336,24 @@ def test_a_signal_is_honoured_at_once_during_a_long_lattice(tmp_path, signum):
     assert f"terminated ({signal.Signals(signum).name})" in stderr, stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert sorted(os.listdir(tmp_path)) == ["long.h5"]
+
+
+def test_a_read_only_checkpoint_folder_is_refused_before_pricing(tmp_path, small_disk):
+    """A checkpoint folder on a read-only file system — a new one (its claim cannot be made), an
+    empty one, or one holding this run's checkpoint with chunks still to price — exit 2 before any
+    pricing, one line, nothing written; the checkpoint there is unchanged."""
+    book = tmp_path / "book.h5"
+    write_portfolio(str(book), generate("random", 300, seed=2, max_steps=100))
+    args = ["price", book, "-o", tmp_path / "out.h5", "--backend", "serial", "--chunk-nodes", "1e4"]
+    folder = small_disk / "ck"
+    assert run_pricer(args + ["--checkpoint", folder]).returncode == 0
+    chunks = sorted(folder.glob("chunk-*"))
+    for path in chunks[1::2]:                 # chunks still to price
+        path.unlink()
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    os.remove(tmp_path / "out.h5")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    for target in (folder, small_disk / "new", folder / "sub"):
+        refused(run_pricer(args + ["--checkpoint", target]), str(target), "Read-only file system")
+        assert not (tmp_path / "out.h5").exists()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -140,6 +140,126 @@ def test_fault_ends_job_named_nothing_written(tmp_path, book, fault):
     record(f"fault {fault}", {"exit": proc.returncode, "seconds": round(seconds, 2)})
 
 
+# ------------------------------------------------------------------------- stalls and signals
+
+STALL = 2.0     # --stall-timeout of the stall tests (seconds)
+
+
+def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
+    """The process id of rank `rank` of the job whose command line names `marker` (the launcher
+    gives every rank its number in the environment: PMI_RANK for MPICH, OMPI_COMM_WORLD_RANK)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in _processes(marker):
+            pid = int(line.split(":", 1)[0])
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"PMI_RANK={rank}".encode() in environ or \
+                    f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} of {marker} found")
+
+
+@pytest.mark.parametrize("how,rank", [("stop", 1), ("stop", 0), ("hang", 2)])
+def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
+    """kill -STOP of a rank (its process silent), or a rank whose pricing never returns (its main
+    thread stuck, as on a wedged GPU; PRICER_FAULT=hang): the job ends within the stall timeout
+    and a few seconds, non-zero, naming the rank, its host and its chunks; nothing is written,
+    no process is left, and the same command then finishes from the checkpoint, bitwise."""
+    path, portfolio = book
+    out, folder = tmp_path / "prices.h5", tmp_path / "ck"
+    args = ["price", path, "-o", out, "--chunk-nodes", CHUNK, "--threads", "1",
+            "--checkpoint", folder, "--stall-timeout", STALL]
+    e = env()
+    e.update({"PRICER_CHUNK_DELAY": "0.1", "PRICER_PROGRESS": "off"})
+    if how == "hang":
+        e["PRICER_FAULT"] = f"hang:{rank}:3"
+    cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                           start_new_session=True)
+    try:
+        pid = rank_pid(str(out), rank)
+        deadline = time.monotonic() + 60
+        while _chunks(folder) < 6 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped = time.monotonic()
+        if how == "stop":
+            os.kill(pid, signal.SIGSTOP)
+        stdout, stderr = job.communicate(timeout=60)
+        seconds = time.monotonic() - stopped
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, stdout + stderr
+    host = os.uname().nodename
+    assert f"pricer: error: stalled: rank {rank} (host " in stderr, stderr
+    assert host.split(".")[0] in stderr, stderr
+    assert ("has not been heard from" if how == "stop" else "has finished no chunk") in stderr
+    assert "Traceback" not in stderr, stderr
+    assert seconds < STALL + DEADLINE, seconds
+    assert not out.exists()
+    assert leftover_processes(str(out)) == []
+    saved = _chunks(folder)
+    proc, _ = timed_run([a for a in args if a != STALL and a != "--stall-timeout"], {})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = read_results(str(out))
+    assert bitwise_equal(r["price"], reference(portfolio)["price"])
+    record(f"stall {how} rank {rank}", {"exit": job.returncode, "seconds after the stall":
+                                        round(seconds, 2), "chunks kept": saved})
+
+
+@pytest.mark.parametrize("ranks,rank", [(2, 0), (3, 0), (3, 2)])
+def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, rank):
+    """SIGTERM to one rank, whichever: the whole job ends with the launcher's exit code 1 (the rank
+    calls MPI_Abort; before, hydra said 1 at -n 2 and 9 at -n 3), nothing written, nothing left."""
+    path, _ = book
+    out = tmp_path / "prices.h5"
+    e = env()
+    e.update({"PRICER_CHUNK_DELAY": "0.2", "PRICER_PROGRESS": "off"})
+    cmd = [mpiexec(), "-n", str(ranks)] + pricer_command() + [
+        "price", str(path), "-o", str(out), "--chunk-nodes", CHUNK, "--threads", "1"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                           start_new_session=True)
+    try:
+        pid = rank_pid(str(out), rank)
+        time.sleep(2.5)
+        assert job.poll() is None, job.communicate()
+        sent = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=30)
+        seconds = time.monotonic() - sent
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, (job.returncode, stderr)
+    assert "pricer: terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert seconds < 5, seconds
+    assert leftover_processes(str(out)) == []
+    left = sorted(os.listdir(tmp_path))
+    if rank != 0:   # the abort kills rank 0 outright: its lock file may stay, its lock does not
+        assert left in ([], [f".{out.name}.lock"]), left
+        OutputLock(str(out)).acquire().release()
+        left = sorted(os.listdir(tmp_path))
+    assert left == [], left
+    record(f"SIGTERM to rank {rank} of {ranks}", {"exit": job.returncode,
+                                                  "seconds": round(seconds, 2)})
+
+
+def test_stall_limits_are_never_infinite():
+    from pricer.run.watchdog import (COLD_START, FLOOR, RATE, chunk_limit, chunk_limits,
+                                     silence_limit)
+
+    assert chunk_limit(0, None) == FLOOR and silence_limit(None) == FLOOR
+    assert chunk_limit(3e12, None) == FLOOR + 3e12 / RATE
+    assert chunk_limit(3e12, 7.5) == 7.5 and silence_limit(7.5) == 7.5
+    assert chunk_limits([1e8, 1e8], None) == [FLOOR + 1 + COLD_START, FLOOR + 1]
+    assert chunk_limits([1e8, 1e8], 7.5) == [7.5 + COLD_START, 7.5] and chunk_limits([], 7.5) == []
+
+
 # ------------------------------------------------------------------------- checkpoint, resume
 
 def test_kill_9_and_resume_bitwise_equal(tmp_path, book, rng):

@@ -4,7 +4,8 @@
     [portfolio.generate]   dist, count, seed, steps, exercise, min_steps, max_steps
                            (optional: rank 0 writes `path` from these first, unless it already holds
                            exactly this generated portfolio: pricer.tools.generate)
-    [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson
+    [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson,
+                           stall_timeout
     [output]               path, overwrite
 
 Unknown tables and keys are refused by name here; the values' types and ranges are checked by
@@ -23,7 +24,7 @@ KEYS = {
     "portfolio": {"path", "generate"},
     "portfolio.generate": {"dist", "count", "seed", "steps", "exercise", "min_steps", "max_steps"},
     "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
-                "richardson"},
+                "richardson", "stall_timeout"},
     "output": {"path", "overwrite"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))
@@ -33,7 +34,8 @@ GENERATE_TYPES = {"dist": str, "count": int, "seed": int, "steps": int, "exercis
 JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
             "overwrite": ("output", "overwrite"),
             **{key: ("pricing", key) for key in ("backend", "tree", "partition", "distribute",
-                                                 "threads", "t1", "t2", "greeks", "richardson")}}
+                                                 "threads", "t1", "t2", "greeks", "richardson",
+                                                 "stall_timeout")}}
 
 
 def load_job(path: str) -> dict:

@@ -8,6 +8,7 @@ any work: a job file's values arrive without argparse's checks, so every key is 
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, fields
 
@@ -18,6 +19,7 @@ from pricer.io.checkpoint import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_C
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import tree_named
 from pricer.model.partition import PARTITIONERS
+from pricer.run.watchdog import MINIMUM
 
 DISTRIBUTIONS = ("scatter", "bcast", "read")
 
@@ -40,6 +42,8 @@ class RunConfig:
     resume: bool = False      # accepted for scripts that pass it: a checkpoint resumes by itself
     chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
                                       # None: by backend, chunk_shape)
+    stall_timeout: float | None = None  # seconds a rank may go without progress (None: by
+                                        # each chunk's size, pricer/run/watchdog.py)
     progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
 
     # ---- derived settings
@@ -97,6 +101,10 @@ class RunConfig:
                                               and not isinstance(self.chunk_nodes, bool)
                                               and self.chunk_nodes >= 1),
                  name("chunk_nodes"), self.chunk_nodes, "a number >= 1")
+        _require(self.stall_timeout is None or (isinstance(self.stall_timeout, numbers.Real)
+                                                and not isinstance(self.stall_timeout, bool)
+                                                and MINIMUM <= self.stall_timeout < math.inf),
+                 name("stall_timeout"), self.stall_timeout, f"a number of seconds >= {MINIMUM:g}")
         if self.resume and not self.checkpoint:
             raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume; "
                              "a run given --checkpoint DIR resumes by itself)")

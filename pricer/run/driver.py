@@ -32,9 +32,11 @@ from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict)
 from pricer.run.config import RunConfig
-from pricer.run.faults import FailureWatch, chunk_delay, inject, planned_faults, polite_barrier
+from pricer.run.faults import (FailureWatch, abort_job, chunk_delay, inject, planned_faults,
+                               polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
 from pricer.run.progress import Progress
+from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 STEPS = MATRIX_COLUMNS.index("steps")
@@ -282,9 +284,15 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             started: StartedEngine, chunk_options: int = 0, progress: Progress | None = None):
     """This rank's rows, chunk by chunk (each saved to the checkpoint, if any), as
     (values, engine name, set-up seconds). A failure here is reported to rank 0, which names the
-    rank and ends the job (faults.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
+    rank and ends the job (faults.py); a rank that stops advancing is named and ends it too
+    (watchdog.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
+    stall = StallWatch(comm, cfg.stall_timeout,
+                       lambda message: abort_job(comm, message, in_thread=True))
+    limits = chunk_limits([nodes_priced(local[a:b, STEPS], cfg.analytics()) for a, b, _ in chunks],
+                          cfg.stall_timeout)
+    stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     checkpoint = None
     analytics = cfg.analytics()
     values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
@@ -302,9 +310,11 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             engine.prepare(local[:, STEPS].astype(np.int64), levels=cfg.greeks)
         setup = time.perf_counter() - t
         progress.start()
-        for a, b, chunk in chunks:
+        for (a, b, chunk), limit in zip(chunks, limits):
             inject(faults, rank, done)
             watch.poll()
+            if done:
+                stall.begin(limit)
             outputs = price_with_analytics(engine, columns_from_matrix(local[a:b]), cfg.tree,
                                            ids[a:b], analytics)
             for j, name in enumerate(analytics.outputs):
@@ -312,14 +322,17 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             if checkpoint is not None:
                 checkpoint.save(chunk, values[a:b])
             done += 1
+            stall.done(chunk)
             if progress.enabled:
                 progress.chunk_done(nodes_priced(local[a:b, STEPS], analytics))
             chunk_delay()
         inject(faults, rank, done)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         watch.failed(done, exc)
+    stall.finished()
     # so that rank 0's "gather" is the gather, not the wait for the slowest rank (it shows the
     # progress meanwhile)
     watch.barrier(idle=progress.poll)
+    stall.stop()
     progress.finish()
     return values, engine_name, setup

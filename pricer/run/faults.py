@@ -6,6 +6,7 @@ comma-separated) makes rank RANK fail once it has priced CHUNKS chunks of its sl
   gpu    the GPU engine's error type (GpuUnavailable), as a lost device would raise it
   exit   os._exit(70): the process vanishes without MPI_Finalize
   kill   SIGKILL to itself
+  hang   the main thread sleeps for ever, as in a kernel that never returns (watchdog.py)
 `PRICER_CHUNK_DELAY=SECONDS` sleeps after every chunk (gives a kill -9 test a window).
 
 A rank whose pricing raises sends its cause (a fixed-size byte buffer) to rank 0, which polls for
@@ -32,7 +33,7 @@ MESSAGE_BYTES = 2048
 GRACE = 5.0       # seconds a failed rank waits for rank 0 to abort the job before doing it itself
 POLL = 0.002      # seconds between polls: waiting ranks sleep instead of spinning on the cores
 HARD_EXIT = 70
-KINDS = ("raise", "gpu", "exit", "kill")
+KINDS = ("raise", "gpu", "exit", "kill", "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -65,6 +66,9 @@ def inject(plan: dict[int, str], rank: int, done: int) -> None:
     sys.stderr.flush()
     if kind == "exit":
         os._exit(HARD_EXIT)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -135,16 +139,25 @@ class FailureWatch:
         self._abort(message)
 
     def _abort(self, message: str) -> None:
-        from pricer.files import cleanup
-        cleanup()                  # temporary files and the output's claim, before the abort
-        sys.stdout.flush()
-        print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
-        if self.comm.Get_size() == 1:
-            raise SystemExit(1)
-        # the launcher forwards our stderr asynchronously and drops what is still in flight when
-        # Abort kills the job: on a loaded machine the message can be lost
-        time.sleep(ABORT_FLUSH)
-        self.comm.Abort(1)
+        abort_job(self.comm, message)
+
+
+def abort_job(comm, message: str, in_thread: bool = False) -> None:
+    """End the whole job for `message` (never returns): this process's temporary files and
+    output claims removed, one line on stderr, then MPI_Abort (exit 1 on every rank); alone, exit 1
+    (SystemExit, or from another thread than the main one, os._exit)."""
+    from pricer.files import cleanup
+    cleanup(final=True)        # temporary files and the output's claim, before the abort
+    sys.stdout.flush()
+    print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
+    if comm.Get_size() == 1:
+        if in_thread:
+            os._exit(1)
+        raise SystemExit(1)
+    # the launcher forwards our stderr asynchronously and drops what is still in flight when
+    # Abort kills the job: on a loaded machine the message can be lost
+    time.sleep(ABORT_FLUSH)
+    comm.Abort(1)
 
 
 def _decode(buffer: np.ndarray) -> str:
