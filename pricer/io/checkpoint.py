@@ -86,6 +86,12 @@ class Checkpoint:
                 "settings_sha256": settings_hash(settings)}
         if os.path.exists(manifest):
             self._check(manifest, want)
+            try:   # the chunks still to price must be writable there: rewritten as it is
+                with open(manifest, "rb") as f:
+                    atomic_write(manifest, f.read(), fsync=True)
+            except OSError as exc:
+                raise InputError(f"{self.folder}: cannot write the checkpoint folder: "
+                                 f"{exc.strerror or exc}") from None
             self.run = f"{input_sha256}:{want['settings_sha256']}"
             return True
         if os.path.isdir(self.folder) and os.listdir(self.folder):
@@ -95,7 +101,8 @@ class Checkpoint:
             os.makedirs(self.folder, exist_ok=True)
             atomic_write(manifest, json.dumps(want, indent=1, sort_keys=True).encode(), fsync=True)
         except OSError as exc:
-            raise InputError(f"{self.folder}: cannot write the checkpoint folder: {exc}") from None
+            raise InputError(f"{self.folder}: cannot write the checkpoint folder: "
+                             f"{exc.strerror or exc}") from None
         self.run = f"{input_sha256}:{want['settings_sha256']}"
         return False
 
