@@ -233,6 +233,8 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
@@ -250,7 +252,8 @@ ResumeTimeout=600
 SuspendExcNodes=localnode
 NodeName=localnode NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
 NodeName=gpunode[1-2] NodeAddr=127.0.0.[2-3] CPUs=32 Gres=gpu:4 RealMemory=64000 State=CLOUD
-PartitionName=cpu Nodes=localnode Default=YES MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes=localnode Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes=localnode MaxTime=INFINITE State=UP PriorityTier=2
 PartitionName=gpu Nodes=gpunode[1-2] MaxTime=INFINITE State=UP
 """)
     (root / "gres.conf").write_text("NodeName=gpunode[1-2] Name=gpu Count=4\n")
@@ -398,6 +401,52 @@ def test_scaling_script(cluster, tmp_path):
     assert np.array_equal(_prices(tmp_path / "scaling_results.ranks1.h5"),
                           _prices(tmp_path / "scaling_results.ranks2.h5"))
     assert not list(tmp_path.glob(".pricer-warmup-*")), "the warm-up folder was left behind"
+
+
+@pytest.mark.parametrize("launcher,how", [("srun", "requeue"), ("mpiexec", "requeue"),
+                                          ("srun", "preempt")])
+def test_a_requeued_job_continues_from_its_checkpoint(cluster, job_dirs, reference, launcher, how):
+    """sbatch --requeue, then `scontrol requeue` while the job prices, or a job of a partition of
+    a higher priority tier that preempts it (PreemptMode=REQUEUE): Slurm kills the first attempt
+    and starts the same script again; one command serves both attempts (the checkpoint resumes
+    by itself), the log keeps both, and the results are bitwise the serial ones."""
+    job, submit = job_dirs
+    folder = job / "ck"
+    jid = cluster.sbatch("--requeue", SLURM / "cpu.sbatch", job / "job.toml", "--checkpoint",
+                         folder, "--chunk-nodes", "2e5", cwd=submit,
+                         extra_env=dict(_venv_env(), PRICER_LAUNCHER=launcher,
+                                        PRICER_CHUNK_DELAY="0.2", PRICER_PROGRESS="off"))
+    deadline = time.monotonic() + 120
+    chunks = lambda: len(list(folder.glob("chunk-*"))) if folder.exists() else 0  # noqa: E731
+    while chunks() < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert chunks() >= 4, cluster.logs()
+    if how == "requeue":
+        cluster.slurm("scontrol", "requeue", jid)
+    else:   # both of the node's CPUs, at once: pricer's job is preempted and requeued
+        urgent = cluster.sbatch("-p", "urgent", "-n", "2", "--wrap", "sleep 1", cwd=submit)
+    # Slurm holds a requeued job back for two minutes (its BeginTime); the test does not wait
+    deadline = time.monotonic() + 60
+    while _attempts(submit, jid) < 2 and time.monotonic() < deadline:
+        state = cluster.slurm("squeue", "-h", "-j", jid, "-o", "%T", check=False).stdout.strip()
+        if state == "PENDING":
+            cluster.slurm("scontrol", "update", f"JobId={jid}", "StartTime=now", check=False)
+        time.sleep(0.3)
+    text = _finished(cluster, jid, submit)
+    record = cluster.wait(jid)
+    assert record["Restarts"] == "1", record
+    if how == "preempt":
+        assert cluster.wait(urgent)["JobState"] == "COMPLETED"
+        assert "DUE TO PREEMPTION" in text, text
+    assert text.count("pricer-slurm: job") == 2, text           # both attempts in one log
+    assert "from the checkpoint)" in text, text
+    assert "Traceback" not in text, text
+    assert np.array_equal(_prices(job / "results.h5"), reference)
+
+
+def _attempts(submit: Path, job_id: str) -> int:
+    outs = list(submit.glob(f"*-{job_id}.out"))
+    return outs[0].read_text().count("pricer-slurm: job") if outs else 0
 
 
 # ------------------------------------------------------------------------------------------------
