@@ -4,6 +4,7 @@ refusals with exit code 2, and bad input under `mpiexec -n 3`."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -580,3 +581,14 @@ def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
     engine = Sleeper()
     _, _, walls = time_case(engine, None, repeats=5, min_seconds=0.05)
     assert walls.size >= 25 and walls.sum() >= 0.045
+
+
+@pytest.mark.parametrize("what", ["cpu", "accuracy"])
+def test_every_cpu_bench_quick_mode_runs_end_to_end(tmp_path, what):
+    """`pricer bench cpu|accuracy --quick` as a user runs them (the GPU ones: test_gpu_benches)."""
+    out = tmp_path / "bench.json"
+    proc = run_pricer(["bench", what, "--quick", "--out", out], timeout=600,
+                      extra_env={"PRICER_NO_GPU": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(out.read_text())

@@ -29,6 +29,7 @@ from pricer.model.cost import lattice_nodes
 STEPS = (25, 51, 101, 201, 401, 801, 1601, 3201, 6401, 12801)
 QUICK_STEPS = (25, 51, 101, 201, 401)
 REFERENCE_STEPS = 100_001
+QUICK_REFERENCE_STEPS = 4_001   # --quick: a smoke run of seconds on a CPU, errors down to ~1e-5
 TARGET_ERROR = 1e-4
 
 
@@ -159,8 +160,9 @@ def main(argv=None) -> int:
 
 def add_arguments(ap) -> None:
     ap.add_argument("--quick", action="store_true", help="N up to 401 only")
-    ap.add_argument("--reference-steps", type=int, default=REFERENCE_STEPS,
-                    help=f"N of the lr + Richardson reference (default {REFERENCE_STEPS:,})")
+    ap.add_argument("--reference-steps", type=int, default=None,
+                    help=f"N of the lr + Richardson reference (default {REFERENCE_STEPS:,}; "
+                         f"{QUICK_REFERENCE_STEPS:,} with --quick)")
     ap.add_argument("--backend", default="auto", help="engine (default auto)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--plot", help="write a log-log plot (PNG) here; needs matplotlib")
@@ -176,7 +178,8 @@ def run(a) -> None:
             _plot(result, a.plot)
             print(f"wrote {a.plot}")
         return
-    bench_accuracy(a.quick, a.out, a.plot, a.reference_steps, a.backend)
+    reference_steps = a.reference_steps or (QUICK_REFERENCE_STEPS if a.quick else REFERENCE_STEPS)
+    bench_accuracy(a.quick, a.out, a.plot, reference_steps, a.backend)
 
 
 if __name__ == "__main__":
