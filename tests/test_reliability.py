@@ -347,8 +347,11 @@ def test_the_same_command_starts_and_resumes_a_checkpoint(tmp_path, book):
     args = ["--chunk-nodes", CHUNK, "--threads", "1", "--checkpoint", folder]
     first = run_pricer(["price", path, "-o", tmp_path / "a.h5", "--resume"] + args)
     assert first.returncode == 0 and "from the checkpoint" not in first.stdout, first.stderr
+    leftover = folder / ".chunk-00000003.bin.tmp-4194303"   # a killed attempt's, half written
+    leftover.write_bytes(b'{"chunk": 3')
     again = run_pricer(["price", path, "-o", tmp_path / "b.h5"] + args)
     assert again.returncode == 0, again.stderr
+    assert not leftover.exists()
     assert f"({len(portfolio)} of them from the checkpoint)" in again.stdout, again.stdout
     assert bitwise_equal(read_results(str(tmp_path / "a.h5"))["price"],
                          read_results(str(tmp_path / "b.h5"))["price"])

@@ -86,6 +86,7 @@ class Checkpoint:
                 "settings_sha256": settings_hash(settings)}
         if os.path.exists(manifest):
             self._check(manifest, want)
+            self._remove_leftovers()
             try:   # the chunks still to price must be writable there: rewritten as it is
                 with open(manifest, "rb") as f:
                     atomic_write(manifest, f.read(), fsync=True)
@@ -105,6 +106,17 @@ class Checkpoint:
                              f"{exc.strerror or exc}") from None
         self.run = f"{input_sha256}:{want['settings_sha256']}"
         return False
+
+    def _remove_leftovers(self) -> None:
+        """The temporary files of an attempt that was killed while it wrote a chunk (its rank
+        died before it could remove them): the folder is claimed by this run alone now."""
+        for name in os.listdir(self.folder):
+            if name.startswith(".") and ".tmp-" in name and \
+                    (name.startswith(".chunk-") or name.startswith(f".{MANIFEST}")):
+                try:
+                    os.remove(os.path.join(self.folder, name))
+                except OSError:
+                    pass
 
     def attach(self) -> "Checkpoint":
         """Any rank, once rank 0 has opened the folder: the run's id, from its manifest."""
