@@ -2,7 +2,18 @@
 
 
 class InputError(Exception):
-    """Bad input: a message that names the cause (file, column, option ids, value)."""
+    """Bad input: a message that names the cause (file, column, option ids, value). Where the
+    cause is in the book, `column` is the column's name and `ids` the offending options' ids (all
+    of them, a NumPy array; the message shows the first few); both None where it is not."""
+
+    def __init__(self, message: str, column: str | None = None, ids=None):
+        super().__init__(message)
+        self.column = column
+        self.ids = ids
+
+    def prefixed(self, text: str) -> "InputError":
+        """The same error, its message after `text` (e.g. the input's name)."""
+        return InputError(f"{text}{self}", column=self.column, ids=self.ids)
 
 
 class OutputError(Exception):

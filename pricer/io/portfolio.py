@@ -141,6 +141,47 @@ def read_portfolio_rows(path: str, rows: np.ndarray | None) -> Portfolio:
     return portfolio
 
 
+def portfolio_from_columns(book, source: str = "book") -> Portfolio:
+    """A book held in memory — a pandas DataFrame, a dict of 1-D arrays or a NumPy structured
+    array with the file's columns — checked as read_portfolio checks a file, with the same
+    messages (`source` where they name the file)."""
+    if hasattr(book, "dtype") and getattr(book.dtype, "names", None):
+        names, column = list(book.dtype.names), lambda name: book[name]
+    elif hasattr(book, "columns") and hasattr(book, "__getitem__"):        # a DataFrame
+        names, column = [str(c) for c in book.columns], lambda name: book[name].to_numpy()
+    elif isinstance(book, dict):
+        names, column = [str(c) for c in book], lambda name: book[name]
+    else:
+        raise InputError(f"{source}: a book is a pandas DataFrame, a dict of arrays or a NumPy "
+                         f"structured array, not {type(book).__name__}")
+    unknown = sorted(set(names) - set(ALL_COLUMNS))
+    if unknown:
+        raise InputError(f"{source}: unknown column(s) {', '.join(unknown)}; known columns are "
+                         f"{', '.join(ALL_COLUMNS)}", column=unknown[0])
+    missing = [c for c in ALL_COLUMNS if c not in names and c not in OPTIONAL_COLUMNS]
+    if missing:
+        raise InputError(f"{source}: missing column(s) {', '.join(missing)}", column=missing[0])
+    raw, length = {}, None
+    for name in (c for c in ALL_COLUMNS if c in names):
+        data = np.asarray(column(name))
+        if data.ndim != 1:
+            raise InputError(f"{source}: column {name} has shape {data.shape}, expected 1-D",
+                             column=name)
+        if length is None:
+            length = data.shape[0]
+        elif data.shape[0] != length:
+            raise InputError(f"{source}: column {name} has {data.shape[0]} rows, column id has "
+                             f"{length}", column=name)
+        raw[name] = _typed_column(source, name, data, None)
+    if length == 0:
+        raise InputError(f"{source}: the portfolio is empty (0 options)")
+    for name, default in OPTIONAL_DEFAULTS.items():
+        raw.setdefault(name, np.full(length, default))
+    portfolio = Portfolio(**raw)
+    validate(portfolio, source)
+    return portfolio
+
+
 @dataclass
 class PortfolioIndex:
     """What every rank needs to partition a portfolio without reading it: its id and steps
@@ -260,6 +301,11 @@ def _rows_of(ds, rows: np.ndarray | None, text: bool = False) -> np.ndarray:
 
 def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | None) -> np.ndarray:
     kind = ds.dtype.kind
+    if name == TREE_COLUMN and isinstance(ds, np.ndarray):    # a book in memory (pricer.price)
+        if kind not in "USO" or kind == "O" and not all(isinstance(v, str) for v in ds.tolist()):
+            raise InputError(f"{path}: column tree has dtype {ds.dtype}, expected strings "
+                             f"(tree names: {', '.join(TREE_NAMES)})", column=TREE_COLUMN)
+        return np.asarray(ds, dtype=str)
     if name == TREE_COLUMN:
         if h5py.check_string_dtype(ds.dtype) is None:
             raise InputError(f"{path}: column tree has dtype {ds.dtype}, expected strings "
@@ -268,21 +314,24 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
         return np.array(np.asarray(_rows_of(ds, rows, text=True)).tolist(), dtype=str)
     if name in ("id", "steps"):
         if kind not in "iu":
-            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers")
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected integers",
+                             column=name)
         data = _rows_of(ds, rows)
         if kind == "u" and data.size and data.max() > np.iinfo(np.int64).max:
-            raise InputError(f"{path}: column {name} has values beyond int64")
+            raise InputError(f"{path}: column {name} has values beyond int64", column=name)
         return data.astype(np.int64, copy=False)
     if name in FLAG_COLUMNS:
         if kind not in "biu":
-            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1")
+            raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1",
+                             column=name)
         data = _rows_of(ds, rows)
         if kind != "b" and not np.isin(data, (0, 1)).all():
             raise InputError(f"{path}: column {name} holds values other than 0/1: "
-                             f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}")
+                             f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}", column=name)
         return data.astype(bool, copy=False)
     if kind not in "iuf":
-        raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64")
+        raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64",
+                         column=name)
     return _rows_of(ds, rows).astype(np.float64, copy=False)   # a copy only to convert
 
 
@@ -295,7 +344,7 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
     if (counts > 1).any():
         dup = unique[counts > 1]
         raise InputError(f"{source}: column id has duplicate ids: "
-                         f"{first_ids(dup, np.ones(dup.size, bool))}")
+                         f"{first_ids(dup, np.ones(dup.size, bool))}", column="id", ids=dup)
 
 
 def validate(p: Portfolio, source: str = "portfolio") -> None:
@@ -308,12 +357,13 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
         bad = ~np.isfinite(values)
         if bad.any():
             raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
-                             f"{first_ids(ids, bad)}")
+                             f"{first_ids(ids, bad)}", column=name, ids=ids[bad])
     for name in ("spot", "strike", "maturity", "volatility"):
         bad = getattr(p, name) <= 0.0
         if bad.any():
             raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
-                             f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})")
+                             f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})",
+                             column=name, ids=ids[bad])
     _check_steps(ids, p.steps, source)
     if p.tree is not None:
         bad = ~np.isin(p.tree, TREE_NAMES)
@@ -323,17 +373,19 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
             if len(unknown) > 5:
                 names += f" and {len(unknown) - 5} more"
             raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
-                             f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}")
+                             f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}",
+                             column=TREE_COLUMN, ids=ids[bad])
 
 
 def _check_steps(ids: np.ndarray, steps: np.ndarray, source: str) -> None:
     bad = steps < 1
     if bad.any():
         raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
-                         f"{first_ids(ids, bad)} (first value {int(steps[bad][0])})")
+                         f"{first_ids(ids, bad)} (first value {int(steps[bad][0])})",
+                         column="steps", ids=ids[bad])
     limit = max_steps_for_memory()
     bad = steps > limit
     if bad.any():
         raise InputError(f"{source}: column steps is too large for this machine's memory for option "
                          f"id(s) {first_ids(ids, bad)} (first value {int(steps[bad][0])}, "
-                         f"limit {limit})")
+                         f"limit {limit})", column="steps", ids=ids[bad])

@@ -121,12 +121,14 @@ def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
         short = np.asarray(cols["steps"]) < least
         if wanted and short.any():
             raise InputError(f"{flag} needs steps >= {least} ({why}); option id(s) "
-                             f"{first_ids(ids, short)} have steps {int(cols['steps'][short][0])}")
+                             f"{first_ids(ids, short)} have steps {int(cols['steps'][short][0])}",
+                             column="steps", ids=np.asarray(ids)[short])
     if analytics.greeks:
         low = np.asarray(cols["volatility"]) <= BUMP
         if low.any():
             raise InputError(f"--greeks bumps the volatility by {BUMP}: option id(s) "
-                             f"{first_ids(ids, low)} have volatility <= {BUMP}")
+                             f"{first_ids(ids, low)} have volatility <= {BUMP}",
+                             column="volatility", ids=np.asarray(ids)[low])
 
 
 def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,

@@ -338,7 +338,8 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
     if few.any():
         raise InputError(f"the {name} tree needs steps >= {tree.min_steps}; option id(s) "
                          f"{first_ids(ids, few)} have fewer (first value "
-                         f"{int(np.asarray(cols['steps'])[few][0])})")
+                         f"{int(np.asarray(cols['steps'])[few][0])})", column="steps",
+                         ids=np.asarray(ids)[few])
     dt, log_up, log_down, p = tree.probabilities(cols)
     bad = ~((p > 0.0) & (p < 1.0))
     if bad.any():
@@ -347,7 +348,7 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
             f"the {name} lattice is not arbitrage-free for option id(s) {first_ids(ids, bad)}: "
             f"p = {float(p[first])!r} is outside (0, 1) "
             f"({_inputs(cols, first, 'rate', 'dividend', 'volatility', 'steps')}); "
-            f"use more steps or check the inputs")
+            f"use more steps or check the inputs", ids=np.asarray(ids)[bad])
     bad = ~(np.isfinite(log_up) & np.isfinite(log_down) & (log_up > log_down))
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
@@ -355,7 +356,7 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
             f"the {name} lattice is undefined for option id(s) {first_ids(ids, bad)}: its up and "
             f"down factors are u = {float(np.exp(log_up[first]))!r}, d = "
             f"{float(np.exp(log_down[first]))!r} (need 0 < d < u; "
-            f"{_inputs(cols, first, *INPUT_NAMES)})")
+            f"{_inputs(cols, first, *INPUT_NAMES)})", ids=np.asarray(ids)[bad])
     _check_node_range(cols, name, ids, log_up, log_down)
     return dt, log_up, log_down, p
 
@@ -392,4 +393,5 @@ def _check_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down) 
             f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
             f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
             f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
-            f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps")
+            f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps",
+            ids=np.asarray(ids)[bad])

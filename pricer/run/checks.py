@@ -67,7 +67,7 @@ def check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
             lattice_parameters(cols, cfg.tree, ids=ids[block])
             check_analytics(cols, cfg, ids[block])
         except InputError as exc:
-            raise InputError(f"{cfg.input}: {exc}") from None
+            raise exc.prefixed(f"{cfg.input}: ") from None
 
 
 def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
@@ -81,7 +81,7 @@ def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
         try:
             lattice_parameters(part, cfg.tree, ids=ids)
         except InputError as exc:
-            raise InputError(f"{what}, and {exc}") from None
+            raise exc.prefixed(f"{what}, and ") from None
 
 
 def check_disk(cfg: RunConfig, options: int, chunks: int) -> None:

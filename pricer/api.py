@@ -1,0 +1,69 @@
+"""`pricer.price`: a book priced in this process, for notebooks and services (no files, no MPI).
+
+    import pricer
+    results = pricer.price(book, backend="auto", tree="crr", greeks=False)
+
+`book` is a pandas DataFrame, a dict of 1-D NumPy arrays or a NumPy structured array with the
+portfolio file's columns (docs/formats.md: id, spot, strike, maturity, rate, volatility, steps,
+call, american; dividend and tree optional). The result is a DataFrame with the columns id and
+price, then delta, gamma, theta, vega and rho with greeks=True, in the book's order. The book goes
+through the checks of `pricer price` (the same rules and messages, the book called "book"), and
+bad input raises pricer.InputError, whose `column` and `ids` name the column and the offending
+options' ids where the fault is in the book. Prices are bitwise those of `pricer price` on the
+same book with the same backend and tree (an option's price does not depend on its chunk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pricer.engines import get_engine
+from pricer.errors import InputError
+from pricer.io.checkpoint import chunk_grid
+from pricer.io.portfolio import columns_from_matrix, portfolio_from_columns
+from pricer.model.greeks import price_with_analytics
+from pricer.run.checks import check_lattices
+from pricer.run.config import RunConfig
+
+INVALID = ("refuse",)   # what is done with options that cannot be priced: the whole book refused
+
+_engines: dict = {}     # one engine per backend and overrides for the process: a GPU context, once
+
+
+def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
+          richardson: bool = False, invalid: str = "refuse", threads: int | None = None,
+          source: str = "book"):
+    """The book's prices (and Greeks), as a pandas DataFrame; InputError for bad input."""
+    import pandas as pd
+
+    if invalid not in INVALID:
+        raise InputError(f"invalid must be one of {', '.join(INVALID)}, got {invalid!r}")
+    cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, greeks=greeks,
+                    richardson=richardson, threads=threads).check()
+    portfolio = portfolio_from_columns(book, source)
+    matrix = portfolio.to_matrix(cfg.tree)
+    check_lattices(cfg, matrix, portfolio.id)
+    engine = _engine(cfg)
+    analytics = cfg.analytics()
+    if threads is not None:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    steps = portfolio.steps
+    engine.prepare(steps.astype(np.int64), levels=greeks)
+    values = {name: np.empty(len(portfolio)) for name in analytics.outputs}
+    cuts = chunk_grid(steps, *cfg.chunk_shape())     # bounds the working arrays, as a run does
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        outputs = price_with_analytics(engine, columns_from_matrix(matrix[a:b]), cfg.tree,
+                                       portfolio.id[a:b], analytics)
+        for name in analytics.outputs:
+            values[name][a:b] = outputs[name]
+    return pd.DataFrame({"id": portfolio.id, **values})
+
+
+def _engine(cfg: RunConfig):
+    key = (cfg.backend, tuple(sorted(cfg.engine_overrides().items())))
+    if key not in _engines:
+        engine = get_engine(cfg.backend, **cfg.engine_overrides())
+        engine.warm_up()
+        _engines[key] = engine
+    return _engines[key]
