@@ -16,7 +16,7 @@ import time
 
 from pricer import __version__
 from pricer.errors import InputError, OutputError
-from pricer.files import cleanup
+from pricer.files import cleanup, cleanup_before_exit
 
 
 def _mpi_excepthook():
@@ -266,7 +266,7 @@ def _terminated(signum: int) -> None:
         os._exit(_decided)
     _ending.acquire()      # two signals may both get here: the first ends the run
     try:
-        cleanup(final=True)
+        cleanup_before_exit()
         os.write(2, f"pricer: terminated ({signal.Signals(signum).name})\n".encode())
         world = _mpi_world()
         if world is not None:

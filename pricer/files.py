@@ -130,6 +130,19 @@ def cleanup(final: bool = False) -> None:
             _CLAIMING.release()
 
 
+CLEANUP_WAIT = 3.0   # seconds an ending process waits for its cleanup
+
+
+def cleanup_before_exit(wait: float = CLEANUP_WAIT) -> None:
+    """cleanup(final=True) for a process about to end (os._exit, MPI_Abort), waited for at most
+    `wait` seconds: a removal can block on a hung file system — the very stall a watchdog may be
+    reporting — and the end must not wait for it."""
+    helper = threading.Thread(target=cleanup, kwargs={"final": True}, name="pricer-cleanup",
+                              daemon=True)
+    helper.start()
+    helper.join(wait)
+
+
 def _remove_left_behind() -> None:
     for item in list(_LEFT_BEHIND):
         if isinstance(item, OutputLock):

@@ -32,8 +32,8 @@ from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict)
 from pricer.run.config import RunConfig
-from pricer.run.faults import (FailureWatch, abort_job, chunk_delay, inject, planned_faults,
-                               polite_barrier)
+from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
+                               planned_faults, polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
 from pricer.run.progress import Progress
 from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
@@ -328,8 +328,12 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             chunk_delay()
         inject(faults, rank, done)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
-        watch.failed(done, exc)
+        try:
+            watch.failed(done, exc)
+        finally:              # alone, failed() raises SystemExit: the watchdog must not outlive it
+            stall.abandon()
     stall.finished()
+    inject(faults, rank, END)
     # so that rank 0's "gather" is the gather, not the wait for the slowest rank (it shows the
     # progress meanwhile)
     watch.barrier(idle=progress.poll)

@@ -7,6 +7,8 @@ comma-separated) makes rank RANK fail once it has priced CHUNKS chunks of its sl
   exit   os._exit(70): the process vanishes without MPI_Finalize
   kill   SIGKILL to itself
   hang   the main thread sleeps for ever, as in a kernel that never returns (watchdog.py)
+  stop   SIGSTOP to itself (the whole process stopped: watchdog.py)
+CHUNKS may be `end`: once the rank has priced all its chunks, on its way to the others.
 `PRICER_CHUNK_DELAY=SECONDS` sleeps after every chunk (gives a kill -9 test a window).
 
 A rank whose pricing raises sends its cause (a fixed-size byte buffer) to rank 0, which polls for
@@ -33,7 +35,10 @@ MESSAGE_BYTES = 2048
 GRACE = 5.0       # seconds a failed rank waits for rank 0 to abort the job before doing it itself
 POLL = 0.002      # seconds between polls: waiting ranks sleep instead of spinning on the cores
 HARD_EXIT = 70
-KINDS = ("raise", "gpu", "exit", "kill", "hang")
+KINDS = ("raise", "gpu", "exit", "kill", "hang", "stop")
+
+
+END = "end"
 
 
 class InjectedFault(RuntimeError):
@@ -48,12 +53,13 @@ def planned_faults(rank: int, environ=os.environ) -> dict[int, str]:
         if kind not in KINDS:
             raise ValueError(f"PRICER_FAULT kind {kind!r} is not one of {', '.join(KINDS)}")
         if int(who) == rank:
-            plan[int(after)] = kind
+            plan[after if after == END else int(after)] = kind
     return plan
 
 
-def inject(plan: dict[int, str], rank: int, done: int) -> None:
-    """Fail as planned once `done` chunks are priced (called before each chunk and at the end)."""
+def inject(plan: dict, rank: int, done) -> None:
+    """Fail as planned once `done` chunks are priced (called before each chunk, after the last,
+    and with END once the rank is done)."""
     kind = plan.get(done)
     if kind is None:
         return
@@ -69,6 +75,9 @@ def inject(plan: dict[int, str], rank: int, done: int) -> None:
     if kind == "hang":
         while True:
             time.sleep(3600)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -145,9 +154,13 @@ class FailureWatch:
 def abort_job(comm, message: str, in_thread: bool = False) -> None:
     """End the whole job for `message` (never returns): this process's temporary files and
     output claims removed, one line on stderr, then MPI_Abort (exit 1 on every rank); alone, exit 1
-    (SystemExit, or from another thread than the main one, os._exit)."""
-    from pricer.files import cleanup
-    cleanup(final=True)        # temporary files and the output's claim, before the abort
+    (SystemExit from the main thread, os._exit from another)."""
+    from pricer.files import cleanup, cleanup_before_exit
+    ending = comm.Get_size() > 1 or in_thread      # the process ends here, not by SystemExit
+    if ending:
+        cleanup_before_exit()
+    else:
+        cleanup()
     sys.stdout.flush()
     print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
     if comm.Get_size() == 1:

@@ -10,12 +10,11 @@ chunk has COLD_START more (the engine's kernels compile at their first call). Ne
 ever infinite.
 
 Every rank runs a thread beside its pricing (the engines release the GIL while they price), on a
-communicator of the watchdog's own:
-  - ranks 1..: every BEAT seconds, send rank 0 how long ago their main thread finished its last
-    chunk, their current chunk's limit, their chunks done and whether they are done; end the job,
-    naming rank 0, when rank 0's beats have stopped for longer than the silence limit;
-  - rank 0: every BEAT seconds, send each other rank a beat, and check every rank, itself included:
-    a rank's time without progress is the age it last reported plus the time since that report.
+communicator of the watchdog's own: every BEAT seconds it tells its peers (rank 0: every rank; the
+others: rank 0) how long ago its main thread finished its last chunk, that chunk's limit, its
+chunks done and whether it is done, and checks itself and its peers: a rank's time without
+progress is the age it last reported plus the time since that report, its silence the time since
+its last beat. So rank 0 watches every rank, and every rank watches rank 0.
 The first rank to see a stall prints `pricer: error: rank K (host H, pid P) has finished no chunk
 for S s ...; aborting all ranks` and calls MPI_Abort (exit 1). The chunks saved to a checkpoint
 before are whole (each was written to a temporary file and renamed): the same command continues.
@@ -43,7 +42,7 @@ COLD_START = 600.0   # seconds more for a rank's first chunk: numba compiles the
                      # their first call, 30-50 s per process on a cold cache, more with many ranks
                      # compiling at once on one node (its process stays heard from meanwhile)
 SILENT_BEATS = 4     # a rank whose beats stopped for this many periods is named as not heard from
-FIELDS = 5           # a beat of rank k: age, limit, chunks done, done?, last chunk's number
+FIELDS = 6           # a beat: age, limit, chunks done, done?, last chunk's number, BYE?
 
 
 def chunk_limit(nodes: float, stall_timeout: float | None) -> float:
@@ -68,8 +67,15 @@ def silence_limit(stall_timeout: float | None) -> float:
 
 class StallWatch:
     """One per rank for the compute stage. The main thread calls begin(limit) before each chunk,
-    done(chunk) after it, finished() after its last, and stop() once every rank is past the
-    compute barrier (stop is collective)."""
+    done(chunk) after it, finished() after its last, and, once past the compute barrier, stop()
+    (every rank; it returns when every peer has said goodbye) — or abandon() where the run ends
+    otherwise (an exception on the way out of this rank alone).
+
+    Ending: stop() makes the thread send each peer (rank 0: every rank; the others: rank 0) a last
+    beat, BYE, after which it sends nothing more, and keep taking in beats and checking silence
+    until BYE has come from every peer. Messages from one sender arrive in order, so then nothing
+    is left in flight and the communicator can be freed; and a rank that stops before it says BYE
+    (lost while it waits in the barrier) is still caught by its silence."""
 
     def __init__(self, comm, stall_timeout: float | None, abort, clock=time.monotonic):
         from mpi4py import MPI   # here, not at import: RunConfig reads this module's limits
@@ -79,20 +85,20 @@ class StallWatch:
         self.silence = silence_limit(stall_timeout)
         self.abort = abort               # abort(message): ends the job (faults.abort_job)
         self.clock = clock
-        self.multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.talking = self.size > 1 and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self.comm = comm.Dup() if self.size > 1 else None
         where = (socket.gethostname(), os.getpid())
         self.where = self.comm.allgather(where) if self.comm is not None else [where]
         now = clock()
         # this rank's main thread (written by it, read by the thread)
         self.progress_at, self.limit, self.chunks, self.last_chunk, self.over = now, math.inf, 0, -1, False
-        # rank 0: every rank's last beat, as (arrival, age, limit, chunks, over, last chunk)
+        # every rank's last beat as this rank saw it: (arrival, age, limit, chunks, over, last)
         self.seen = [[now, 0.0, math.inf, 0, False, -1] for _ in range(self.size)]
-        self.sent = np.zeros(self.size, dtype=np.int64)
-        self.received = np.zeros(self.size, dtype=np.int64)
+        self.peers = set(range(1, self.size)) if self.rank == ROOT else {ROOT}
+        self.gone = set()                # peers whose BYE has come
         self.pending = []
-        self.heard_root = now
         self.stopping = threading.Event()
+        self.abandoned = False
         self.thread = threading.Thread(target=self._watch, name="pricer-stall-watch", daemon=True)
         self.thread.start()
 
@@ -111,53 +117,56 @@ class StallWatch:
         self.over = True
 
     def stop(self) -> None:
-        """Every rank, after the compute barrier: end the thread and take in every beat sent on
-        the watchdog's communicator, so that none is left in flight when it is freed."""
+        """Every rank, past the compute barrier: BYE to the peers, and back once every peer's
+        BYE has come (meanwhile a silent peer still ends the job); then the communicator is
+        freed."""
         self.stopping.set()
         self.thread.join()
-        if self.comm is None:
-            return
-        MPI = self.MPI
-        MPI.Request.Waitall(self.pending)
-        expected = np.empty_like(self.sent)
-        self.comm.Alltoall(self.sent, expected)
-        buffer = np.empty(FIELDS)
-        for source in range(self.size):
-            for _ in range(int(expected[source] - self.received[source])):
-                self.comm.Recv([buffer, MPI.DOUBLE], source=source, tag=BEAT_TAG)
-        self.comm.Free()
-        self.comm = None
+        if self.comm is not None:
+            self.MPI.Request.Waitall(self.pending)
+            self.comm.Free()
+            self.comm = None
+
+    def abandon(self) -> None:
+        """This rank leaves the run on its own (its failure ends the job): the thread ends now,
+        says nothing more and checks nothing more; the communicator is left as it is."""
+        self.abandoned = True
+        self.stopping.set()
+        self.thread.join()
 
     # ---- the thread
     def _watch(self) -> None:
-        while not self.stopping.wait(BEAT):
+        said_bye = False
+        while True:
+            stopping = self.stopping.wait(BEAT)
+            if self.abandoned:
+                return
             now = self.clock()
-            if self.comm is None or not self.multiple:
-                self._check(self.rank, self._own(now), now)
+            self.seen[self.rank] = self._own(now)
+            if not self.talking:
+                if stopping:
+                    return
+                self._check(self.rank, now)
                 continue
-            if self.rank == ROOT:
-                self._take_beats(now)
-                self.seen[ROOT] = self._own(now)
-                for rank in range(self.size):
-                    self._check(rank, self.seen[rank], now)
-                for rank in range(1, self.size):
-                    self._send(np.zeros(FIELDS), rank)
-            else:
-                self._send(np.array(self._own(now)[1:], dtype=np.float64), ROOT)
-                self._take_beats(now)
-                silent = now - self.heard_root
-                if silent > self.silence and not self.stopping.is_set():
-                    self.abort(self._stalled_text(
-                        ROOT, None, f"has not been heard from for {silent:.1f} s (stopped, or "
-                                    f"its node lost; limit {self.silence:g} s)"))
-                self._check(self.rank, self._own(now), now)
+            self._take_beats(now)
+            if stopping and not said_bye:
+                for peer in self.peers:
+                    self._send(np.array([0, 0, 0, 1, -1, 1], dtype=np.float64), peer)
+                said_bye = True
+            elif not said_bye:
+                beat = np.array(self.seen[self.rank][1:] + [0], dtype=np.float64)
+                for peer in self.peers:
+                    self._send(beat, peer)
+            if said_bye and self.gone == self.peers:
+                return
+            for rank in ([self.rank] if not said_bye else []) + sorted(self.peers - self.gone):
+                self._check(rank, now)
 
     def _own(self, now: float) -> list:
         return [now, now - self.progress_at, self.limit, self.chunks, self.over, self.last_chunk]
 
     def _send(self, beat: np.ndarray, dest: int) -> None:
         self.pending.append(self.comm.Isend([beat, self.MPI.DOUBLE], dest=dest, tag=BEAT_TAG))
-        self.sent[dest] += 1
         self.pending = [r for r in self.pending if not r.Test()]
 
     def _take_beats(self, now: float) -> None:
@@ -166,20 +175,16 @@ class StallWatch:
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=BEAT_TAG, status=status):
             source = status.Get_source()
             self.comm.Recv([buffer, MPI.DOUBLE], source=source, tag=BEAT_TAG)
-            self.received[source] += 1
-            if self.rank == ROOT:
-                age, limit, chunks, over, last = buffer
-                self.seen[source] = [now, age, limit, int(chunks), bool(over), int(last)]
+            age, limit, chunks, over, last, bye = buffer
+            if bye:
+                self.gone.add(source)
             else:
-                self.heard_root = now
+                self.seen[source] = [now, age, limit, int(chunks), bool(over), int(last)]
 
-    def _check(self, rank: int, seen: list, now: float) -> None:
-        if self.stopping.is_set():
-            return
-        arrival, age, limit, chunks, over, last = seen
+    def _check(self, rank: int, now: float) -> None:
+        arrival, age, limit, chunks, over, last = seen = self.seen[rank]
         silent, stuck = now - arrival, now - arrival + age
-        everyone_over = all(item[4] for item in self.seen) if self.rank == ROOT else False
-        if (silent <= self.silence or everyone_over) and (over or stuck <= limit):
+        if silent <= self.silence and (over or stuck <= limit):
             return
         if silent > SILENT_BEATS * BEAT:     # its thread has stopped beating too
             what = f"has not been heard from for {silent:.1f} s (stopped, or its node lost"
