@@ -6,7 +6,9 @@
 `book` is a pandas DataFrame, a dict of 1-D NumPy arrays or a NumPy structured array with the
 portfolio file's columns (docs/formats.md: id, spot, strike, maturity, rate, volatility, steps,
 call, american; dividend and tree optional). The result is a DataFrame with the columns id and
-price, then delta, gamma, theta, vega and rho with greeks=True, in the book's order. The book goes
+price, then delta, gamma, theta, vega and rho with greeks=True, in the book's order, then with
+invalid="skip" the status of each option (0 priced; else why not, pricer/model/validity.py
+REASONS: NaN prices), where invalid="refuse" (the default) refuses the whole book for one. The book goes
 through the checks of `pricer price` (the same rules and messages, the book called "book"), and
 bad input raises pricer.InputError, whose `column` and `ids` name the column and the offending
 options' ids where the fault is in the book. Prices are bitwise those of `pricer price` on the
@@ -18,14 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.engines import get_engine
-from pricer.errors import InputError
 from pricer.io.checkpoint import chunk_grid
-from pricer.io.portfolio import columns_from_matrix, portfolio_from_columns
+from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix, portfolio_from_columns
 from pricer.model.greeks import price_with_analytics
-from pricer.run.checks import check_lattices
+from pricer.model.validity import PRICED, UNKNOWN_TREE_CODE
+from pricer.run.checks import check_lattices, skip_invalid
 from pricer.run.config import RunConfig
 
-INVALID = ("refuse",)   # what is done with options that cannot be priced: the whole book refused
 
 _engines: dict = {}     # one engine per backend and overrides for the process: a GPU context, once
 
@@ -36,28 +37,35 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
     """The book's prices (and Greeks), as a pandas DataFrame; InputError for bad input."""
     import pandas as pd
 
-    if invalid not in INVALID:
-        raise InputError(f"invalid must be one of {', '.join(INVALID)}, got {invalid!r}")
     cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, greeks=greeks,
-                    richardson=richardson, threads=threads).check()
-    portfolio = portfolio_from_columns(book, source)
-    matrix = portfolio.to_matrix(cfg.tree)
-    check_lattices(cfg, matrix, portfolio.id)
+                    richardson=richardson, threads=threads, invalid=invalid).check()
+    skip = cfg.invalid == "skip"
+    portfolio = portfolio_from_columns(book, source, values=not skip)
+    matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    if skip:
+        status = skip_invalid(cfg, matrix)
+    else:
+        check_lattices(cfg, matrix, portfolio.id)
+        status = np.zeros(len(portfolio), dtype=np.int8)
     engine = _engine(cfg)
     analytics = cfg.analytics()
     if threads is not None:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    steps = portfolio.steps
-    engine.prepare(steps.astype(np.int64), levels=greeks)
-    values = {name: np.empty(len(portfolio)) for name in analytics.outputs}
+    priced = status == PRICED
+    steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)   # 0 where skipped
+    if priced.any():
+        engine.prepare(steps[priced], levels=greeks)
+    values = {name: np.full(len(portfolio), np.nan) for name in analytics.outputs}
     cuts = chunk_grid(steps, *cfg.chunk_shape())     # bounds the working arrays, as a run does
     for a, b in zip(cuts[:-1], cuts[1:]):
-        outputs = price_with_analytics(engine, columns_from_matrix(matrix[a:b]), cfg.tree,
-                                       portfolio.id[a:b], analytics)
-        for name in analytics.outputs:
-            values[name][a:b] = outputs[name]
-    return pd.DataFrame({"id": portfolio.id, **values})
+        rows = np.flatnonzero(priced[a:b]) + a
+        if rows.size:
+            outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), cfg.tree,
+                                           portfolio.id[rows], analytics)
+            for name in analytics.outputs:
+                values[name][rows] = outputs[name]
+    return pd.DataFrame({"id": portfolio.id, **values, **({"status": status} if skip else {})})
 
 
 def _engine(cfg: RunConfig):

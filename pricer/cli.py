@@ -92,6 +92,9 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
     p.add_argument("--chunk-nodes", type=float, default=None, metavar="NODES",
                    help="lattice nodes per chunk, the unit of checkpoints and failure checks "
                         "(default: by backend, about a second of one rank's work)")
+    p.add_argument("--invalid", choices=("refuse", "skip"), default=None,
+                   help="options that fail a value check: refuse the whole book (default), or "
+                        "skip them: price NaN and a status saying why (docs/formats.md)")
     p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
                    help="end the run, naming the rank, when a rank finishes no chunk or is not "
                         "heard from for SECONDS (default: 120 s plus each chunk's own work at a "

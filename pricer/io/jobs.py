@@ -5,7 +5,7 @@
                            (optional: rank 0 writes `path` from these first, unless it already holds
                            exactly this generated portfolio: pricer.tools.generate)
     [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson,
-                           stall_timeout
+                           invalid, stall_timeout
     [output]               path, overwrite
 
 Unknown tables and keys are refused by name here; the values' types and ranges are checked by
@@ -24,7 +24,7 @@ KEYS = {
     "portfolio": {"path", "generate"},
     "portfolio.generate": {"dist", "count", "seed", "steps", "exercise", "min_steps", "max_steps"},
     "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
-                "richardson", "stall_timeout"},
+                "richardson", "invalid", "stall_timeout"},
     "output": {"path", "overwrite"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))
@@ -35,7 +35,7 @@ JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
             "overwrite": ("output", "overwrite"),
             **{key: ("pricing", key) for key in ("backend", "tree", "partition", "distribute",
                                                  "threads", "t1", "t2", "greeks", "richardson",
-                                                 "stall_timeout")}}
+                                                 "invalid", "stall_timeout")}}
 
 
 def load_job(path: str) -> dict:

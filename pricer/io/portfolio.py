@@ -58,11 +58,12 @@ class Portfolio:
     def __len__(self) -> int:
         return int(self.id.shape[0])
 
-    def tree_codes(self, default: str | None = None) -> np.ndarray:
+    def tree_codes(self, default: str | None = None, unknown: int | None = None) -> np.ndarray:
         """Each option's tree as its code in TREE_NAMES: from the tree column where there is one,
-        else `default`'s code (RUN_TREE, -1, if no default is given: the engines' caller decides)."""
+        else `default`'s code (RUN_TREE, -1, if no default is given: the engines' caller decides);
+        `unknown`: the code of a tree name that is not known (None: validate refused it)."""
         if self.tree is not None:
-            return tree_codes(self.tree)
+            return tree_codes(self.tree, unknown)
         code = RUN_TREE if default is None else TREE_NAMES.index(default)
         return np.full(len(self), code, dtype=np.int64)
 
@@ -70,7 +71,7 @@ class Portfolio:
         """The names of the trees that price this portfolio when the run's tree is `default`."""
         return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
 
-    def to_matrix(self, default_tree: str | None = None) -> np.ndarray:
+    def to_matrix(self, default_tree: str | None = None, unknown: int | None = None) -> np.ndarray:
         """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
         tree column holds tree codes (see tree_codes)."""
         # column by column into one matrix: column_stack's per-column copies cost several times
@@ -78,7 +79,7 @@ class Portfolio:
         matrix = np.empty((len(self), len(MATRIX_COLUMNS)))
         for j, name in enumerate(MATRIX_COLUMNS[:-1]):
             matrix[:, j] = getattr(self, name)
-        matrix[:, -1] = self.tree_codes(default_tree)
+        matrix[:, -1] = self.tree_codes(default_tree, unknown)
         return matrix
 
     def take(self, index) -> "Portfolio":
@@ -128,20 +129,21 @@ def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) 
     atomic_write(path, write)
 
 
-def read_portfolio(path: str) -> Portfolio:
-    """Read and validate a portfolio file; any problem raises InputError naming the cause."""
-    return read_portfolio_rows(path, None)
+def read_portfolio(path: str, values: bool = True) -> Portfolio:
+    """Read and validate a portfolio file; any problem raises InputError naming the cause.
+    values=False: the structure only (--invalid skip judges the values option by option)."""
+    return read_portfolio_rows(path, None, values)
 
 
-def read_portfolio_rows(path: str, rows: np.ndarray | None) -> Portfolio:
+def read_portfolio_rows(path: str, rows: np.ndarray | None, values: bool = True) -> Portfolio:
     """The options at row numbers `rows` (increasing; None: all), read and validated. Ids are
     checked for uniqueness among these rows only (read_index checks the whole column)."""
     portfolio = Portfolio(**_with_file(path, lambda f: _read_columns(path, f, rows)))
-    validate(portfolio, path)
+    validate(portfolio, path, values)
     return portfolio
 
 
-def portfolio_from_columns(book, source: str = "book") -> Portfolio:
+def portfolio_from_columns(book, source: str = "book", values: bool = True) -> Portfolio:
     """A book held in memory — a pandas DataFrame, a dict of 1-D arrays or a NumPy structured
     array with the file's columns — checked as read_portfolio checks a file, with the same
     messages (`source` where they name the file)."""
@@ -178,7 +180,7 @@ def portfolio_from_columns(book, source: str = "book") -> Portfolio:
     for name, default in OPTIONAL_DEFAULTS.items():
         raw.setdefault(name, np.full(length, default))
     portfolio = Portfolio(**raw)
-    validate(portfolio, source)
+    validate(portfolio, source, values)
     return portfolio
 
 
@@ -194,8 +196,9 @@ class PortfolioIndex:
         return int(self.id.shape[0])
 
 
-def read_index(path: str) -> PortfolioIndex:
-    """The file's structure checked as read_portfolio does, then only its id and steps columns."""
+def read_index(path: str, values: bool = True) -> PortfolioIndex:
+    """The file's structure checked as read_portfolio does, then only its id and steps columns
+    (values=False: steps out of range are left to --invalid skip)."""
     def read(f):
         g, names = _checked_group(path, f)
         return PortfolioIndex(id=_typed_column(path, "id", g["id"], None),
@@ -203,11 +206,12 @@ def read_index(path: str) -> PortfolioIndex:
                               has_tree=TREE_COLUMN in names)
     index = _with_file(path, read)
     _check_unique(index.id, path)
-    _check_steps(index.id, index.steps, path)
+    if values:
+        _check_steps(index.id, index.steps, path)
     return index
 
 
-def book_shape(path: str) -> tuple[int, int | None, bool]:
+def book_shape(path: str, values: bool = True) -> tuple[int, int | None, bool]:
     """(options, largest steps, whether it has a tree column) of a portfolio file, reading only its
     steps column (in blocks), so that a run can be refused for memory before the book is read; the
     largest steps is None where the column is not valid (the full read then names the fault)."""
@@ -217,6 +221,11 @@ def book_shape(path: str) -> tuple[int, int | None, bool]:
         if ds.dtype.kind not in "iu":
             return int(ds.shape[0]), None, TREE_COLUMN in names
         blocks = [ds[a:a + (1 << 22)] for a in range(0, ds.shape[0], 1 << 22)]
+        if not values:     # --invalid skip: the largest of the steps that can be priced
+            blocks = [b[b > 0] for b in map(priced_steps, blocks)]
+            if not any(b.size for b in blocks):
+                return int(ds.shape[0]), None, TREE_COLUMN in names
+            blocks = [b for b in blocks if b.size]
         least = min(int(b.min()) for b in blocks)
         most = max(int(b.max()) for b in blocks)
         valid = 1 <= least and most <= min(max_steps_for_memory(), np.iinfo(np.int64).max)
@@ -347,11 +356,13 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
                          f"{first_ids(dup, np.ones(dup.size, bool))}", column="id", ids=dup)
 
 
-def validate(p: Portfolio, source: str = "portfolio") -> None:
+def validate(p: Portfolio, source: str = "portfolio", values: bool = True) -> None:
     """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in
-    pricer/model/lattice.py."""
+    pricer/model/lattice.py. values=False: unique ids only (--invalid skip)."""
     ids = p.id
     _check_unique(ids, source)
+    if not values:
+        return
     for name in FLOAT_COLUMNS:
         values = getattr(p, name)
         bad = ~np.isfinite(values)
@@ -375,6 +386,13 @@ def validate(p: Portfolio, source: str = "portfolio") -> None:
             raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
                              f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}",
                              column=TREE_COLUMN, ids=ids[bad])
+
+
+def priced_steps(steps: np.ndarray) -> np.ndarray:
+    """Steps where they can be priced, 0 where they cannot (< 1, or beyond the memory): what a run
+    with --invalid skip partitions and sizes by (its other faults it finds once it has the rows)."""
+    steps = np.asarray(steps).astype(np.int64, copy=False)
+    return np.where((steps >= 1) & (steps <= max_steps_for_memory()), steps, 0)
 
 
 def _check_steps(ids: np.ndarray, steps: np.ndarray, source: str) -> None:

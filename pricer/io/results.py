@@ -54,8 +54,10 @@ def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, r
         g = f.create_group("results")
         g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
         g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
-        for name, values in (extra or {}).items():
-            g.create_dataset(name, data=np.asarray(values, dtype=np.float64))
+        for name, values in (extra or {}).items():   # floats as float64; codes as they are
+            values = np.asarray(values)
+            g.create_dataset(name, data=values if values.dtype.kind in "iu" else
+                             values.astype(np.float64))
         g.attrs["schema"] = SCHEMA
         g.attrs["pricer_version"] = __version__
         for key, value in attrs.items():

@@ -285,14 +285,16 @@ def tree_named(name: str):
         raise InputError(f"unknown tree {name!r}; known trees: {', '.join(TREES)}") from None
 
 
-def tree_codes(names: np.ndarray) -> np.ndarray:
+def tree_codes(names: np.ndarray, unknown: int | None = None) -> np.ndarray:
     """Tree names -> int64 codes, their positions in TREE_NAMES (portfolio.validate has checked
-    that every name is known)."""
+    that every name is known; else `unknown`, where given, is the code of a name that is not)."""
     names = np.asarray(names, dtype=str)
     codes = np.full(names.shape, -1, dtype=np.int64)
     for code, name in enumerate(TREE_NAMES):
         codes[names == name] = code
-    if (codes < 0).any():
+    if unknown is not None:
+        codes[codes < 0] = unknown
+    if (codes < 0).any() and unknown is None:
         raise InputError(f"unknown tree {str(names[codes < 0][0])!r}; known trees: {', '.join(TREES)}")
     return codes
 
@@ -331,6 +333,38 @@ def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = N
     )
 
 
+def lattice_faults(cols: dict, tree: str = "crr") -> np.ndarray:
+    """Per option, whether its lattice cannot be priced — the faults lattice_parameters refuses:
+    too few steps for its tree, p outside (0, 1), d >= u, node prices beyond FP64's range.
+    (Columns that are NaN or out of range come out as faults too.)"""
+    n = int(np.shape(cols["steps"])[0])
+    default = TREE_NAMES.index(tree_named(tree).name)
+    codes = np.asarray(cols.get("tree", np.full(n, -1)), dtype=np.int64)
+    codes = np.where(codes < 0, default, codes)
+    faulty = np.zeros(n, dtype=bool)
+    for code in np.unique(codes):
+        rows = np.flatnonzero(codes == code)
+        sub = {key: np.asarray(value)[rows] for key, value in cols.items()}
+        _, masks = _conditions(sub, TREE_NAMES[int(code)])
+        faulty[rows] = np.logical_or.reduce(masks)
+    return faulty
+
+
+def _conditions(cols: dict, name: str):
+    """One tree's (dt, log_up, log_down, p) for the options in cols, and the masks of its faults in
+    the order they are refused: too few steps, p outside (0, 1), u and d undefined, nodes beyond
+    FP64's range."""
+    tree = TREES[name]
+    few = np.asarray(cols["steps"]) < tree.min_steps
+    with np.errstate(all="ignore"):
+        dt, log_up, log_down, p = tree.probabilities(cols)
+        no_p = ~((p > 0.0) & (p < 1.0))
+        undefined = ~(np.isfinite(log_up) & np.isfinite(log_down) & (log_up > log_down))
+        spread, top, bottom = _node_range(cols, log_up, log_down)
+    wide = ~((spread <= NODE_LOG_LIMIT) & (top <= NODE_LOG_LIMIT) & (bottom >= -NODE_LOG_LIMIT))
+    return (dt, log_up, log_down, p), (few, no_p, undefined, wide)
+
+
 def _parameters(cols: dict, name: str, ids: np.ndarray):
     """One tree's (dt, log_up, log_down, p) for the options in cols, checked."""
     tree = TREES[name]
@@ -340,8 +374,7 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
                          f"{first_ids(ids, few)} have fewer (first value "
                          f"{int(np.asarray(cols['steps'])[few][0])})", column="steps",
                          ids=np.asarray(ids)[few])
-    dt, log_up, log_down, p = tree.probabilities(cols)
-    bad = ~((p > 0.0) & (p < 1.0))
+    (dt, log_up, log_down, p), (_, bad, undefined, wide) = _conditions(cols, name)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
         raise InputError(
@@ -349,15 +382,16 @@ def _parameters(cols: dict, name: str, ids: np.ndarray):
             f"p = {float(p[first])!r} is outside (0, 1) "
             f"({_inputs(cols, first, 'rate', 'dividend', 'volatility', 'steps')}); "
             f"use more steps or check the inputs", ids=np.asarray(ids)[bad])
-    bad = ~(np.isfinite(log_up) & np.isfinite(log_down) & (log_up > log_down))
-    if bad.any():
+    if undefined.any():
+        bad = undefined
         first = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"the {name} lattice is undefined for option id(s) {first_ids(ids, bad)}: its up and "
             f"down factors are u = {float(np.exp(log_up[first]))!r}, d = "
             f"{float(np.exp(log_down[first]))!r} (need 0 < d < u; "
             f"{_inputs(cols, first, *INPUT_NAMES)})", ids=np.asarray(ids)[bad])
-    _check_node_range(cols, name, ids, log_up, log_down)
+    if wide.any():
+        _refuse_node_range(cols, name, ids, log_up, log_down, wide)
     return dt, log_up, log_down, p
 
 
@@ -378,20 +412,25 @@ def _inputs(cols: dict, row: int, *names: str) -> str:
 NODE_LOG_LIMIT = 700.0
 
 
-def _check_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down) -> None:
+def _node_range(cols: dict, log_up, log_down):
+    """ln of (u/d)^N (the widest node factor), of the highest and of the lowest node price."""
     steps = np.asarray(cols["steps"], dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
-        spread = steps * (log_up - log_down)                 # ln of (u/d)^N, the widest node factor
-        top = log_spot + steps * np.maximum(log_up, 0.0)     # ln of the highest node price
-        bottom = log_spot + steps * np.minimum(log_down, 0.0)  # ln of the lowest
-    bad = ~((spread <= NODE_LOG_LIMIT) & (top <= NODE_LOG_LIMIT) & (bottom >= -NODE_LOG_LIMIT))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise InputError(
-            f"the {name} lattice's node prices leave the FP64 range for option id(s) "
-            f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
-            f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
-            f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
-            f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps",
-            ids=np.asarray(ids)[bad])
+        spread = steps * (log_up - log_down)
+        top = log_spot + steps * np.maximum(log_up, 0.0)
+        bottom = log_spot + steps * np.minimum(log_down, 0.0)
+    return spread, top, bottom
+
+
+def _refuse_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down, bad) -> None:
+    steps = np.asarray(cols["steps"], dtype=np.float64)
+    spread, top, bottom = _node_range(cols, log_up, log_down)
+    first = int(np.flatnonzero(bad)[0])
+    raise InputError(
+        f"the {name} lattice's node prices leave the FP64 range for option id(s) "
+        f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
+        f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
+        f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
+        f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps",
+        ids=np.asarray(ids)[bad])

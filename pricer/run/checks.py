@@ -11,11 +11,13 @@ import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
-from pricer.io.portfolio import book_shape, columns_from_matrix, read_portfolio
+from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix,
+                                 max_steps_for_memory, read_portfolio)
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_of_file
 from pricer.model.greeks import check
 from pricer.model.lattice import lattice_parameters
+from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped
 from pricer.run import memory
 from pricer.run.config import RunConfig
 from pricer.run.memory import size_text
@@ -27,18 +29,36 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     cfg.check()
     check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
-    options, most, has_tree = book_shape(cfg.input)
+    skip = cfg.invalid == "skip"
+    options, most, has_tree = book_shape(cfg.input, values=not skip)
     if most is not None:      # else the read below names the steps column's fault
         check_memory(cfg, options, most, has_tree, size, node_ranks)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
     # file reads release the GIL, and on a large input it is a large share of rank 0's read
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(sha256_of_file, cfg.input)
-        portfolio = read_portfolio(cfg.input)
-        matrix = portfolio.to_matrix(cfg.tree)  # the tree column, or the run's tree, as codes
-        check_lattices(cfg, matrix, portfolio.id)
+        portfolio = read_portfolio(cfg.input, values=not skip)
+        # the tree column, or the run's tree, as codes
+        matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+        if skip:
+            skip_invalid(cfg, matrix)
+            portfolio.steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+        else:
+            check_lattices(cfg, matrix, portfolio.id)
         input_sha256 = digest.result()
     return portfolio, matrix, input_sha256
+
+
+def skip_invalid(cfg: RunConfig, matrix: np.ndarray) -> np.ndarray:
+    """--invalid skip: every row's status (pricer/model/validity.py), the rows that cannot be
+    priced marked as skipped in the matrix; block by block, as check_lattices."""
+    status = np.empty(len(matrix), dtype=np.int8)
+    steps = MATRIX_COLUMNS.index("steps")
+    for a in range(0, len(matrix), CHECK_ROWS):
+        block = matrix[a:a + CHECK_ROWS]
+        status[a:a + CHECK_ROWS] = mark_skipped(block, columns_from_matrix(block), cfg.tree,
+                                                cfg.analytics(), max_steps_for_memory(), steps)
+    return status
 
 
 def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, size: int,
@@ -88,7 +108,7 @@ def check_disk(cfg: RunConfig, options: int, chunks: int) -> None:
     """The output's folder (and the checkpoint's) has room for what the run will write there —
     the results file, the checkpoint's chunks not yet saved — or InputError with the numbers,
     before any pricing (a full disk found only at the write would lose the run)."""
-    outputs = len(cfg.analytics().outputs)
+    outputs = len(cfg.outputs())
     wanted = [(os.path.dirname(os.path.abspath(cfg.output)), "the results",
                results_bytes(options, outputs))]
     if cfg.checkpoint:

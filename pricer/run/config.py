@@ -22,6 +22,7 @@ from pricer.model.partition import PARTITIONERS
 from pricer.run.watchdog import MINIMUM
 
 DISTRIBUTIONS = ("scatter", "bcast", "read")
+INVALID = ("refuse", "skip")
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RunConfig:
     resume: bool = False      # accepted for scripts that pass it: a checkpoint resumes by itself
     chunk_nodes: float | None = None  # lattice nodes per chunk (the unit of checkpoints and aborts;
                                       # None: by backend, chunk_shape)
+    invalid: str = "refuse"   # refuse: one bad option refuses the book; skip: it is not priced
+                              # (NaN, its status says why: pricer/model/validity.py)
     stall_timeout: float | None = None  # seconds a rank may go without progress (None: by
                                         # each chunk's size, pricer/run/watchdog.py)
     progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
@@ -52,6 +55,11 @@ class RunConfig:
 
     def analytics(self) -> Analytics:
         return Analytics(greeks=self.greeks, richardson=self.richardson)
+
+    def outputs(self) -> tuple:
+        """What a run computes per option, as the columns of its values: price and the Greeks,
+        then, with --invalid skip, each option's status."""
+        return self.analytics().outputs + (("status",) if self.invalid == "skip" else ())
 
     def chunk_shape(self) -> tuple[float, int]:
         """(nodes, rows) per chunk. Each chunk is one engine call: a GPU call pays a launch tail as
@@ -80,7 +88,7 @@ class RunConfig:
             _require(isinstance(getattr(self, key), str) and getattr(self, key), name(key),
                      getattr(self, key), "a file name")
         for key, allowed in (("backend", backends()), ("partition", PARTITIONERS),
-                             ("distribute", DISTRIBUTIONS)):
+                             ("distribute", DISTRIBUTIONS), ("invalid", INVALID)):
             value = getattr(self, key)
             if not isinstance(value, str) or value not in allowed:
                 raise InputError(f"{name(key)} must be one of {', '.join(allowed)}, got "

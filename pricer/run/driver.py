@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from pricer.io.results import utc_now, write_results
 from pricer.model.cost import nodes_priced
 from pricer.model.greeks import Analytics, price_with_analytics
 from pricer.model.lattice import TREE_NAMES
+from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict)
@@ -133,15 +135,21 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
 
     t = time.perf_counter()
     plan = agreed.plan
-    _write(cfg, plan, plan.assemble(full), all_stats, engine_name, size,
-           time.perf_counter() - t_start)
+    values = plan.assemble(full)
+    _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start)
     for lock in plan.locks:
         lock.release()
     stages["write"] = time.perf_counter() - t
+    notes = plan.notes + agreed.notes
+    if cfg.invalid == "skip":
+        status = values[:, -1].astype(np.int8)
+        skipped = int((status != PRICED).sum())
+        notes.append(f"--invalid skip: {skipped} of {len(status)} options not priced"
+                     + (f" ({reasons_text(status)})" if skipped else ""))
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
                       analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
-                      engine_start=agreed.started.seconds, notes=plan.notes + agreed.notes)
+                      engine_start=agreed.started.seconds, notes=notes)
 
 
 def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
@@ -220,11 +228,14 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": plan.input_sha256,
              "input_path": os.path.abspath(cfg.input), "greeks": bool(cfg.greeks),
-             "richardson": bool(cfg.richardson)}
+             "richardson": bool(cfg.richardson), "invalid": cfg.invalid}
+    if cfg.invalid == "skip":
+        attrs["status_reasons"] = json.dumps({str(code): text for code, text in REASONS.items()})
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
-    outputs = cfg.analytics().outputs
-    extra = {name: full[:, j] for j, name in enumerate(outputs) if name != "price"}
+    extra = {name: full[:, j] for j, name in enumerate(cfg.outputs()) if name != "price"}
+    if "status" in extra:
+        extra["status"] = extra["status"].astype(np.int8)
     try:
         write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
@@ -295,7 +306,13 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     checkpoint = None
     analytics = cfg.analytics()
-    values = np.empty((local.shape[0], len(analytics.outputs)))  # price, then the Greeks
+    # price, then the Greeks, then with --invalid skip each option's status (model/validity.py)
+    values = np.empty((local.shape[0], len(cfg.outputs())))
+    priced = np.ones(local.shape[0], dtype=bool)
+    if cfg.invalid == "skip":
+        values[:, -1] = status_of(local)
+        priced = values[:, -1] == PRICED
+        values[~priced, :len(analytics.outputs)] = np.nan
     done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
     progress = progress or Progress()
     try:
@@ -306,8 +323,8 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             checkpoint = Checkpoint(cfg.checkpoint).attach()
         engine.fit_device(chunk_options)       # before prepare() sizes the buffers
         t = time.perf_counter()
-        if local.shape[0]:
-            engine.prepare(local[:, STEPS].astype(np.int64), levels=cfg.greeks)
+        if priced.any():
+            engine.prepare(local[priced, STEPS].astype(np.int64), levels=cfg.greeks)
         setup = time.perf_counter() - t
         progress.start()
         for (a, b, chunk), limit in zip(chunks, limits):
@@ -315,10 +332,12 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             watch.poll()
             if done:
                 stall.begin(limit)
-            outputs = price_with_analytics(engine, columns_from_matrix(local[a:b]), cfg.tree,
-                                           ids[a:b], analytics)
-            for j, name in enumerate(analytics.outputs):
-                values[a:b, j] = outputs[name]
+            rows = np.flatnonzero(priced[a:b]) + a      # all of them, unless --invalid skip
+            if rows.size:
+                outputs = price_with_analytics(engine, columns_from_matrix(local[rows]), cfg.tree,
+                                               ids[rows], analytics)
+                for j, name in enumerate(analytics.outputs):
+                    values[rows, j] = outputs[name]
             if checkpoint is not None:
                 checkpoint.save(chunk, values[a:b])
             done += 1

@@ -20,13 +20,16 @@ import numpy as np
 
 from pricer.files import OutputLock, check_input_file
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
-from pricer.io.portfolio import read_index, read_portfolio_rows
+from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_of_file
 from pricer import __version__
 from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
+from pricer.model.lattice import TREE_NAMES
 from pricer.model.partition import assign
-from pricer.run.checks import check_disk, check_lattices, check_memory, read_and_check
+from pricer.model.validity import UNKNOWN_TREE_CODE
+from pricer.run.checks import (check_disk, check_lattices, check_memory, read_and_check,
+                               skip_invalid)
 from pricer.run.collectives import ROOT, check_launcher
 from pricer.run.config import RunConfig
 
@@ -69,7 +72,8 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     if prepare is not None:
         prepare()
     portfolio, matrix, input_sha256 = read_and_check(cfg, size, node_ranks)
-    trees = portfolio.trees_used(cfg.tree)
+    codes = np.unique(matrix[:, -1]).astype(np.int64)   # skipped options' codes are < 0
+    trees = [TREE_NAMES[code] for code in codes[codes >= 0]]
     grid = chunk_grid(portfolio.steps, *cfg.chunk_shape()) if cfg.checkpoint else None
     check_disk(cfg, len(portfolio), len(grid) - 1 if grid is not None else 0)
     locks = claim(cfg)
@@ -106,7 +110,7 @@ def _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid) ->
     """The chunks a checkpoint does not hold yet, split over the ranks by cost."""
     checkpoint = Checkpoint(cfg.checkpoint)
     resumed = checkpoint.open(input_sha256, checkpoint_settings(cfg, grid))
-    done, failed = checkpoint.done(grid, len(cfg.analytics().outputs)) if resumed \
+    done, failed = checkpoint.done(grid, len(cfg.outputs())) if resumed \
         else (np.zeros(len(grid) - 1, bool), 0)
     missing = np.flatnonzero(~done)
     todo = np.flatnonzero(np.repeat(~done, np.diff(grid)))
@@ -160,16 +164,23 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(sha256_of_file, cfg.input) if rank == ROOT else None
-        index = read_index(cfg.input)
+        skip = cfg.invalid == "skip"
+        index = read_index(cfg.input, values=not skip)
+        if skip:            # every rank alike, from the steps alone
+            index.steps = priced_steps(index.steps)
         if rank == ROOT:      # before the rows are read, as read_and_check does
-            check_memory(cfg, len(index), int(index.steps.max()), index.has_tree, size,
+            check_memory(cfg, len(index), max(int(index.steps.max()), 1), index.has_tree, size,
                          node_ranks)
         assignment = assign(index.steps, size, cfg.partition)
         rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
-        part = read_portfolio_rows(cfg.input, rows)   # a part's rows are in input order
-        matrix = part.to_matrix(cfg.tree)
-        check_lattices(cfg, matrix, part.id)
+        part = read_portfolio_rows(cfg.input, rows, values=not skip)  # rows in input order
+        matrix = part.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+        if skip:
+            skip_invalid(cfg, matrix)
+        else:
+            check_lattices(cfg, matrix, part.id)
         codes = np.unique(matrix[:, -1]).astype(np.int64)
+        codes = codes[codes >= 0]                     # skipped options' codes are < 0
         own = OwnRows(matrix, part.id, _assignment_digest(assignment),
                       int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
         plan = None
@@ -203,4 +214,5 @@ def checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
     return {"pricer": __version__, "tree": cfg.tree, "backend": resolve_backend(cfg.backend),
             "greeks": cfg.greeks,
             "richardson": cfg.richardson, "chunk_nodes": float(nodes),
-            "chunk_rows": rows, "chunks": len(grid) - 1}
+            "chunk_rows": rows, "chunks": len(grid) - 1,
+            **({"invalid": "skip"} if cfg.invalid == "skip" else {})}  # its chunks hold statuses

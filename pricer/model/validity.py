@@ -1,0 +1,107 @@
+"""Which options of a book can be priced, and why not: the status of each option under
+`--invalid skip` (pricing.invalid = "skip"; pricer.price(..., invalid="skip")).
+
+The reasons are the value checks a run refuses the whole book for by default (docs/formats.md,
+"Validation"), option by option; the first that applies is an option's status. Structural faults
+(a missing column, a wrong dtype, duplicate ids, an unreadable file) refuse the whole book in
+either mode. Every rank computes the statuses of its own rows from the portfolio matrix, the same
+function on the same values, so they need not travel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pricer.model.greeks import BUMP, Analytics
+from pricer.model.lattice import lattice_faults
+
+PRICED = 0
+NOT_FINITE, NOT_POSITIVE, BAD_STEPS, UNKNOWN_TREE, NO_LATTICE, NO_ANALYTICS = range(1, 7)
+REASONS = {
+    PRICED: "priced",
+    NOT_FINITE: "a value is NaN or infinite (spot, strike, maturity, rate, dividend, volatility)",
+    NOT_POSITIVE: "spot, strike, maturity or volatility is not > 0",
+    BAD_STEPS: "steps < 1, or more steps than this machine's memory can price",
+    UNKNOWN_TREE: "the tree column names no known tree",
+    NO_LATTICE: "its lattice cannot be priced: p outside (0, 1), d >= u, fewer steps than its "
+                "tree needs, or node prices beyond FP64's range",
+    NO_ANALYTICS: "--greeks or --richardson cannot be computed for it: too few steps, a "
+                  "volatility not above the bump, or a bumped or coarse lattice that cannot be "
+                  "priced",
+}
+# the tree code (portfolio matrix) of an option whose tree column names no known tree
+UNKNOWN_TREE_CODE = -2
+FLOATS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
+
+
+def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.ndarray:
+    """Each option's status (int8): PRICED, or the first reason it cannot be priced."""
+    n = int(np.shape(cols["steps"])[0])
+    status = np.zeros(n, dtype=np.int8)
+
+    def mark(code: int, mask: np.ndarray) -> None:
+        status[(status == PRICED) & mask] = code
+
+    mark(NOT_FINITE, np.logical_or.reduce([~np.isfinite(cols[name]) for name in FLOATS]))
+    with np.errstate(invalid="ignore"):
+        mark(NOT_POSITIVE, np.logical_or.reduce(
+            [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity", "volatility")]))
+    steps = np.asarray(cols["steps"])
+    mark(BAD_STEPS, (steps < 1) | (steps > max_steps))
+    if "tree" in cols:
+        mark(UNKNOWN_TREE, np.asarray(cols["tree"]) == UNKNOWN_TREE_CODE)
+    rows = np.flatnonzero(status == PRICED)     # the later checks only where the values are sane
+    if rows.size:
+        part = {key: np.asarray(value)[rows] for key, value in cols.items()}
+        no_lattice = lattice_faults(part, tree)
+        status[rows[no_lattice]] = NO_LATTICE
+        keep = ~no_lattice
+        rows, part = rows[keep], {key: value[keep] for key, value in part.items()}
+        if rows.size and (analytics.greeks or analytics.richardson):
+            status[rows[analytics_faults(part, tree, analytics)]] = NO_ANALYTICS
+    return status
+
+
+def analytics_faults(cols: dict, tree: str, analytics: Analytics) -> np.ndarray:
+    """Per option, whether the Greeks or Richardson it asks for cannot be computed: greeks.check's
+    rules, and the extra lattices they price (bumped, coarse) must exist."""
+    steps = np.asarray(cols["steps"])
+    faulty = np.zeros(steps.shape[0], dtype=bool)
+    if analytics.greeks:
+        faulty |= (steps < 2) | (np.asarray(cols["volatility"]) <= BUMP)
+    if analytics.richardson:
+        faulty |= steps < 3
+    ok = np.flatnonzero(~faulty)
+    sub = {key: np.asarray(value)[ok] for key, value in cols.items()}
+    for _, part in analytics.described_lattices(sub)[1:]:
+        faulty[ok[lattice_faults(part, tree)]] = True
+    return faulty
+
+
+# In the portfolio matrix, a skipped option travels with steps 0 (nothing to price: the partition,
+# the chunks and the memory estimates count it as empty) and tree code SKIPPED - its status.
+SKIPPED = -100
+
+
+def mark_skipped(matrix: np.ndarray, cols: dict, tree: str, analytics: Analytics,
+                 max_steps: int, steps_column: int) -> np.ndarray:
+    """The status of every row of a portfolio matrix (`cols`: its columns by name, the tree code
+    last); the rows that cannot be priced are rewritten as skipped, in place."""
+    status = statuses(cols, tree, analytics, max_steps)
+    bad = status != PRICED
+    matrix[bad, steps_column] = 0
+    matrix[bad, -1] = SKIPPED - status[bad]
+    return status
+
+
+def status_of(matrix: np.ndarray) -> np.ndarray:
+    """The status of every row of a portfolio matrix that mark_skipped has seen (int8)."""
+    codes = matrix[:, -1]
+    return np.where(codes <= SKIPPED, SKIPPED - codes, PRICED).astype(np.int8)
+
+
+def reasons_text(status: np.ndarray) -> str:
+    """'2 options: 1 (a value is NaN ...), 1 (...)': the skipped options by reason."""
+    codes, counts = np.unique(status[status != PRICED], return_counts=True)
+    return "; ".join(f"{count} with status {code}: {REASONS[int(code)]}"
+                     for code, count in zip(codes, counts))
