@@ -113,22 +113,32 @@ def richardson_steps(steps: np.ndarray) -> np.ndarray:
     return np.where(half % 2 == steps % 2, half, half + 1)
 
 
-def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
-    """Inputs the requested analytics cannot handle, refused by id before any pricing."""
+def unsupported(cols: dict, analytics: Analytics) -> list[tuple[np.ndarray, str, str]]:
+    """The options the requested analytics cannot handle, rule by rule in the order check refuses
+    them: [(mask, column, reason)] (pricer.model.validity skips them instead)."""
+    steps, rules = np.asarray(cols["steps"]), []
     for wanted, flag, least, why in ((analytics.greeks, "--greeks", 2, "a second lattice level"),
                                      (analytics.richardson, "--richardson", 3,
                                       "a coarser lattice of the same parity")):
-        short = np.asarray(cols["steps"]) < least
-        if wanted and short.any():
-            raise InputError(f"{flag} needs steps >= {least} ({why}); option id(s) "
-                             f"{first_ids(ids, short)} have steps {int(cols['steps'][short][0])}",
-                             column="steps", ids=np.asarray(ids)[short])
+        if wanted:
+            short = steps < least
+            rules.append((short, "steps", f"{flag} needs steps >= {least} ({why}); option id(s) "
+                          "{ids} have steps {value}"))
     if analytics.greeks:
-        low = np.asarray(cols["volatility"]) <= BUMP
-        if low.any():
-            raise InputError(f"--greeks bumps the volatility by {BUMP}: option id(s) "
-                             f"{first_ids(ids, low)} have volatility <= {BUMP}",
-                             column="volatility", ids=np.asarray(ids)[low])
+        rules.append((np.asarray(cols["volatility"]) <= BUMP, "volatility",
+                      f"--greeks bumps the volatility by {BUMP}: option id(s) {{ids}} have "
+                      f"volatility <= {BUMP}"))
+    return rules
+
+
+def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
+    """Inputs the requested analytics cannot handle, refused by id before any pricing."""
+    for mask, column, reason in unsupported(cols, analytics):
+        if mask.any():
+            raise InputError(reason.format(ids=first_ids(ids, mask),
+                                           value=int(np.asarray(cols[column])[mask][0])
+                                           if column == "steps" else ""),
+                             column=column, ids=np.asarray(ids)[mask])
 
 
 def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,

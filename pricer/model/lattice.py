@@ -367,14 +367,12 @@ def _conditions(cols: dict, name: str):
 
 def _parameters(cols: dict, name: str, ids: np.ndarray):
     """One tree's (dt, log_up, log_down, p) for the options in cols, checked."""
-    tree = TREES[name]
-    few = np.asarray(cols["steps"]) < tree.min_steps
+    (dt, log_up, log_down, p), (few, bad, undefined, wide) = _conditions(cols, name)
     if few.any():
-        raise InputError(f"the {name} tree needs steps >= {tree.min_steps}; option id(s) "
+        raise InputError(f"the {name} tree needs steps >= {TREES[name].min_steps}; option id(s) "
                          f"{first_ids(ids, few)} have fewer (first value "
                          f"{int(np.asarray(cols['steps'])[few][0])})", column="steps",
                          ids=np.asarray(ids)[few])
-    (dt, log_up, log_down, p), (_, bad, undefined, wide) = _conditions(cols, name)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
         raise InputError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pricer.model.greeks import BUMP, Analytics
+from pricer.model.greeks import Analytics, unsupported
 from pricer.model.lattice import lattice_faults
 
 PRICED = 0
@@ -64,13 +64,10 @@ def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.
 
 def analytics_faults(cols: dict, tree: str, analytics: Analytics) -> np.ndarray:
     """Per option, whether the Greeks or Richardson it asks for cannot be computed: greeks.check's
-    rules, and the extra lattices they price (bumped, coarse) must exist."""
-    steps = np.asarray(cols["steps"])
-    faulty = np.zeros(steps.shape[0], dtype=bool)
-    if analytics.greeks:
-        faulty |= (steps < 2) | (np.asarray(cols["volatility"]) <= BUMP)
-    if analytics.richardson:
-        faulty |= steps < 3
+    rules (greeks.unsupported), and the extra lattices they price (bumped, coarse) must exist."""
+    faulty = np.zeros(np.shape(cols["steps"])[0], dtype=bool)
+    for mask, _, _ in unsupported(cols, analytics):
+        faulty |= mask
     ok = np.flatnonzero(~faulty)
     sub = {key: np.asarray(value)[ok] for key, value in cols.items()}
     for _, part in analytics.described_lattices(sub)[1:]:
