@@ -12,11 +12,10 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from pricer import __version__
 from pricer.errors import InputError, OutputError
-from pricer.files import cleanup, cleanup_before_exit
+from pricer.files import cleanup, end_process
 
 
 def _mpi_excepthook():
@@ -268,16 +267,7 @@ def _terminated(signum: int) -> None:
     if _decided is not None:
         os._exit(_decided)
     _ending.acquire()      # two signals may both get here: the first ends the run
-    try:
-        cleanup_before_exit()
-        os.write(2, f"pricer: terminated ({signal.Signals(signum).name})\n".encode())
-        world = _mpi_world()
-        if world is not None:
-            from pricer.run.faults import ABORT_FLUSH
-            time.sleep(ABORT_FLUSH)     # the launcher forwards our line asynchronously
-            world.Abort(1)
-    finally:
-        os._exit(1)
+    end_process(f"pricer: terminated ({signal.Signals(signum).name})", _mpi_world())
 
 
 def _mpi_world():

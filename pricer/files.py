@@ -131,6 +131,23 @@ def cleanup(final: bool = False) -> None:
 
 
 CLEANUP_WAIT = 3.0   # seconds an ending process waits for its cleanup
+ABORT_FLUSH = 0.5    # seconds between the last line and MPI_Abort: the launcher forwards a rank's
+                     # stderr asynchronously and drops what is still in flight when Abort kills it
+
+
+def end_process(line: str, world=None) -> None:
+    """End this process with exit 1 (never returns): its temporary files and claims removed
+    (cleanup_before_exit), `line` on stderr, then, with `world` (an MPI communicator of several
+    ranks), MPI_Abort, which ends every rank of the job."""
+    try:
+        cleanup_before_exit()
+        sys.stdout.flush()
+        os.write(2, f"{line}\n".encode())
+        if world is not None and world.Get_size() > 1:
+            time.sleep(ABORT_FLUSH)
+            world.Abort(1)
+    finally:
+        os._exit(1)
 
 
 def cleanup_before_exit(wait: float = CLEANUP_WAIT) -> None:

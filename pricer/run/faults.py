@@ -29,6 +29,8 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+from pricer.files import cleanup, end_process
+
 ROOT = 0
 FAIL_TAG = 7717
 MESSAGE_BYTES = 2048
@@ -99,7 +101,6 @@ def polite_barrier(comm) -> None:
         polite_wait(comm, comm.Ibarrier())
 
 
-ABORT_FLUSH = 0.5   # seconds between the last message and MPI_Abort
 
 
 class FailureWatch:
@@ -154,23 +155,14 @@ class FailureWatch:
 def abort_job(comm, message: str, in_thread: bool = False) -> None:
     """End the whole job for `message` (never returns): this process's temporary files and
     output claims removed, one line on stderr, then MPI_Abort (exit 1 on every rank); alone, exit 1
-    (SystemExit from the main thread, os._exit from another)."""
-    from pricer.files import cleanup, cleanup_before_exit
-    ending = comm.Get_size() > 1 or in_thread      # the process ends here, not by SystemExit
-    if ending:
-        cleanup_before_exit()
-    else:
-        cleanup()
+    (SystemExit from the main thread, os._exit from another: files.end_process)."""
+    line = f"pricer: error: {message}; aborting all ranks"
+    if comm.Get_size() > 1 or in_thread:
+        end_process(line, comm)
+    cleanup()       # alone, in the main thread: the process goes on to its exit by SystemExit
     sys.stdout.flush()
-    print(f"pricer: error: {message}; aborting all ranks", file=sys.stderr, flush=True)
-    if comm.Get_size() == 1:
-        if in_thread:
-            os._exit(1)
-        raise SystemExit(1)
-    # the launcher forwards our stderr asynchronously and drops what is still in flight when
-    # Abort kills the job: on a loaded machine the message can be lost
-    time.sleep(ABORT_FLUSH)
-    comm.Abort(1)
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def _decode(buffer: np.ndarray) -> str:
