@@ -21,11 +21,11 @@ import numpy as np
 
 from pricer.engines import get_engine
 from pricer.io.checkpoint import chunk_grid
-from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix, portfolio_from_columns
-from pricer.model.greeks import price_with_analytics
+from pricer.io.portfolio import MATRIX_COLUMNS, portfolio_from_columns
 from pricer.model.validity import PRICED, UNKNOWN_TREE_CODE
 from pricer.run.checks import check_lattices, skip_invalid
 from pricer.run.config import RunConfig
+from pricer.run.pricing import price_chunk
 
 
 _engines: dict = {}     # one engine per backend and overrides for the process: a GPU context, once
@@ -56,16 +56,13 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
     steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)   # 0 where skipped
     if priced.any():
         engine.prepare(steps[priced], levels=greeks)
-    values = {name: np.full(len(portfolio), np.nan) for name in analytics.outputs}
+    values = np.full((len(portfolio), len(analytics.outputs)), np.nan)
     cuts = chunk_grid(steps, *cfg.chunk_shape())     # bounds the working arrays, as a run does
     for a, b in zip(cuts[:-1], cuts[1:]):
-        rows = np.flatnonzero(priced[a:b]) + a
-        if rows.size:
-            outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), cfg.tree,
-                                           portfolio.id[rows], analytics)
-            for name in analytics.outputs:
-                values[name][rows] = outputs[name]
-    return pd.DataFrame({"id": portfolio.id, **values, **({"status": status} if skip else {})})
+        price_chunk(engine, matrix, priced, a, b, cfg.tree, portfolio.id, analytics, values)
+    return pd.DataFrame({"id": portfolio.id,
+                         **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
+                         **({"status": status} if skip else {})})
 
 
 def _engine(cfg: RunConfig):

@@ -24,10 +24,10 @@ from mpi4py import MPI
 from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import OutputError
 from pricer.io.checkpoint import Checkpoint
-from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
+from pricer.io.portfolio import MATRIX_COLUMNS
 from pricer.io.results import utc_now, write_results
 from pricer.model.cost import nodes_priced
-from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.model.greeks import Analytics
 from pricer.model.lattice import TREE_NAMES
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
@@ -37,6 +37,7 @@ from pricer.run.config import RunConfig
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults, polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
+from pricer.run.pricing import price_chunk
 from pricer.run.progress import Progress
 from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
@@ -332,12 +333,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             watch.poll()
             if done:
                 stall.begin(limit)
-            rows = np.flatnonzero(priced[a:b]) + a      # all of them, unless --invalid skip
-            if rows.size:
-                outputs = price_with_analytics(engine, columns_from_matrix(local[rows]), cfg.tree,
-                                               ids[rows], analytics)
-                for j, name in enumerate(analytics.outputs):
-                    values[rows, j] = outputs[name]
+            price_chunk(engine, local, priced, a, b, cfg.tree, ids, analytics, values)
             if checkpoint is not None:
                 checkpoint.save(chunk, values[a:b])
             done += 1
