@@ -72,8 +72,7 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     if prepare is not None:
         prepare()
     portfolio, matrix, input_sha256 = read_and_check(cfg, size, node_ranks)
-    codes = np.unique(matrix[:, -1]).astype(np.int64)   # skipped options' codes are < 0
-    trees = [TREE_NAMES[code] for code in codes[codes >= 0]]
+    trees = [TREE_NAMES[code] for code in _tree_codes(matrix)]
     grid = chunk_grid(portfolio.steps, *cfg.chunk_shape()) if cfg.checkpoint else None
     check_disk(cfg, len(portfolio), len(grid) - 1 if grid is not None else 0)
     locks = claim(cfg)
@@ -179,8 +178,7 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
             skip_invalid(cfg, matrix)
         else:
             check_lattices(cfg, matrix, part.id)
-        codes = np.unique(matrix[:, -1]).astype(np.int64)
-        codes = codes[codes >= 0]                     # skipped options' codes are < 0
+        codes = _tree_codes(matrix)
         own = OwnRows(matrix, part.id, _assignment_digest(assignment),
                       int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
         plan = None
@@ -189,6 +187,12 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
             check_disk(cfg, len(index), 0)
             plan.locks = claim(cfg)
     return plan, own
+
+
+def _tree_codes(matrix: np.ndarray) -> np.ndarray:
+    """The codes of the trees that price a portfolio matrix's rows (skipped rows' are < 0)."""
+    codes = np.unique(matrix[:, -1]).astype(np.int64)
+    return codes[codes >= 0]
 
 
 def _assignment_digest(assignment) -> int:
