@@ -88,6 +88,13 @@ def _processes(marker: str) -> list[str]:
     return found
 
 
+def wait_while(job, condition, timeout: float = 60.0) -> None:
+    """Poll until `condition()` is false, the job has ended, or `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while condition() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def take_over(target, timeout: float = 10.0) -> None:
     """Claim and release `target` as the next run would: a killed holder's lock goes with its
     process, a moment after its command line has gone from /proc (the kernel releases the
@@ -203,12 +210,9 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
                            start_new_session=True)
     try:
         pid = rank_pid(str(out), rank)
-        deadline = time.monotonic() + 60
-        while _chunks(folder) < 6 and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_while(job, lambda: _chunks(folder) < 6)
         if how == "stop-at-end":    # wait for the stop, then time from it
-            while not _stopped(pid) and job.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_while(job, lambda: not _stopped(pid))
         stopped = time.monotonic()
         if how == "stop":
             os.kill(pid, signal.SIGSTOP)
@@ -259,9 +263,7 @@ def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, ra
                            start_new_session=True)
     try:
         pid = rank_pid(str(out), rank)
-        deadline = time.monotonic() + 60
-        while _chunks(folder) < 2 * ranks and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_while(job, lambda: _chunks(folder) < 2 * ranks)
         assert job.poll() is None, job.communicate()
         sent = time.monotonic()
         os.kill(pid, signal.SIGTERM)
@@ -335,9 +337,7 @@ def kill_9_after_chunks(args, folder, wanted: int, ranks: int = RANKS) -> None:
     cmd = [mpiexec(), "-n", str(ranks)] + pricer_command() + [str(a) for a in args]
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e,
                            start_new_session=True)
-    deadline = time.monotonic() + 60
-    while _chunks(folder) < wanted and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_while(job, lambda: _chunks(folder) < wanted)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=10)
     time.sleep(0.5)
@@ -540,9 +540,7 @@ def test_sigterm_exits_1(tmp_path, book):
                                                "--chunk-nodes", CHUNK, "--threads", "1",
                                                "--checkpoint", str(folder)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
-    deadline = time.monotonic() + 60
-    while _chunks(folder) < 1 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_while(job, lambda: _chunks(folder) < 1)
     job.send_signal(signal.SIGTERM)    # it sleeps after its first chunk
     stdout, stderr = job.communicate(timeout=10)
     assert job.returncode == 1 and "pricer: terminated (SIGTERM)" in stderr, (job.returncode, stderr)
