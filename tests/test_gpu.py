@@ -515,18 +515,19 @@ def test_gpu_default_config_small_n(mode, engines, rng):
              c.mid_w - 1, c.mid_w, c.mid_w + 1, c.t2 + c.mid_k, c.t2 + c.mid_k + 1, 5000]
     if mode == "wavefront":
         steps = steps[:-1]
-    p = every_kind(rng, steps)
-    ref = SerialEngine().price(p)
-    assert_close(through_regimes(engines[mode], p), ref, p, f"{mode} regimes")
-    if mode in MODES:
-        assert_close(engines[mode].price(p), ref, p, mode)
+    assert_regimes_and_routes_close(engines, mode, every_kind(rng, steps))
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", MODES + ("tiled", "warp"))
 def test_gpu_fresh_random_options(mode, engines, rng):
-    p = options(rng, rng.integers(1, 10_001, 24))
+    assert_regimes_and_routes_close(engines, mode, options(rng, rng.integers(1, 10_001, 24)))
+
+
+def assert_regimes_and_routes_close(engines, mode, p):
+    """`p` through the mode's regimes, and (gpu/hybrid/batch) through the engine's own routes,
+    within tolerance of the serial engine."""
     ref = SerialEngine().price(p)
     assert_close(through_regimes(engines[mode], p), ref, p, f"{mode} regimes")
     if mode in MODES:
