@@ -302,8 +302,8 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     watch, faults = FailureWatch(comm), planned_faults(rank)
     stall = StallWatch(comm, cfg.stall_timeout,
                        lambda message: abort_job(comm, message, in_thread=True))
-    limits = chunk_limits([nodes_priced(local[a:b, STEPS], cfg.analytics()) for a, b, _ in chunks],
-                          cfg.stall_timeout)
+    nodes = [nodes_priced(local[a:b, STEPS], cfg.analytics()) for a, b, _ in chunks]
+    limits = chunk_limits(nodes, cfg.stall_timeout)
     stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     checkpoint = None
     analytics = cfg.analytics()
@@ -328,7 +328,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             engine.prepare(local[priced, STEPS].astype(np.int64), levels=cfg.greeks)
         setup = time.perf_counter() - t
         progress.start()
-        for (a, b, chunk), limit in zip(chunks, limits):
+        for (a, b, chunk), limit, chunk_nodes in zip(chunks, limits, nodes):
             inject(faults, rank, done)
             watch.poll()
             if done:
@@ -339,7 +339,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             done += 1
             stall.done(chunk)
             if progress.enabled:
-                progress.chunk_done(nodes_priced(local[a:b, STEPS], analytics))
+                progress.chunk_done(chunk_nodes)
             chunk_delay()
         inject(faults, rank, done)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
