@@ -15,7 +15,10 @@ the unit roundoff), scaled by the strike where a price is below 1e-8 of it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit, prange
 
 from pricer.engines.base import Engine
 from pricer.model.lattice import LEVEL_VALUES, LatticeParams
@@ -26,7 +29,14 @@ def _one(spot, strike, steps, call, american, log_up, log_down, pu, pd, keep=Non
     spread = log_up - log_down
 
     def exercise(level):
-        return sign * (spot * np.exp(level * log_down + np.arange(level + 1) * spread) - strike)
+        x = level * log_down + np.arange(level + 1) * spread
+        with np.errstate(over="ignore"):
+            price = spot * np.exp(x)
+        # where e^x alone would overflow, the product's logarithm, clipped below e^709 (FP64's
+        # largest): the engines clamp such nodes too
+        far = ~(x <= 709.0) | ~np.isfinite(price)
+        price[far] = np.exp(np.minimum(np.log(spot) + x[far], 709.0))
+        return sign * (price - strike)
 
     values = np.maximum(exercise(steps), 0.0)
     for level in range(steps, -1, -1):
@@ -103,3 +113,36 @@ class OracleEngine(Engine):
         if levels is not None:
             assert levels.shape == (len(params), LEVEL_VALUES)
         return oracle_prices(params, levels)
+
+
+def crr_wide(spot, strike, maturity, rate, dividend, vol, steps, call, american) -> float:
+    """The textbook CRR lattice at N in the millions, independently of the engines' node tables:
+    the asset prices of the last level from their logarithms, S0 e^{(2i - N) sigma sqrt(dt)} (inside
+    FP64 wherever sigma sqrt(T N) < 700), then each level's from the next one's times u, in place
+    (S(t, i) = S(t + 1, i) u: N roundings, ~1e-10 relative at N = 10^6), numba-parallel over a
+    level's nodes."""
+    dt = maturity / steps
+    log_up = vol * math.sqrt(dt)
+    up, down = math.exp(log_up), math.exp(-log_up)
+    p = (math.exp((rate - dividend) * dt) - down) / (up - down)
+    disc = math.exp(-rate * dt)
+    return float(_crr_wide(spot, strike, log_up, up, p, disc, steps, 1.0 if call else -1.0,
+                           american))
+
+
+
+@njit(parallel=True)
+def _crr_wide(spot, strike, log_up, up, p, disc, steps, sign, american):
+    price = np.empty(steps + 1)
+    values = np.empty(steps + 1)
+    for i in prange(steps + 1):
+        price[i] = spot * math.exp((2 * i - steps) * log_up)
+        values[i] = max(sign * (price[i] - strike), 0.0)
+    fresh = np.empty(steps + 1)
+    for t in range(steps - 1, -1, -1):
+        for i in prange(t + 1):
+            hold = disc * (p * values[i + 1] + (1.0 - p) * values[i])
+            price[i] *= up
+            fresh[i] = max(hold, sign * (price[i] - strike)) if american else hold
+        values, fresh = fresh, values
+    return values[0]

@@ -247,10 +247,10 @@ BAD_INPUTS = {
     # p > 1: a 60 % rate with 1 % volatility over a single step
     "p-outside-0-1": (lambda f: (_set("rate", 9, 0.6)(f), _set("volatility", 9, 0.01)(f),
                                   _set("steps", 9, 1)(f)), ["not arbitrage-free", "<id9>", "(0, 1)"]),
-    # (u/d)^N = e^1470: the lattice's top nodes would be inf, a call's price with them
+    # nodes from e^-80 to e^1414: the paths reach the clamped nodes beyond e^692
     "nodes-beyond-fp64": (lambda f: (_set("volatility", 7, 3.0)(f), _set("maturity", 7, 3.0)(f),
-                                     _set("steps", 7, 20_000)(f)),
-                          ["FP64 range", "<id7>", "20000 steps", "fewer steps"]),
+                                     _set("steps", 7, 20_000)(f), _set("spot", 7, 1e295)(f)),
+                          ["FP64 range", "<id7>", "20000 steps", "check the inputs"]),
 }
 
 

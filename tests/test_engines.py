@@ -21,16 +21,17 @@ from numba import njit
 
 from pricer.engines.cpu.exp_table import EXP_TABLE_MAX_ARGUMENT, exp_table
 from pricer.engines.cpu.kernels import (UNDERFLOW, advance, backward_keeping_levels, exercise_limit,
-                                        power_tables, terminal_values)
+                                        power_tables, table_kinds, terminal_values)
 from pricer.engines.cpu.padded import LANES, PAD, PAIR_MAX_STEPS, backward_padded, floor_needed
 from pricer.engines.cpu.parallel import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.errors import InputError
 from pricer.io.portfolio import columns_from_matrix
-from pricer.model.lattice import LEVEL_VALUES, TREES, lattice_parameters
+from pricer.model.lattice import (CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, TREE_NAMES, TREES,
+                                  lattice_faults, lattice_parameters)
 from pricer.tools.generate import generate
 
-from oracle import textbook_prices
+from oracle import oracle_prices, textbook_prices
 
 DATA = Path(__file__).parent / "data"
 SERIAL, CPU = SerialEngine(), CpuEngine()
@@ -310,25 +311,54 @@ def test_p_outside_unit_interval_is_rejected_by_id():
     assert len(params) == 2
 
 
-def test_lattices_whose_nodes_leave_fp64_are_refused_and_the_edge_prices_right():
-    """Node (t, i) is S0 e^{t ln d} x e^{i ln(u/d)}: past (u/d)^N ~ e^709 the top nodes were inf
-    and a call's price with them (σ = 3, T = 3: from N ~ 4 700); further, the bottom factor
-    underflowed and puts came out wrong (1.17 for 93.27 at N = 20 000), all without an error.
-    Now such lattices are refused by id, and the widest accepted one prices as Black–Scholes."""
+def test_lattices_beyond_the_fp64_factors_price_and_only_weighty_clamps_are_refused():
+    """Node (t, i) is S0 e^{t ln d} x e^{i ln(u/d)}: past (u/d)^N ~ e^709 a single pair of tables
+    would overflow (σ = 3, T = 3: from N ~ 4 700) and past σ sqrt(T N) ~ 700 the nodes themselves
+    leave FP64 (N ~ 18 000). The engines centre the tables, then clamp nodes that carry no weight,
+    so every one of these prices as Black–Scholes (the lattice's error at these N is ~1e-4); only
+    a lattice whose clamped nodes its paths can reach (a spot of 1e295 here) is refused by id."""
     ids = np.array([11, 12, 13, 14])
-    edge = make_columns(spot=100.0, strike=100.0, maturity=3.0, rate=0.02, dividend=0.0,
-                        volatility=3.0, steps=[4000, 4000, 4000, 4000], call=[True, False, True, False],
-                        american=[False, False, True, True])      # (u/d)^N = e^657
-    got = CpuEngine().price(lattice_parameters(edge, ids=ids))
-    exact = [bsm(100.0, 100.0, 3.0, 0.02, 0.0, 3.0, call) for call in (True, False)]
-    np.testing.assert_allclose(got[:2], exact, rtol=1e-4)
-    assert np.all(np.isfinite(got)) and got[2] == pytest.approx(got[0]) and got[3] >= got[1]
-    wide = dict(edge, steps=np.array([4000, 6000, 4000, 20_000]))
+    cols = make_columns(spot=100.0, strike=100.0, maturity=3.0, rate=0.02, dividend=0.0,
+                        volatility=3.0, steps=[4000, 6000, 8000, 20_000],
+                        call=[True, False, True, False], american=False)
+    p = lattice_parameters(cols, ids=ids)
+    assert list(table_kinds(p.spot, p.log_up, p.log_down, p.steps)) == [PLAIN, CENTRED, CENTRED,
+                                                                        CLAMPED]
+    exact = [bsm(100.0, 100.0, 3.0, 0.02, 0.0, 3.0, call) for call in cols["call"]]
+    for backend in (SerialEngine(), CpuEngine()):
+        np.testing.assert_allclose(backend.price(p), exact, rtol=3e-4)
+    far = dict(cols, spot=np.array([100.0, 1e295, 100.0, 1e295]))
     with pytest.raises(InputError) as info:
-        lattice_parameters(wide, ids=ids)
+        lattice_parameters(far, ids=ids)
     message = str(info.value)
     assert "id(s) 12, 14" in message and "6000 steps" in message and "FP64 range" in message
     assert "11" not in message.split(":")[0]
+
+
+def test_centred_and_clamped_lattices_agree_with_the_oracle_on_every_tree(rng):
+    """Fresh random lattices wider than a single pair of tables holds (σ from 100 % to 600 %, N to
+    3 000, every tree, calls and puts, American and European), against the NumPy oracle (node
+    prices from their logarithms, no tables; clipped at e^709 where FP64 ends)."""
+    n = 120
+    cols = make_columns(spot=np.exp(rng.uniform(-3, 8, n)), strike=1.0,
+                        maturity=rng.uniform(0.5, 30, n), rate=rng.uniform(-0.02, 0.15, n),
+                        dividend=rng.uniform(0, 0.1, n), volatility=rng.uniform(1.0, 6.0, n),
+                        steps=rng.integers(200, 3000, n), call=rng.random(n) < 0.5,
+                        american=rng.random(n) < 0.6)
+    cols["strike"] = cols["spot"] * np.exp(rng.normal(0, 0.3, n))
+    cols["tree"] = rng.integers(0, len(TREE_NAMES), n)
+    # sigma sqrt(T) 13 to 16: sigma sqrt(T N) past 700 (clamped) with paths that stay far inside
+    cols["volatility"][:12], cols["maturity"][:12] = 3.0, rng.uniform(20, 30, 12)
+    cols["steps"][:12] = rng.integers(2800, 3000, 12)
+    cols = {k: v[~lattice_faults(cols)] for k, v in cols.items()}
+    p = lattice_parameters(cols)
+    kinds = table_kinds(p.spot, p.log_up, p.log_down, p.steps)
+    assert (kinds == CENTRED).sum() >= 20 and (kinds == CLAMPED).sum() >= 3
+    ref = oracle_prices(p)
+    scale = np.maximum(np.abs(ref), 1e-8 * p.strike)
+    serial = SerialEngine().price(p)
+    assert np.all(np.abs(serial - ref) <= 1e-12 * scale)
+    assert np.array_equal(CpuEngine().price(p).view(np.int64), serial.view(np.int64))
 
 
 # ---------------------------------------------------------------------- serial and cpu bit for bit

@@ -25,14 +25,15 @@ import numpy as np
 import pytest
 
 from numpy_kernels import NumpyKernels
-from pricer.engines.cpu.kernels import power_tables
+from pricer.engines.cpu.kernels import power_tables, table_kinds
 from pricer.engines.cpu.parallel import CpuEngine
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.engines.gpu.batch_plan import MAX_STEPS
 from pricer.engines.gpu.config import GpuConfig
 from pricer.engines.gpu.engine import MODES, GpuEngine
 from pricer.engines.gpu.runtime import local_rank
-from pricer.model.lattice import LEVEL_VALUES, lattice_parameters
+from pricer.model.lattice import (CENTRED, CLAMPED, LEVEL_VALUES, PACKED_FIELDS, LatticeParams,
+                                  lattice_parameters)
 from pricer.tools.bench_gpu import OneRegime
 
 from gpu_cases import ThroughRegimes, every_kind, needs_gpu, options
@@ -193,6 +194,41 @@ def test_routes(mode, rng):
         assert np.array_equal(levels, ref_levels[rows], equal_nan=True)
         want = sorted(int(s) for s in steps if cpu_max < s <= MAX_STEPS) if fma else []
         assert sorted(runner.seen) == want, (fma, runner.seen)
+
+
+def wide_lattices(rng, n: int = 9):
+    """American and European calls and puts whose node tables are CENTRED (sigma sqrt(T N) from 380
+    to 650: (u/d)^N beyond e^700; N from 600 to 1 500) or CLAMPED (720 to 900, N from 4 000 to
+    6 000, so that sigma sqrt(T) stays below 15: their clamped nodes carry no weight) (crr)."""
+    clamped = np.arange(n) % 3 == 2
+    steps = np.where(clamped, rng.integers(4000, 6000, n), rng.integers(600, 1500, n))
+    reach = np.where(clamped, rng.uniform(720, 900, n), rng.uniform(380, 650, n))
+    cols = dict(spot=np.full(n, 100.0), strike=rng.uniform(60, 140, n),
+                maturity=np.full(n, 10.0), rate=rng.uniform(0.0, 0.08, n),
+                dividend=rng.uniform(0.0, 0.04, n), volatility=reach / np.sqrt(10.0 * steps),
+                steps=steps, call=rng.random(n) < 0.5, american=rng.random(n) < 0.6)
+    return lattice_parameters(cols)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wide_lattices_skip_the_runner_and_clamped_ones_take_the_cpu(mode, rng):
+    """CENTRED lattices take the regimes even at the batch kernels' sizes (those build node prices
+    from PLAIN factors); CLAMPED ones take the CPU engine; bitwise the serial engine's in the exact
+    mode and through the stand-in runner, which sees only the PLAIN option."""
+    p = wide_lattices(rng)
+    kinds = table_kinds(p.spot, p.log_up, p.log_down, p.steps)
+    assert set(kinds) == {CENTRED, CLAMPED}
+    plain = options(rng, [700])
+    p = LatticeParams(*(np.r_[getattr(p, f), getattr(plain, f)] for f in PACKED_FIELDS))
+    ref_levels = np.empty((len(p), LEVEL_VALUES))
+    ref = SerialEngine().price(p, ref_levels)
+    config = replace(SMALL_PERS, fma=True)
+    runner = RecordingRunner()
+    engine = GpuEngine(mode, config=config, kernels=small_numpy_kernels(config), runner=runner)
+    levels = np.empty((len(p), LEVEL_VALUES))
+    np.testing.assert_array_equal(engine.price(p, levels), ref)
+    assert np.array_equal(levels, ref_levels, equal_nan=True)
+    assert runner.seen == [700]
 
 
 def test_auto_prices_a_small_share_on_the_cpu(rng):
@@ -741,3 +777,36 @@ def test_mpirun_two_ranks_one_gpu_cli(tmp_path):
     assert h["attrs"]["backend"] == "hybrid" and int(h["attrs"]["ranks"]) == 2
     np.testing.assert_array_equal(h["id"], s["id"])
     np.testing.assert_allclose(h["price"], s["price"], rtol=1e-11, atol=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_wide_lattices(mode, engines, exact_engines, rng):
+    """CENTRED and CLAMPED lattices on the GPU engines: bitwise serial in the exact mode, within
+    tolerance with fma."""
+    p = wide_lattices(rng, 12)
+    ref = SerialEngine().price(p)
+    np.testing.assert_array_equal(exact_engines[mode].price(p), ref)
+    assert_close(engines[mode].price(p), ref, p, mode)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("steps", [100_000, 500_000])
+def test_gpu_the_seeds_option_at_every_n_it_prices(steps, engines):
+    """The seed's benchmark option (American put, S = K = 100, r = 5 %, sigma = 20 %, T = 10) at
+    N = 100 000 (PLAIN tables) and 500 000 (CENTRED: (u/d)^N = e^894) on cpu, gpu, hybrid and batch
+    (whose options of this size take the regimes and the CPU tail, as hybrid's do), within 1e-9
+    of the independent oracle (oracle.crr_wide). The seed prices 11.211412 at N = 500 000."""
+    from oracle import crr_wide
+    cols = dict(spot=np.array([100.0]), strike=np.array([100.0]), maturity=np.array([10.0]),
+                rate=np.array([0.05]), dividend=np.array([0.0]), volatility=np.array([0.2]),
+                steps=np.array([steps]), call=np.array([False]), american=np.array([True]))
+    p = lattice_parameters(cols)
+    ref = crr_wide(100.0, 100.0, 10.0, 0.05, 0.0, 0.2, steps, False, True)
+    for name, engine in [("cpu", CpuEngine())] + [(mode, engines[mode]) for mode in MODES]:
+        got = float(engine.price(p)[0])
+        assert abs(got - ref) <= 1e-9 * ref, (name, got, ref)
+    if steps == 500_000:
+        assert round(ref, 6) == 11.211412

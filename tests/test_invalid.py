@@ -28,7 +28,7 @@ BAD = {
     21: ("steps", 2**62, BAD_STEPS),
     34: ("tree", "crrr", UNKNOWN_TREE),
     55: ("rate", 40.0, NO_LATTICE),           # p > 1 on the crr tree
-    89: ("volatility", 3.0, NO_LATTICE),      # with N below: nodes beyond FP64's range
+    89: ("spot", 1e300, NO_LATTICE),          # with sigma below: weighty nodes beyond FP64
 }
 
 
@@ -43,7 +43,7 @@ def books(seed: int):
         cols[column][row] = value
         status[row] = code
     cols["tree"][55] = "crr"
-    cols["steps"][89], cols["maturity"][89] = 200_000, 10.0
+    cols["volatility"][89], cols["maturity"][89] = 3.0, 10.0
     clean = Portfolio(**{name: value[status == PRICED] for name, value in cols.items()})
     return Portfolio(**cols), status, clean
 

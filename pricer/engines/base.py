@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from pricer.errors import InputError
-from pricer.model.lattice import LEVEL_VALUES, LatticeParams
+from pricer.model.lattice import CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, LatticeParams
 
 
 class Engine:
@@ -102,15 +102,27 @@ class DeviceNeed:
 
 @dataclass(frozen=True)
 class Route:
-    """Options of `above` < steps <= `most` (None: no bound) go to `engine` (an Engine, or a
+    """Options of `above` < steps <= `most` (None: no bound) whose node tables are of one of
+    `kinds` (pricer.model.lattice: PLAIN, CENTRED, CLAMPED) go to `engine` (an Engine, or a
     function that makes it at first use)."""
     engine: object
     most: int | None = None
     above: int = 0
+    kinds: tuple = (PLAIN, CENTRED, CLAMPED)
 
-    def accepts(self, steps: np.ndarray) -> np.ndarray:
+    def accepts(self, steps: np.ndarray, kinds: np.ndarray | None = None) -> np.ndarray:
+        """Which options it takes; `kinds` None: every option PLAIN."""
         mask = steps > self.above
-        return mask if self.most is None else mask & (steps <= self.most)
+        mask = mask if self.most is None else mask & (steps <= self.most)
+        if kinds is None:
+            return mask if PLAIN in self.kinds else np.zeros_like(mask)
+        return mask & np.isin(kinds, self.kinds)
+
+    def takes_kinds(self, kinds: np.ndarray | None) -> bool:
+        """Whether it takes options of every kind in `kinds` (None: all PLAIN)."""
+        if kinds is None:
+            return PLAIN in self.kinds
+        return len(self.kinds) == 3 or bool(np.isin(kinds, self.kinds).all())
 
     def takes_any(self, least: int, most: int) -> bool:
         """Whether some steps of [least, most] are in this route's range (above, self.most]."""
@@ -121,11 +133,13 @@ class Route:
         return self.above < least and (self.most is None or most <= self.most)
 
 
-def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None) -> np.ndarray:
+def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None,
+          kinds: np.ndarray | None = None) -> np.ndarray:
     """Prices of params through `routes`: each option goes to the first route that accepts it (the
-    routes together should accept every option). A route that takes every option gets params as
-    they are (decided from the steps' range alone); the others get their rows (Engine.price_rows),
-    and their prices and levels are scattered back."""
+    routes together should accept every option); `kinds`: each option's node tables (None: all
+    PLAIN). A route that takes every option gets params as they are (decided from the steps' range
+    and the kinds alone); the others get their rows (Engine.price_rows), and their prices and
+    levels are scattered back."""
     steps = params.steps
     out = np.empty(steps.size)
     if steps.size == 0:
@@ -136,9 +150,12 @@ def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None)
         if not r.takes_any(least, most):
             continue
         engine = r.engine if isinstance(r.engine, Engine) else r.engine()
-        if left is None and r.takes_all(least, most):
+        if left is None and r.takes_all(least, most) and r.takes_kinds(kinds):
             return engine.price(params, levels)
-        mask = r.accepts(steps if left is None else steps[left])
+        if left is None:
+            mask = r.accepts(steps, kinds)
+        else:
+            mask = r.accepts(steps[left], None if kinds is None else kinds[left])
         if not mask.any():
             continue
         rows = np.flatnonzero(mask) if left is None else left[mask]

@@ -352,16 +352,15 @@ def lattice_faults(cols: dict, tree: str = "crr") -> np.ndarray:
 
 def _conditions(cols: dict, name: str):
     """One tree's (dt, log_up, log_down, p) for the options in cols, and the masks of its faults in
-    the order they are refused: too few steps, p outside (0, 1), u and d undefined, nodes beyond
-    FP64's range."""
+    the order they are refused: too few steps, p outside (0, 1), u and d undefined, clamped node
+    prices that could move the price (_clamp_matters)."""
     tree = TREES[name]
     few = np.asarray(cols["steps"]) < tree.min_steps
     with np.errstate(all="ignore"):
         dt, log_up, log_down, p = tree.probabilities(cols)
         no_p = ~((p > 0.0) & (p < 1.0))
         undefined = ~(np.isfinite(log_up) & np.isfinite(log_down) & (log_up > log_down))
-        spread, top, bottom = _node_range(cols, log_up, log_down)
-    wide = ~((spread <= NODE_LOG_LIMIT) & (top <= NODE_LOG_LIMIT) & (bottom >= -NODE_LOG_LIMIT))
+        wide = _clamp_matters(cols, log_up, log_down, p)
     return (dt, log_up, log_down, p), (few, no_p, undefined, wide)
 
 
@@ -402,33 +401,66 @@ def _inputs(cols: dict, row: int, *names: str) -> str:
                      else f"{name} {float(cols[name][row])!r}" for name in names)
 
 
-# Every engine prices node (t, i) at S0 e^{t ln d} x e^{i ln(u/d)} (tables or registers): both
-# factors and the node prices must stay inside FP64's normal range (e^{+-708}), or the top of the
-# lattice becomes inf (a call's price with it), the bottom subnormal or 0, and prices come out
-# wrong without an error. A margin below the limits leaves room for the payoff's and the steps'
-# products.
-NODE_LOG_LIMIT = 700.0
+# Every engine prices node (t, i) at S0 e^{t ln d} x e^{i ln(u/d)}, from two tables; where either
+# factor alone would leave FP64's range the engines move a factor between them, and where the node
+# prices themselves do, they clamp the nodes beyond e^{+-EXACT_NODE_LOG} into the normal range
+# (pricer/engines/cpu/kernels.py, node_tables). Clamped nodes change a put's values not at all
+# and a call's only where the walk can reach them: lattice.py refuses an option only where that
+# reach could move its price by 2^-1074 K (_clamp_matters).
+PLAIN, CENTRED, CLAMPED = 0, 1, 2   # how the engines build a lattice's tables (node_tables)
+NODE_LOG_LIMIT = 700.0     # the tables' exponents stay within +-this
+CLAMP_SLACK = 8.0          # a clamped block's level factor stays within e^{+-this}
+EXACT_NODE_LOG = NODE_LOG_LIMIT - CLAMP_SLACK
+# -ln 2^-1074: a probability below e^-this times the price's scale is below FP64's least number
+_NEGLIGIBLE_LOG = 1074.0 * math.log(2.0)
 
 
 def _node_range(cols: dict, log_up, log_down):
-    """ln of (u/d)^N (the widest node factor), of the highest and of the lowest node price."""
+    """ln of the highest and of the lowest node price."""
     steps = np.asarray(cols["steps"], dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
-        spread = steps * (log_up - log_down)
         top = log_spot + steps * np.maximum(log_up, 0.0)
         bottom = log_spot + steps * np.minimum(log_down, 0.0)
-    return spread, top, bottom
+    return top, bottom
+
+
+def _clamp_matters(cols: dict, log_up, log_down, p) -> np.ndarray:
+    """Options whose lattice has node prices beyond e^{+-EXACT_NODE_LOG} (clamped by the engines)
+    that its walk may reach with a weight that counts: by Hoeffding's maximal inequality, the
+    walk ln S_t = ln S0 + t m + (a martingale of steps within ln(u/d)) passes a level a above its
+    mean's extreme with probability <= exp(-2 a^2 / (N ln(u/d)^2)). Under the risk-neutral p (a
+    put's payoff K at the bottom) and the share measure p u / (p u + (1 - p) d) (a call's payoff
+    ~S at the top), that bound times S0/K, e^{|r - q| T} must stay below 2^-1074."""
+    steps = np.asarray(cols["steps"], dtype=np.float64)
+    top, bottom = _node_range(cols, log_up, log_down)
+    reach = (top > EXACT_NODE_LOG) | (bottom < -EXACT_NODE_LOG) | ~np.isfinite(top + bottom)
+    if not reach.any():
+        return reach
+    log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
+    spread = log_up - log_down
+    budget = (_NEGLIGIBLE_LOG + np.abs(log_spot - np.log(np.asarray(cols["strike"], np.float64)))
+              + np.abs(np.asarray(cols["rate"]) - np.asarray(cols["dividend"]))
+              * np.asarray(cols["maturity"]))
+    share = p * np.exp(log_up) / (p * np.exp(log_up) + (1.0 - p) * np.exp(log_down))
+    safe = np.ones(steps.shape, dtype=bool)
+    for q in (p, share):
+        drift = steps * (log_down + q * spread)
+        above = EXACT_NODE_LOG - log_spot - np.maximum(drift, 0.0)
+        below = EXACT_NODE_LOG + log_spot + np.minimum(drift, 0.0)
+        room = np.minimum(above, below)
+        safe &= (room > 0.0) & (2.0 * room * room >= budget * steps * spread * spread)
+    return reach & ~safe
 
 
 def _refuse_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down, bad) -> None:
     steps = np.asarray(cols["steps"], dtype=np.float64)
-    spread, top, bottom = _node_range(cols, log_up, log_down)
+    top, bottom = _node_range(cols, log_up, log_down)
     first = int(np.flatnonzero(bad)[0])
     raise InputError(
-        f"the {name} lattice's node prices leave the FP64 range for option id(s) "
-        f"{first_ids(ids, bad)}: over {int(steps[first])} steps, (u/d)^N = e^"
-        f"{float(spread[first]):.0f} and its nodes span e^{float(bottom[first]):.0f} to "
-        f"e^{float(top[first]):.0f} (limits e^{NODE_LOG_LIMIT:.0f} and e^-{NODE_LOG_LIMIT:.0f}; "
-        f"{_inputs(cols, first, 'volatility', 'maturity', 'spot')}); use fewer steps",
-        ids=np.asarray(ids)[bad])
+        f"the {name} lattice's node prices leave the FP64 range where its paths still carry "
+        f"weight, for option id(s) {first_ids(ids, bad)}: over {int(steps[first])} steps its nodes "
+        f"span e^{float(bottom[first]):.0f} to e^{float(top[first]):.0f}, and paths beyond "
+        f"e^+-{EXACT_NODE_LOG:.0f} (where nodes are clamped) could move the price "
+        f"({_inputs(cols, first, 'spot', 'strike', 'volatility', 'maturity')}); use fewer steps "
+        f"or check the inputs", ids=np.asarray(ids)[bad])

@@ -24,7 +24,7 @@ REASONS = {
     BAD_STEPS: "steps < 1, or more steps than this machine's memory can price",
     UNKNOWN_TREE: "the tree column names no known tree",
     NO_LATTICE: "its lattice cannot be priced: p outside (0, 1), d >= u, fewer steps than its "
-                "tree needs, or node prices beyond FP64's range",
+                "tree needs, or node prices beyond FP64's range where its paths carry weight",
     NO_ANALYTICS: "--greeks or --richardson cannot be computed for it: too few steps, a "
                   "volatility not above the bump, or a bumped or coarse lattice that cannot be "
                   "priced",

@@ -21,6 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pricer.engines.cpu.exp_table import EXP_TABLE_MAX_ARGUMENT, exp_table
+from pricer.model.lattice import CENTRED, CLAMP_SLACK, CLAMPED, NODE_LOG_LIMIT, PLAIN
 
 # Option values below 2**-963 (~1e-290) are set to 0. Far out-of-the-money nodes of wide lattices
 # otherwise decay into subnormal numbers, which x86 cores handle in microcode, many times slower
@@ -31,6 +32,61 @@ from pricer.engines.cpu.exp_table import EXP_TABLE_MAX_ARGUMENT, exp_table
 UNDERFLOW = 2.0 ** -963
 
 
+# How node prices are built (node_tables), by the range of the lattice's node prices ln S(t, i) =
+# ln S0 + t ln d + i ln(u/d), t, i <= N:
+# - PLAIN: nodes, ln d^N and ln (u/d)^N all within +-NODE_LOG_LIMIT: level_base[t] = S0 d^t and
+#   ratio[i] = (u/d)^i, one table each.
+# - CENTRED: the nodes are within +-NODE_LOG_LIMIT but (u/d)^N or d^N alone is not (at N = 1 000 000
+#   and sigma sqrt(T) = 0.63, (u/d)^N = e^1265 while the nodes span e^-628 to e^637): the factor
+#   e^shift moves from one table to the other, level_base[t] = S0 e^{t ln d + shift} and ratio[i] =
+#   e^{i ln(u/d) - shift}, shift chosen so that no entry of either table leaves +-NODE_LOG_LIMIT.
+#   Same kernels, same products, no intermediate beyond FP64's range.
+# - CLAMPED: node prices themselves leave the range (sigma sqrt(T N) beyond ~700, or an extreme
+#   spot). Such a lattice is priced in blocks of levels (clamped_tables), each with its own shift,
+#   which keeps level_base within e^{+-CLAMP_SLACK}, and with ratio's exponents clipped to
+#   +-NODE_LOG_LIMIT: nodes within e^{+-(NODE_LOG_LIMIT - CLAMP_SLACK)} are exact, the others
+#   clamped into FP64's normal range (a put's values there are the same bits either way; a call's
+#   top nodes carry no weight: pricer/model/lattice.py refuses a lattice whose clamped nodes could
+#   move its price by 2^-1074 K). Only the CPU kernels price in blocks; the GPU engines hand such
+#   options to their CPU engine.
+# PLAIN tables are the ones every lattice that fits them has always had: the same bits.
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def node_tables(spot, log_up, log_down, steps):
+    """(kind, shift) of an option's node tables: PLAIN, CENTRED or CLAMPED (above), and CENTRED's
+    shift (0.0 for the others)."""
+    n = float(steps)
+    spread = n * (log_up - log_down)
+    # most lattices, without a logarithm: ln S0 within +-345 and every n ln factor within +-350
+    if (spread <= NODE_LOG_LIMIT and n * max(abs(log_up), abs(log_down)) <= 350.0
+            and 1e-150 < spot < 1e150):
+        return PLAIN, 0.0
+    log_spot = math.log(spot)
+    top = log_spot + n * max(log_up, 0.0)
+    bottom = log_spot + n * min(log_down, 0.0)
+    if not (top <= NODE_LOG_LIMIT and bottom >= -NODE_LOG_LIMIT):
+        return CLAMPED, 0.0
+    if spread <= NODE_LOG_LIMIT:
+        return PLAIN, 0.0
+    # level_base's exponents are ln S0 + t ln d + shift, ratio's i ln(u/d) - shift: the largest
+    # magnitude among them is max(rising + shift, falling - shift), least at the shift below
+    rising = max(log_spot, log_spot + n * log_down, 0.0)
+    falling = max(spread, -log_spot, -(log_spot + n * log_down))
+    if 0.5 * (rising + falling) <= NODE_LOG_LIMIT:
+        return CENTRED, 0.5 * (falling - rising)
+    return CLAMPED, 0.0
+
+
+@njit(cache=True, nogil=True)
+def table_kinds(spot, log_up, log_down, steps):
+    """node_tables' kind of every option (int8)."""
+    out = np.empty(spot.size, dtype=np.int8)
+    for k in range(spot.size):
+        out[k] = node_tables(spot[k], log_up[k], log_down[k], steps[k])[0]
+    return out
+
+
 @njit(cache=True, nogil=True)
 def table_scratch_size(steps):
     """Length of the `scratch` argument of power_tables_into for `steps`."""
@@ -39,7 +95,10 @@ def table_scratch_size(steps):
 
 @njit(cache=True, nogil=True, _nrt=False)
 def power_tables_into(spot, log_up, log_down, steps, level_base, ratio, scratch):
-    """level_base[t] = S0*d^t (price of node (t, 0)); ratio[i] = (u/d)^i, for t, i <= steps.
+    """level_base[t] = S0*d^t (price of node (t, 0)); ratio[i] = (u/d)^i, for t, i <= steps: a
+    PLAIN lattice's tables; a CENTRED one's carry its shift (node_tables), the products the same.
+    (A CLAMPED lattice's entries are those of an unclamped range, and some inf or 0: its prices
+    come from clamped_tables.)
 
     Each entry is the product of two exponentials, scale*exp(start*rate) * exp(j*rate), start a
     multiple of a block, so within a few ulp (plus the rounding of the argument, |t*log_down| ulp).
@@ -49,7 +108,8 @@ def power_tables_into(spot, log_up, log_down, steps, level_base, ratio, scratch)
     4*sqrt(steps) calls to exp, the small factors in `scratch` (table_scratch_size(steps) long)."""
     count = steps + 1
     rate_base, rate_ratio = log_down, log_up - log_down
-    if steps * max(abs(rate_base), abs(rate_ratio)) <= EXP_TABLE_MAX_ARGUMENT:
+    kind, shift = node_tables(spot, log_up, log_down, steps)
+    if kind == PLAIN and steps * max(abs(rate_base), abs(rate_ratio)) <= EXP_TABLE_MAX_ARGUMENT:
         exp_table(level_base, count, rate_base, spot)
         exp_table(ratio, count, rate_ratio, 1.0)
         return
@@ -57,9 +117,14 @@ def power_tables_into(spot, log_up, log_down, steps, level_base, ratio, scratch)
     for j in range(block):
         scratch[j] = math.exp(j * rate_base)
         scratch[block + j] = math.exp(j * rate_ratio)
+    log_spot = math.log(spot) if kind == CENTRED else 0.0
     for start in range(0, count, block):
-        big_base = spot * math.exp(start * rate_base)
-        big_ratio = math.exp(start * rate_ratio)   # scale 1
+        if kind == CENTRED:   # ln S0 inside the exponent: S0 alone may be beyond e^shift's reach
+            big_base = math.exp(log_spot + start * rate_base + shift)
+            big_ratio = math.exp(start * rate_ratio - shift)
+        else:
+            big_base = spot * math.exp(start * rate_base)
+            big_ratio = math.exp(start * rate_ratio)   # scale 1
         for j in range(min(block, count - start)):
             level_base[start + j] = big_base * scratch[j]
             ratio[start + j] = big_ratio * scratch[block + j]
@@ -70,6 +135,31 @@ def power_tables(spot, log_up, log_down, steps, level_base, ratio):
     """power_tables_into with its own scratch."""
     power_tables_into(spot, log_up, log_down, steps, level_base, ratio,
                       np.empty(table_scratch_size(steps)))
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def clamp_block(log_down, t_to):
+    """The lowest level of the block of a CLAMPED lattice whose top level is t_to: level_base stays
+    within e^{+-CLAMP_SLACK} over it (t_to - t_from levels of |ln d| each, centred)."""
+    levels = int(2.0 * CLAMP_SLACK / max(abs(log_down), 1e-300))
+    return max(t_to - max(levels, 1), 0)
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def clamped_tables(spot, log_up, log_down, t_from, t_to, level_base, ratio):
+    """A CLAMPED lattice's tables for levels t_from..t_to (level_base[t_from..t_to] and
+    ratio[0..t_to]): level_base[t] = e^{ln S0 + t ln d + shift}, shift centring them on e^0 (within
+    e^{+-CLAMP_SLACK} by clamp_block), and ratio[i] = e^{clip(i ln(u/d) - shift, +-NODE_LOG_LIMIT)},
+    non-decreasing: node prices within e^{+-(NODE_LOG_LIMIT - CLAMP_SLACK)} exact, the others
+    clamped into FP64's normal range. One exp per entry (these lattices are rare and wide)."""
+    rate_ratio = log_up - log_down
+    log_spot = math.log(spot)
+    shift = -(log_spot + 0.5 * (t_from + t_to) * log_down)
+    for t in range(t_from, t_to + 1):
+        level_base[t] = math.exp(log_spot + t * log_down + shift)
+    for i in range(t_to + 1):
+        exponent = i * rate_ratio - shift
+        ratio[i] = math.exp(min(max(exponent, -NODE_LOG_LIMIT), NODE_LOG_LIMIT))
 
 
 @njit(cache=True, nogil=True, _nrt=False)
@@ -286,6 +376,8 @@ def exercise_limit(strike, steps, pu, pd, log_up, log_down, slack=EXERCISE_SLACK
     grows with N) and every operation rounds; bounding those errors by (num, den) below, each
     widened slack-fold, the difference is positive for S(t, i) < num/den. Without dividends den
     is only those errors, and every put node whose successors were exercised is (num ~ K r dt)."""
+    if steps * (log_up - log_down) > NODE_LOG_LIMIT:
+        return 0.0   # the bound's eta holds for PLAIN tables only (node_tables)
     up, down = math.exp(log_up), math.exp(log_down)
     discount = pu + pd
     growth = pu * up + pd * down                       # e^-q dt, up to rounding

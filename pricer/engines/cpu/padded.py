@@ -1,25 +1,21 @@
-"""The padded vector kernels of the CPU engines' hot loop, and price_range: the serial engine's
-way through many options.
+"""The padded vector kernels of the CPU engines' hot loop (options.py takes options through them).
 
 Work arrays are padded so that every level runs in whole 512-bit vectors (LLVM IR written out:
 _vector_run), with the reference kernels' exact operations in each lane (kernels.py), so prices
-are bitwise those of advance. Options are priced two at a time (price_range): at small N a
+are bitwise those of advance. Two lattices can advance together (padded_pair): at small N a
 lattice's levels are short, each waits on the one before, and a second, independent lattice in
 the same loop fills the wait.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pricer.engines.cpu.kernels import (UNDERFLOW, _exercise_run, _exercised_prefix,
-                                        backward_keeping_levels, call_edge, exercise_limit,
-                                        power_tables_into, put_edge, ratio_monotone,
-                                        table_scratch_size, terminal_values, zero_boundary)
+from pricer.engines.cpu.kernels import (UNDERFLOW, _exercise_run, _exercised_prefix, call_edge,
+                                        exercise_limit, put_edge, ratio_monotone, zero_boundary)
 
 # Levels up to this index are advanced two lattices at a time (padded_pair); wider levels one
 # lattice at a time, since one alone already keeps the vector units busy there.
@@ -343,127 +339,3 @@ def padded_pair(a, b, t_from, t_to):
                                                 lbb[t + 1], minus_kb)
     _exercise_run(va, ra, 0, skip_a[0], sa * lba[t_to], minus_ka)
     _exercise_run(vb, rb, 0, skip_b[0], sb * lbb[t_to], minus_kb)
-
-
-@njit(cache=True, nogil=True, _nrt=False)
-def _prepare(values, level_base, ratio, scratch, spot, strike, steps, call, log_up, log_down):
-    """Tables and terminal values of one option in padded work arrays (zeros past node `steps`)."""
-    sign = 1.0 if call else -1.0
-    power_tables_into(spot, log_up, log_down, steps, level_base, ratio, scratch)
-    terminal_values(values, steps, strike, sign, level_base, ratio)
-    values[steps + 1:steps + 1 + PAD] = 0.0
-    ratio[steps + 1:steps + 1 + PAD] = 0.0
-    return sign
-
-
-@njit(cache=True, nogil=True, _nrt=False)
-def _array_size(width):
-    """Length of each padded work array (values, level_base, ratio) for up to width - 1 steps."""
-    return (width + PAD + LANES - 1) & -LANES
-
-
-@njit(cache=True, nogil=True, _nrt=False)
-def _work_size(width):
-    """Length of the buffer that holds the work arrays of one option of up to width - 1 steps."""
-    return 3 * _array_size(width) + table_scratch_size(width - 1) + LANES
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _work_views(buf, width):
-    """Padded work arrays in buf (_work_size(width) long): values, level_base, ratio, scratch.
-    Each starts on a 64-byte line (numba's allocations are only 32-byte aligned): vectors that
-    cross cache lines made a small lattice's time depend on the luck of the allocation.
-    Inlined into its caller, so that the views are counted (or not) as the caller's own."""
-    size = _array_size(width)
-    at = (-(buf.ctypes.data >> 3)) & (LANES - 1)
-    return (buf[at:at + size], buf[at + size:at + 2 * size], buf[at + 2 * size:at + 3 * size],
-            buf[at + 3 * size:])
-
-
-@njit(cache=True, nogil=True)
-def _work(width):
-    """_work_views of a new buffer, for one option of up to width - 1 steps."""
-    return _work_views(np.empty(_work_size(width)), width)
-
-
-@njit(cache=True, nogil=True)
-def _price_pair(k, m, spot, strike, steps, call, american, log_up, log_down, pu, pd, out, levels,
-                wa, wb):
-    """Options k and m: each alone down to level PAIR_MAX_STEPS, then both together (padded_pair)
-    down to the last levels, which each finishes alone (keeping the first levels' values)."""
-    va, lba, ra, sca = wa
-    vb, lbb, rb, scb = wb
-    sa = _prepare(va, lba, ra, sca, spot[k], strike[k], steps[k], call[k], log_up[k], log_down[k])
-    sb = _prepare(vb, lbb, rb, scb, spot[m], strike[m], steps[m], call[m], log_up[m], log_down[m])
-    floor = 2 if levels.shape[0] > 0 else 0
-    joint = max(min(steps[k], steps[m], PAIR_MAX_STEPS), floor)
-    ta, tb = steps[k], steps[m]
-    if ta > joint:
-        backward_padded(va, ta, joint, strike[k], sa, american[k], pu[k], pd[k], lba, ra, steps[k],
-                        log_up[k], log_down[k])
-        ta = joint
-    if tb > joint:
-        backward_padded(vb, tb, joint, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, steps[m],
-                        log_up[m], log_down[m])
-        tb = joint
-    if ta == tb and ta > floor:
-        padded_pair((va, ra, lba, pu[k], pd[k], strike[k], sa, american[k], steps[k], log_up[k],
-                     log_down[k]),
-                    (vb, rb, lbb, pu[m], pd[m], strike[m], sb, american[m], steps[m], log_up[m],
-                     log_down[m]), ta, floor)
-        ta = tb = floor
-    backward_keeping_levels(va, ta, strike[k], sa, american[k], pu[k], pd[k], lba, ra, levels, k,
-                            0.0)
-    backward_keeping_levels(vb, tb, strike[m], sb, american[m], pu[m], pd[m], lbb, rb, levels, m,
-                            0.0)
-    out[k] = va[0]
-    out[m] = vb[0]
-
-
-@njit(cache=True, nogil=True)
-def _price_single(k, spot, strike, steps, call, american, log_up, log_down, pu, pd, out, levels,
-                  work):
-    values, level_base, ratio, scratch = work
-    sign = _prepare(values, level_base, ratio, scratch, spot[k], strike[k], steps[k], call[k],
-                    log_up[k], log_down[k])
-    t = steps[k]
-    floor = 2 if levels.shape[0] > 0 else 0
-    if t > floor:
-        backward_padded(values, t, floor, strike[k], sign, american[k], pu[k], pd[k], level_base,
-                        ratio, steps[k], log_up[k], log_down[k])
-        t = floor
-    backward_keeping_levels(values, t, strike[k], sign, american[k], pu[k], pd[k],
-                            level_base, ratio, levels, k, 0.0)
-    out[k] = values[0]
-
-
-@njit(cache=True, nogil=True)
-def _option(order, j):
-    """The j-th option to price: order[j], or j itself where there is no order."""
-    if order is None:
-        return j
-    return order[j]
-
-
-@njit(cache=True, nogil=True)
-def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels):
-    """Price the options order[0..] (all of them, in turn, if order is None) into out, two at a
-    time (_price_pair) reusing two sets of work arrays; `levels` is (len(out), LEVEL_VALUES) to keep
-    the first levels' values, or (0, LEVEL_VALUES). Every price is bitwise the one the option gets
-    alone."""
-    count = out.size if order is None else order.size
-    if count == 0:
-        return
-    width = 1
-    for j in range(count):
-        width = max(width, steps[_option(order, j)] + 1)
-    first = _work(width)
-    second = _work(width) if count > 1 else first
-    j = np.int64(0)   # not a literal 0: that compiled a second copy of _price_pair
-    while j + 1 < count:
-        _price_pair(_option(order, j), _option(order, j + 1), spot, strike, steps, call, american,
-                    log_up, log_down, pu, pd, out, levels, first, second)
-        j += 2
-    if j < count:
-        _price_single(_option(order, j), spot, strike, steps, call, american, log_up, log_down, pu,
-                      pd, out, levels, first)

@@ -18,9 +18,10 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.engines.base import Engine
-from pricer.engines.cpu.kernels import (advance, backward_keeping_levels, exercise_limit,
-                                        power_tables, terminal_values)
-from pricer.engines.cpu.padded import price_range
+from pricer.engines.cpu.kernels import (CLAMPED, advance, backward_keeping_levels,
+                                        exercise_limit, power_tables, table_kinds,
+                                        terminal_values)
+from pricer.engines.cpu.options import price_range
 from pricer.engines.cpu.serial import (_bits, Direct, kernel_arguments, level_array, price_all,
                                        price_here)
 from pricer.model.lattice import STEPS_ROW, LatticeParams
@@ -128,6 +129,9 @@ class CpuEngine(Engine):
             return price_here(params, levels)
         lv = level_array(levels)
         wide = self.level_parallel(params.steps, threads)
+        if wide.any():   # a CLAMPED lattice is priced a block of levels at a time, on one thread
+            wide &= table_kinds(params.spot, params.log_up, params.log_down,
+                                params.steps) != CLAMPED
         narrow = np.flatnonzero(~wide).astype(np.int64)
         groups = min(threads, narrow.size)
         if groups == 1:  # no parallel region (and no partition) for one option

@@ -1,6 +1,6 @@
 """The `serial` backend: one core, options one after another through the padded kernels
-(padded.py), two lattices at a time -- the reference engine every other backend is checked
-against (bitwise for the CPU engines and the GPU's exact mode)."""
+(padded.py), two lattices at a time (options.py) -- the reference engine every other backend is
+checked against (bitwise for the CPU engines and the GPU's exact mode)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from pricer.engines.base import Engine
-from pricer.engines.cpu.padded import (_prepare, _work_size, _work_views, backward_padded,
-                                       price_range)
+from pricer.engines.cpu.options import (_prepare, _work_size, _work_views, is_clamped,
+                                        price_range)
+from pricer.engines.cpu.padded import backward_padded
 from pricer.model.lattice import FLAGS_ROW, FLOAT_ROWS, LEVEL_VALUES, STEPS_ROW, LatticeParams
 
 _SPOT, _STRIKE = FLOAT_ROWS["spot"], FLOAT_ROWS["strike"]
@@ -61,7 +62,8 @@ def _bits(typingctx, x):
 def price_all(packed, out):
     """price_range over all the options of LatticeParams.packed, without their first levels: two
     array arguments, where the nine fields would each add to numba's dispatch per call."""
-    if out.size == 1:
+    if out.size == 1 and not is_clamped(packed[_SPOT, 0], packed[_LOG_UP, 0],
+                                        packed[_LOG_DOWN, 0], _bits(packed[STEPS_ROW, 0])):
         # from the numbers themselves: nine views of packed's rows would each be
         # reference-counted. The flags row holds call then american, a byte each
         # (packed_views; little-endian).

@@ -8,6 +8,9 @@ routes (pricer.engines.base.route), each option to the first route that takes it
 3. the rest one at a time through the single-option regimes (cuda/binomial.cu; config.py): tiled
    while a level is wider than T1, then the persistent kernel down to level 0 (`gpu`) or T2
    (`hybrid`, `batch`), whose last level the CPU finishes (kernels.backward_keeping_levels).
+Lattices whose node tables are not PLAIN (kernels.node_tables) skip route 2 (the batch kernels
+build their node prices from PLAIN factors), and CLAMPED ones, priced a block of levels at a time,
+go to the CPU engine.
 `auto` is `batch` whose rank's share of at most cpu_max_nodes lattice nodes runs on the CPU.
 
 Configuration: an explicit `config` is taken as it is; without one, GpuConfig() <- `defaults` <-
@@ -30,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 
 from pricer.engines.base import DeviceInfo, DeviceNeed, Engine, Route, route
-from pricer.engines.cpu.kernels import backward_keeping_levels, power_tables
+from pricer.engines.cpu.kernels import backward_keeping_levels, power_tables, table_kinds
 from pricer.engines.cpu.serial import level_array
 from pricer.engines.gpu.batch_layout import KEY_BINS, batch_row_bytes
 from pricer.engines.gpu.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS, chunk_size
@@ -39,7 +42,7 @@ from pricer.engines.gpu.config import GpuConfig
 from pricer.engines.gpu.regimes import CudaKernels, pers_pows, pers_skip_limit
 from pricer.engines.gpu.runtime import GpuRuntime
 from pricer.model.cost import lattice_nodes
-from pricer.model.lattice import LatticeParams
+from pricer.model.lattice import CENTRED, CLAMPED, PLAIN, LatticeParams
 
 MODES = ("gpu", "hybrid", "batch")
 REGIME_BYTES_PER_NODE = 32   # CudaKernels.reserve: two level buffers and the two power tables
@@ -91,10 +94,16 @@ class GpuEngine(Engine):
         # GPU shared with other processes' kernels under MPS): the launch-per-K fallback from then on
         self.pers_off = False
         below = self.cpu_max_steps
+        regimes = _Regimes(self)
         self._on_cpu = Route(self.cpu, most=below)
         self._on_runner = Route(self.runner, most=MAX_STEPS if c.fma else below, above=below)
-        self._on_regimes = Route(_Regimes(self), above=max(below, MAX_STEPS) if c.fma else below)
-        self._routes = [self._on_cpu, self._on_runner, self._on_regimes]
+        self._on_regimes = Route(regimes, above=max(below, MAX_STEPS) if c.fma else below)
+        # Lattices whose node tables are not PLAIN (kernels.node_tables): CLAMPED ones are priced
+        # a block of levels at a time, by the CPU kernels only; the batch kernels build node prices
+        # from PLAIN factors only, so CENTRED ones of their sizes take the regimes
+        self._routes = [self._on_cpu, Route(self.cpu, kinds=(CLAMPED,)),
+                        Route(regimes, above=below, kinds=(CENTRED,)), self._on_runner,
+                        self._on_regimes]
 
     # the parts, made at first use
     @property
@@ -120,7 +129,8 @@ class GpuEngine(Engine):
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
             return self.cpu().price(params, levels)
-        return route(params, self._routes, levels)
+        kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
+        return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
 
     def warm_up(self) -> None:
         """The batch kernels loaded and the GPU's clocks raised before the input is read."""
@@ -243,7 +253,10 @@ class GpuEngine(Engine):
         skip_lim = np.nan               # a put's tiles below it skip exercised epochs
         if use_pers:                    # pd^s, pd^-s (both shapes have the same pers_k)
             pows = np.empty(2 * c.pers_k + 2)
-            scaled = c.fma and pers_pows(pd, c.pers_k, pows)
+            # scaled: values, exercise numbers and the level factors over pd^s, kept in range
+            big = max(abs(lb[0]), abs(lb[n]), abs(lb[n] * ratio[n]), strike)
+            scaled = (c.fma and pers_pows(pd, c.pers_k, pows)
+                      and big * pows[2 * c.pers_k + 1] < 2.0 ** 1000)
             if scaled and american and sign < 0:
                 skip_lim = pers_skip_limit(strike, n, pu, pd, float(p.log_up[k]),
                                            float(p.log_down[k]))
