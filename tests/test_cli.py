@@ -196,7 +196,8 @@ def test_info_on_portfolio_and_results(tmp_path, book):
     ok(run_pricer(["price", path, "-o", out, "--quiet"]))
     proc = ok(run_pricer(["info", out]))
     assert "results (pricer.results/1)" in proc.stdout
-    assert f"{len(portfolio)} prices" in proc.stdout and "rank 0:" in proc.stdout
+    assert f"{len(portfolio)} options" in proc.stdout and "rank 0:" in proc.stdout
+    assert "  price: min" in proc.stdout and "[currency of spot and strike]" in proc.stdout
     assert hashlib.sha256(path.read_bytes()).hexdigest() in proc.stdout
     refused(run_pricer(["info", tmp_path / "absent.h5"]), "no such file")
 
@@ -461,7 +462,8 @@ def test_greeks_one_process(greeks_one_process):
     assert bitwise_equal(r["price"], reference_prices(portfolio))  # the price is left alone
     assert r["run"]["nodes"][0] == 5 * portfolio.nodes()  # the base lattice and 4 bumped ones
     info = ok(run_pricer(["info", out])).stdout
-    assert "Greeks: delta, gamma, theta, vega, rho" in info and "    vega: min " in info
+    assert all(f"  {name}: min " in info for name in ("delta", "gamma", "theta", "vega", "rho"))
+    assert "[currency per year]" in info
     assert "greeks: True" in info and "richardson: False" in info
 
 

@@ -1,9 +1,11 @@
-"""Stage 6: the results file — schema, provenance, and an atomic write (temp file, then rename)."""
+"""Stage 6: the results file — schema, units, provenance, and an atomic write (temp file, then
+rename); HDF5, CSV or Parquet by the output's extension (formats.py)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
 import os
 
 import h5py
@@ -12,6 +14,8 @@ import numpy as np
 from pricer import __version__
 from pricer.errors import InputError
 from pricer.files import atomic_write, check_output_file
+from pricer.io.formats import (HDF5, input_format, output_format, read_table, table_attributes,
+                                table_bytes)
 
 SCHEMA = "pricer.results/1"
 
@@ -31,6 +35,7 @@ def check_output_path(path: str, overwrite: bool, protect: str | None = None) ->
             and os.path.exists(protect) and os.path.samefile(path, protect):
         raise InputError(f"{path}: is the input portfolio; the input is never overwritten")
     check_output_file(path, overwrite, "results")
+    output_format(path)
 
 
 def results_bytes(options: int, outputs: int) -> float:
@@ -43,23 +48,45 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# Each result's unit, written beside it (an HDF5 dataset's `unit` attribute; CSV and Parquet:
+# formats.table_bytes). Greeks as pricer.model.greeks computes them.
+UNITS = {
+    "id": "the input's option id",
+    "price": "currency of spot and strike",
+    "delta": "currency per 1.00 of spot",
+    "gamma": "currency per 1.00 of spot, squared",
+    "theta": "currency per year",
+    "vega": "currency per 1.00 of volatility (0.01 = one point)",
+    "rho": "currency per 1.00 of rate (0.01 = one point)",
+    "status": "code: 0 priced, else the reason in the status_reasons attribute",
+}
+
+
 def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict,
                   extra: dict | None = None) -> None:
-    """Write /results (id, price in input order, provenance attributes, and the `extra` float64
-    datasets such as the Greeks, in the same order) and /run (per-rank stats) to `path`,
-    atomically. The file is built in memory and then written as plain bytes: a disk that fills
-    during the write then raises OSError (and leaves nothing) where HDF5 writing to the disk
-    itself failed its own clean-up."""
+    """Write the results (id, price in input order, provenance attributes, and the `extra`
+    float64 datasets such as the Greeks, in the same order) and the per-rank stats to `path`,
+    atomically, in the format its extension names (formats.py): HDF5's /results and /run, or a
+    CSV or Parquet table. The file is built in memory and then written as plain bytes: a disk
+    that fills during the write then raises OSError (and leaves nothing) where HDF5 writing to
+    the disk itself failed its own clean-up."""
+    columns = {"id": np.asarray(ids, dtype=np.int64),
+               "price": np.asarray(prices, dtype=np.float64)}
+    for name, values in (extra or {}).items():   # floats as float64; codes as they are
+        values = np.asarray(values)
+        columns[name] = values if values.dtype.kind in "iu" else values.astype(np.float64)
+    attrs = {"schema": SCHEMA, "pricer_version": __version__, **attrs}
+    fmt = output_format(path)
+    if fmt != HDF5:
+        table_attrs = dict(attrs, run=json.dumps({key: np.asarray(value).tolist()
+                                                  for key, value in run.items()}))
+        atomic_write(path, table_bytes(fmt, columns, table_attrs, UNITS))
+        return
     with h5py.File("results.h5", "w", driver="core", backing_store=False) as f:
         g = f.create_group("results")
-        g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
-        g.create_dataset("price", data=np.asarray(prices, dtype=np.float64))
-        for name, values in (extra or {}).items():   # floats as float64; codes as they are
-            values = np.asarray(values)
-            g.create_dataset(name, data=values if values.dtype.kind in "iu" else
-                             values.astype(np.float64))
-        g.attrs["schema"] = SCHEMA
-        g.attrs["pricer_version"] = __version__
+        for name, values in columns.items():
+            g.create_dataset(name, data=values)
+            g[name].attrs["unit"] = UNITS.get(name, "")
         for key, value in attrs.items():
             g.attrs[key] = value
         r = f.create_group("run")
@@ -71,10 +98,26 @@ def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, r
 
 
 def read_results(path: str) -> dict:
-    """The results file as plain numpy arrays and attributes (for `pricer info` and tests)."""
-    with h5py.File(path, "r") as f:
-        g = f["results"]
-        out = {"attrs": dict(g.attrs), "run": {k: f["run"][k][()] for k in f["run"]}}
-        for key in g:
-            out[key] = g[key][()]
+    """A results file as plain numpy arrays and attributes (for `pricer info` and tests): the
+    columns by name, "attrs" (provenance), "units" and "run" (per-rank stats)."""
+    fmt = input_format(path)
+    if fmt == HDF5:
+        with h5py.File(path, "r") as f:
+            g = f["results"]
+            out = {"attrs": dict(g.attrs), "run": {k: f["run"][k][()] for k in f["run"]},
+                   "units": {k: g[k].attrs.get("unit", "") for k in g}}
+            for key in g:
+                out[key] = g[key][()]
+        return out
+    frame = read_table(path, fmt)
+    attrs = table_attributes(path, fmt)
+    units = {key[len("unit of "):]: value for key, value in attrs.items()
+             if key.startswith("unit of ")}
+    units.update({key[len("unit."):]: value for key, value in attrs.items()
+                  if key.startswith("unit.")})
+    attrs = {key: value for key, value in attrs.items()
+             if not key.startswith(("unit of ", "unit."))}
+    run = {key: np.asarray(value) for key, value in json.loads(attrs.pop("run", "{}")).items()}
+    out = {"attrs": attrs, "run": run, "units": units}
+    out.update({name: frame[name].to_numpy() for name in frame.columns})
     return out

@@ -11,8 +11,9 @@ import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
+from pricer.io.formats import HDF5, input_format, read_book
 from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix,
-                                 max_steps_for_memory, read_portfolio)
+                                 max_steps_for_memory, priced_steps)
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_of_file
 from pricer.model.greeks import check
@@ -30,14 +31,20 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     skip = cfg.invalid == "skip"
-    options, most, has_tree = book_shape(cfg.input, values=not skip)
-    if most is not None:      # else the read below names the steps column's fault
-        check_memory(cfg, options, most, has_tree, size, node_ranks)
+    hdf5 = input_format(cfg.input) == HDF5
+    if hdf5:
+        options, most, has_tree = book_shape(cfg.input, values=not skip)
+        if most is not None:      # else the read below names the steps column's fault
+            check_memory(cfg, options, most, has_tree, size, node_ranks)
     # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
     # file reads release the GIL, and on a large input it is a large share of rank 0's read
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(sha256_of_file, cfg.input)
-        portfolio = read_portfolio(cfg.input, values=not skip)
+        portfolio = read_book(cfg.input, values=not skip)
+        if not hdf5:          # a CSV or Parquet table is parsed whole before its shape is known
+            steps = priced_steps(portfolio.steps)
+            check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
+                         size, node_ranks)
         # the tree column, or the run's tree, as codes
         matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
         if skip:

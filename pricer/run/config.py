@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pricer.engines import backends, resolve_backend
 from pricer.errors import InputError
 from pricer.files import expand_placeholders
+from pricer.io.formats import HDF5, extension_format
 from pricer.io.checkpoint import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import tree_named
@@ -119,6 +120,10 @@ class RunConfig:
         if self.checkpoint and self.distribute == "read":
             raise InputError("--checkpoint needs --distribute scatter or bcast (rank 0 reads the "
                              "checkpoint and hands out only the chunks still to price), not read")
+        if self.distribute == "read" and extension_format(self.input) not in (None, HDF5):
+            raise InputError(f"{self.input}: --distribute read needs an HDF5 portfolio (every rank "
+                             f"reads its own rows of it); a CSV or Parquet book is read by rank 0: "
+                             f"use --distribute scatter or bcast")
         resolve_backend(self.backend)   # a GPU backend without a usable GPU is refused by name
         return self
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pricer.errors import OutputError
 from pricer.io.checkpoint import Checkpoint
 from pricer.io.portfolio import MATRIX_COLUMNS
 from pricer.io.results import utc_now, write_results
+from pricer.run.provenance import provenance
 from pricer.model.cost import nodes_priced
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import TREE_NAMES
@@ -95,6 +97,8 @@ class Agreed:
     bounds: np.ndarray      # rank r prices plan rows bounds[r]:bounds[r+1]
     cuts: np.ndarray        # chunk boundaries in plan rows
     chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1: none)
+    hosts: list | None = None   # rank 0: each rank's host
+    gpus: list | None = None    # rank 0: each rank's GPU ("" for none)
 
 
 def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
@@ -137,7 +141,8 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     t = time.perf_counter()
     plan = agreed.plan
     values = plan.assemble(full)
-    _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start)
+    _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start,
+           provenance(agreed.hosts, agreed.gpus))
     for lock in plan.locks:
         lock.release()
     stages["write"] = time.perf_counter() - t
@@ -185,7 +190,9 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
     # every rank's GPU, measured now that every engine has started, to rank 0, which fits every
     # rank's share to it or refuses the run before the verdict
-    infos = comm.gather(memory.device_info(started.engine), root=ROOT)
+    gathered = comm.gather((memory.device_info(started.engine), socket.gethostname()), root=ROOT)
+    infos = [info for info, _ in gathered] if rank == ROOT else None
+    hosts = [host for _, host in gathered] if rank == ROOT else None
     fitted = None
     if rank == ROOT and status == 0:
         fitted, status, message, failure = attempt(
@@ -204,8 +211,10 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
                       if rank == ROOT else None)
     bounds, cuts, chunk_ids = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
                                for name in ("bounds", "cuts", "chunk_ids"))
+    gpus = [f"{info.name} ({info.device})" if info is not None else ""
+            for info in infos] if rank == ROOT else None
     return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [],
-                  configure_threads(cfg.threads, ranks_here), bounds, cuts, chunk_ids)
+                  configure_threads(cfg.threads, ranks_here), bounds, cuts, chunk_ids, hosts, gpus)
 
 
 def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray]:
@@ -223,9 +232,10 @@ def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray
 
 
 def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, engine_name: str,
-           size: int, wall: float) -> None:
-    """Rank 0: the results file, with its provenance and the ranks' stats."""
-    attrs = {"backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
+           size: int, wall: float, origin: dict) -> None:
+    """Rank 0: the results file, with its provenance (`origin`: provenance.provenance) and the
+    ranks' stats."""
+    attrs = {**origin, "backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": plan.input_sha256,
              "input_path": os.path.abspath(cfg.input), "greeks": bool(cfg.greeks),

@@ -12,13 +12,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from dataclasses import fields
 
 import h5py
 
 import numpy as np
 
+from pricer import __version__
 from pricer.errors import InputError
-from pricer.io.portfolio import GROUP, Portfolio, write_portfolio
+from pricer.files import atomic_write, check_output_file
+from pricer.io.formats import HDF5, extension_format, output_format, table_bytes
+from pricer.io.portfolio import GROUP, SCHEMA, Portfolio, write_portfolio
 
 DISTRIBUTIONS = ("uniform", "random", "skewed", "scenarios")
 EXERCISE = ("mixed", "american", "european")
@@ -92,6 +96,9 @@ def ensure_generated(portfolio_path: str, spec: dict) -> bool:
     missing = [key for key in ("dist", "count") if key not in spec]
     if missing:
         raise InputError(f"portfolio.generate: missing key(s) {', '.join(missing)}")
+    if extension_format(portfolio_path) not in (None, HDF5):
+        raise InputError(f"portfolio.path {portfolio_path}: portfolio.generate writes HDF5; give "
+                         f"the path an .h5 extension")
     stamp = json.dumps(spec, sort_keys=True)
     if os.path.exists(portfolio_path):
         made_by = _generated_by(portfolio_path)
@@ -122,13 +129,24 @@ def _generated_by(path: str) -> str | None:
 GENERATE_BYTES_PER_OPTION = 200
 
 
+def write_book(path: str, fmt: str, portfolio: Portfolio, attrs: dict) -> None:
+    """A portfolio in any of the formats (pricer/io/formats.py), `attrs` recorded in it: HDF5's
+    /portfolio attributes, a CSV's leading `# key: value` lines, Parquet's metadata."""
+    if fmt == HDF5:
+        write_portfolio(path, portfolio, attrs=attrs)
+        return
+    columns = {f.name: getattr(portfolio, f.name) for f in fields(portfolio)
+               if getattr(portfolio, f.name) is not None}
+    atomic_write(path, table_bytes(fmt, columns, {"schema": SCHEMA, **attrs}, {}))
+
+
 def write_generated(args) -> None:
     """`pricer generate`: the book of args, checked before any work (output path, memory), then
     written; prints what it wrote."""
-    from pricer.files import check_output_file
     from pricer.run.memory import GIB, available_bytes
 
     check_output_file(args.output, args.overwrite, "portfolio")
+    fmt = output_format(args.output, "portfolio")
     need, have = args.count * GENERATE_BYTES_PER_OPTION, available_bytes()
     if need > have:
         raise InputError(f"--count {args.count}: generating it needs ~{need / GIB:.2f} GiB of "
@@ -136,6 +154,11 @@ def write_generated(args) -> None:
     portfolio = generate(args.dist, args.count, args.seed, steps=args.steps,
                          exercise=args.exercise, min_steps=args.min_steps,
                          max_steps=args.max_steps)
-    write_portfolio(args.output, portfolio)
+    spec = {"dist": args.dist, "count": args.count, "seed": args.seed, "steps": args.steps,
+            "exercise": args.exercise, "min_steps": args.min_steps, "max_steps": args.max_steps}
+    # the arguments that decide the book, not the command line: the same book is the same bytes
+    # under any name
+    attrs = {"generated_by": json.dumps(spec, sort_keys=True), "pricer_version": __version__}
+    write_book(args.output, fmt, portfolio, attrs)
     print(f"wrote {args.output}: {len(portfolio)} options ({args.dist}, seed {args.seed}), "
           f"{portfolio.nodes():.4g} nodes", flush=True)

@@ -1,58 +1,110 @@
-"""`pricer info FILE`: a short description of a portfolio or a results file."""
+"""`pricer info FILE`: a short description of a portfolio or a results file, in any of the formats
+(pricer/io/formats.py): every column's range, the trees, and what the file records of its origin."""
 
 from __future__ import annotations
+
+import json
 
 import h5py
 import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
-from pricer.io.portfolio import GROUP, read_portfolio
+from pricer.io.formats import HDF5, input_format, read_book, read_table, table_attributes
+from pricer.io.portfolio import FLOAT_COLUMNS, GROUP, SCHEMA
+from pricer.model.greeks import GREEKS
+
+# attributes shown in full on their own lines, the rest after them
+_LONG = ("command", "libraries", "hosts", "gpus", "status_reasons", "generated_by")
 
 
 def describe(path: str) -> list[str]:
     check_input_file(path)
-    if not h5py.is_hdf5(path):
-        raise InputError(f"{path}: not an HDF5 file")
+    fmt = input_format(path)
     try:
-        with h5py.File(path, "r") as f:
-            kind = "results" if "results" in f else GROUP
-        return _describe_results(path) if kind == "results" else _describe_portfolio(path)
+        return _describe_results(path) if _is_results(path, fmt) else _describe_portfolio(path,
+                                                                                          fmt)
+    except InputError:
+        raise
     except (OSError, KeyError, ValueError, TypeError) as exc:   # cut short, or not pricer's
         raise InputError(f"{path}: cannot read it: {exc}") from None
 
 
-def _describe_portfolio(path: str) -> list[str]:
-    p = read_portfolio(path)
-    steps = p.steps
-    return [
-        f"{path}: portfolio (pricer.portfolio/1), {len(p)} options, {p.nodes():.4g} lattice nodes",
-        f"  steps N: min {steps.min()}, median {int(np.median(steps))}, max {steps.max()}",
-        f"  calls {int(p.call.sum())}, puts {int((~p.call).sum())}; "
-        f"american {int(p.american.sum())}, european {int((~p.american).sum())}",
-        f"  spot {p.spot.min():.4g}..{p.spot.max():.4g}, strike {p.strike.min():.4g}..{p.strike.max():.4g}, "
-        f"maturity {p.maturity.min():.4g}..{p.maturity.max():.4g}, "
-        f"volatility {p.volatility.min():.4g}..{p.volatility.max():.4g}",
-    ]
+def _is_results(path: str, fmt: str) -> bool:
+    if fmt == HDF5:
+        if not h5py.is_hdf5(path):
+            raise InputError(f"{path}: not an HDF5 file")
+        try:
+            with h5py.File(path, "r") as f:
+                return "results" in f
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read it: {exc}") from None
+    return "price" in read_table(path, fmt).columns
+
+
+def _range(name: str, values: np.ndarray) -> str:
+    values = np.asarray(values)
+    finite = values[np.isfinite(values)] if values.dtype.kind == "f" else values
+    if finite.size == 0:
+        return f"  {name}: no finite values"
+    text = f"  {name}: min {finite.min():.6g}, median {np.median(finite):.6g}, max {finite.max():.6g}"
+    missing = values.size - finite.size
+    return text + (f" ({missing} NaN)" if missing else "")
+
+
+def _describe_portfolio(path: str, fmt: str) -> list[str]:
+    p = read_book(path, values=False)   # a book with bad values is shown as it is
+    lines = [f"{path}: portfolio ({SCHEMA}, {fmt.upper() if fmt != 'parquet' else 'Parquet'}), "
+             f"{len(p)} options, {p.nodes():.4g} lattice nodes",
+             _range("id", p.id), _range("steps N", p.steps)]
+    lines += [_range(name, getattr(p, name)) for name in FLOAT_COLUMNS]
+    lines.append(f"  calls {int(p.call.sum())}, puts {int((~p.call).sum())}; "
+                 f"american {int(p.american.sum())}, european {int((~p.american).sum())}")
+    if p.tree is None:
+        lines.append("  tree: no column (every option takes the run's --tree)")
+    else:
+        names, counts = np.unique(p.tree, return_counts=True)
+        lines.append("  tree: " + ", ".join(f"{name} {count}" for name, count in zip(names, counts)))
+    if fmt == HDF5:
+        with h5py.File(path, "r") as f:
+            attrs = dict(f[GROUP].attrs)
+    else:
+        attrs = table_attributes(path, fmt)
+    lines += _attributes({k: v for k, v in attrs.items() if k != "schema"})
+    return lines
 
 
 def _describe_results(path: str) -> list[str]:
-    from pricer.model.greeks import GREEKS
     from pricer.io.results import read_results
 
     r = read_results(path)
-    attrs = r["attrs"]
-    lines = [f"{path}: results ({attrs.get('schema')}), {r['price'].size} prices, "
-             f"min {r['price'].min():.6g}, max {r['price'].max():.6g}"]
-    greeks = [name for name in GREEKS if name in r]  # written by --greeks
-    if greeks:
-        lines.append(f"  Greeks: {', '.join(greeks)}")
-        for name in greeks:
-            lines.append(f"    {name}: min {r[name].min():.6g}, max {r[name].max():.6g}")
-    for key in sorted(attrs):
-        if key != "schema":
-            lines.append(f"  {key}: {attrs[key]}")
-    for rank, (sec, opts, nodes) in enumerate(zip(r["run"]["seconds"], r["run"]["options"],
-                                                 r["run"]["nodes"])):
-        lines.append(f"  rank {rank}: {opts} options, {nodes:.4g} nodes, {sec:.3f}s")
+    attrs, units = dict(r["attrs"]), r.get("units", {})
+    order = ("price",) + GREEKS + ("status",)
+    columns = sorted((name for name in r if name not in ("attrs", "run", "units", "id")),
+                     key=lambda name: order.index(name) if name in order else len(order))
+    lines = [f"{path}: results ({attrs.pop('schema', '?')}), {r['price'].size} options"]
+    for name in columns:
+        unit = f" [{units[name]}]" if units.get(name) else ""
+        if name == "status":
+            codes, counts = np.unique(r[name], return_counts=True)
+            reasons = json.loads(attrs.get("status_reasons", "{}") or "{}")
+            lines.append(f"  status{unit}: " + "; ".join(
+                f"{int(code)} ({reasons.get(str(int(code)), '?')}) {count}"
+                for code, count in zip(codes, counts)))
+        else:
+            lines.append(_range(name, r[name]) + unit)
+    lines += _attributes(attrs)
+    run = r.get("run", {})
+    if len(run.get("seconds", ())):
+        for rank, (sec, opts, nodes) in enumerate(zip(run["seconds"], run["options"],
+                                                      run["nodes"])):
+            lines.append(f"  rank {rank}: {int(opts)} options, {float(nodes):.4g} nodes, "
+                         f"{float(sec):.3f}s")
     return lines
+
+
+def _attributes(attrs: dict) -> list[str]:
+    def text(value):
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    short = [f"  {key}: {text(attrs[key])}" for key in sorted(attrs) if key not in _LONG]
+    return short + [f"  {key}: {text(attrs[key])}" for key in _LONG if key in attrs]
