@@ -32,10 +32,11 @@ def _one(spot, strike, steps, call, american, log_up, log_down, pu, pd, keep=Non
         x = level * log_down + np.arange(level + 1) * spread
         with np.errstate(over="ignore"):
             price = spot * np.exp(x)
-        # where e^x alone would overflow, the product's logarithm, clipped below e^709 (FP64's
-        # largest): the engines clamp such nodes too
-        far = ~(x <= 709.0) | ~np.isfinite(price)
-        price[far] = np.exp(np.minimum(np.log(spot) + x[far], 709.0))
+        # where e^x alone would overflow or underflow, the product's logarithm, clipped below
+        # e^709 (FP64's largest): the engines clamp such nodes too
+        log_price = np.log(spot) + x
+        far = ~(np.abs(x) <= 700.0) | ~(np.abs(log_price) <= 700.0)
+        price[far] = np.exp(np.minimum(log_price[far], 709.0))
         return sign * (price - strike)
 
     values = np.maximum(exercise(steps), 0.0)

@@ -335,6 +335,22 @@ def test_lattices_beyond_the_fp64_factors_price_and_only_weighty_clamps_are_refu
     assert "11" not in message.split(":")[0]
 
 
+def test_a_level_factor_beyond_fp64_alone_takes_the_centred_tables():
+    """d^N alone beyond e^-700 while the nodes are inside (a spot of e^600 with a dividend yield of
+    1000 % a year, jr; a spot of e^-600 with a 1000 % rate): S0 d^t as one factor underflowed to
+    0 and the price with it. Now CENTRED, and as the oracle prices them (1.9e-174, 2.1e-262)."""
+    cols = make_columns(spot=[math.exp(600), math.exp(-600)],
+                        strike=[math.exp(-420), math.exp(400)], maturity=1.0, rate=[0.0, 1000.0],
+                        dividend=[1000.0, 0.0], volatility=0.2, steps=1000, call=[True, False],
+                        american=False)
+    cols["tree"] = np.full(2, TREE_NAMES.index("jr"))
+    p = lattice_parameters(cols)
+    assert list(table_kinds(p.spot, p.log_up, p.log_down, p.steps)) == [CENTRED, CENTRED]
+    ref = oracle_prices(p)
+    assert 1e-175 < ref[0] < 1e-173 and 1e-263 < ref[1] < 1e-261
+    np.testing.assert_allclose(SerialEngine().price(p), ref, rtol=1e-12)
+
+
 def test_centred_and_clamped_lattices_agree_with_the_oracle_on_every_tree(rng):
     """Fresh random lattices wider than a single pair of tables holds (σ from 100 % to 600 %, N to
     3 000, every tree, calls and puts, American and European), against the NumPy oracle (node

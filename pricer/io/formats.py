@@ -24,6 +24,7 @@ from pricer.files import check_input_file
 HDF5, CSV, PARQUET = "hdf5", "csv", "parquet"
 EXTENSIONS = {".h5": HDF5, ".hdf5": HDF5, ".csv": CSV, ".parquet": PARQUET}
 KNOWN = ".h5 or .hdf5 (HDF5), .csv (CSV with a header row), .parquet (Parquet)"
+FLAG_WORDS = ("true", "1", "1.0", "false", "0", "0.0")   # a CSV flag cell, lower case: true first
 
 
 def extension_format(path) -> str | None:
@@ -70,12 +71,16 @@ def read_table(path, fmt: str):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                return pandas.read_csv(path, comment="#", skipinitialspace=True,
-                                       float_precision="round_trip")
+                # only the leading `# key: value` lines are skipped: a later row that starts
+                # with # is a fault to name, not a row to drop
+                return pandas.read_csv(path, skiprows=_leading_comments(path),
+                                       skipinitialspace=True, float_precision="round_trip")
         if importlib.util.find_spec("pyarrow") is None:   # pandas' own message names no extra
             raise InputError(f"{path}: reading Parquet needs pyarrow: pip install "
                              f"'pricer[parquet]'")
-        return pandas.read_parquet(path)
+        frame = pandas.read_parquet(path)
+        # a column kept as the index (DataFrame.to_parquet with id set as the index)
+        return frame.reset_index() if frame.index.name is not None else frame
     except InputError:
         raise
     except pandas.errors.EmptyDataError:
@@ -84,6 +89,17 @@ def read_table(path, fmt: str):
         raise InputError(f"{path}: cannot read it as {fmt.upper() if fmt == CSV else 'Parquet'}: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
             from None
+
+
+def _leading_comments(path) -> int:
+    """How many of a CSV file's first lines start with #."""
+    count = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.startswith(b"#"):
+                break
+            count += 1
+    return count
 
 
 def table_bytes(fmt: str, columns: dict, attrs: dict, units: dict) -> bytes:
@@ -177,13 +193,14 @@ def _name_unparsable(frame, path) -> None:
             continue
         flag = name in ("call", "american")
         text = column.astype(str).str.strip().str.lower()
-        bad = pandas.to_numeric(column, errors="coerce").isna() & column.notna()
-        if flag:
-            bad &= ~text.isin(("true", "false"))
+        if flag:     # only these: a 2 or a 0.5 among words is a typo, not a put
+            bad = ~text.isin(FLAG_WORDS)
+        else:
+            bad = pandas.to_numeric(column, errors="coerce").isna() & column.notna()
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
             raise InputError(f"{path}: column {name} holds {column.iloc[row]!r} for {where(row)}, "
                              f"not {'true, false, 0 or 1' if flag else 'a number'}",
                              column=str(name))
         if flag:   # words and digits mixed in one column: pandas leaves them as text
-            frame[name] = text.isin(("true", "1", "1.0")).to_numpy()
+            frame[name] = text.isin(FLAG_WORDS[:3]).to_numpy()

@@ -304,6 +304,28 @@ def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = N
 
     `tree` is the run's tree; where `cols` has a "tree" column (codes into TREE_NAMES, from a
     portfolio's tree column), each option with a code >= 0 uses that tree instead."""
+    dt, log_up, log_down, p = _tree_parameters(cols, tree, ids)
+    disc = np.exp(-cols["rate"] * dt)
+    return LatticeParams(
+        spot=np.ascontiguousarray(cols["spot"], dtype=np.float64),
+        strike=np.ascontiguousarray(cols["strike"], dtype=np.float64),
+        steps=np.ascontiguousarray(cols["steps"], dtype=np.int64),
+        call=np.ascontiguousarray(cols["call"], dtype=np.bool_),
+        american=np.ascontiguousarray(cols["american"], dtype=np.bool_),
+        log_up=np.ascontiguousarray(log_up),
+        log_down=np.ascontiguousarray(log_down),
+        pu=disc * p,
+        pd=disc * (1.0 - p),
+    )
+
+
+def check_lattices(cols: dict, tree: str = "crr", ids: np.ndarray | None = None) -> None:
+    """lattice_parameters' refusals (InputError by id), without building the parameters."""
+    _tree_parameters(cols, tree, ids)
+
+
+def _tree_parameters(cols: dict, tree: str, ids: np.ndarray | None):
+    """(dt, log_up, log_down, p) of every option, each by its tree, checked."""
     n = int(np.shape(cols["steps"])[0])
     ids = ids if ids is not None else np.arange(n)
     default = TREE_NAMES.index(tree_named(tree).name)
@@ -319,18 +341,7 @@ def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = N
             sub = {key: np.asarray(value)[rows] for key, value in cols.items()}
             dt[rows], log_up[rows], log_down[rows], p[rows] = _parameters(
                 sub, TREE_NAMES[int(code)], ids[rows])
-    disc = np.exp(-cols["rate"] * dt)
-    return LatticeParams(
-        spot=np.ascontiguousarray(cols["spot"], dtype=np.float64),
-        strike=np.ascontiguousarray(cols["strike"], dtype=np.float64),
-        steps=np.ascontiguousarray(cols["steps"], dtype=np.int64),
-        call=np.ascontiguousarray(cols["call"], dtype=np.bool_),
-        american=np.ascontiguousarray(cols["american"], dtype=np.bool_),
-        log_up=np.ascontiguousarray(log_up),
-        log_down=np.ascontiguousarray(log_down),
-        pu=disc * p,
-        pd=disc * (1.0 - p),
-    )
+    return dt, log_up, log_down, p
 
 
 def lattice_faults(cols: dict, tree: str = "crr") -> np.ndarray:
@@ -433,6 +444,12 @@ def _clamp_matters(cols: dict, log_up, log_down, p) -> np.ndarray:
     put's payoff K at the bottom) and the share measure p u / (p u + (1 - p) d) (a call's payoff
     ~S at the top), that bound times S0/K, e^{|r - q| T} must stay below 2^-1074."""
     steps = np.asarray(cols["steps"], dtype=np.float64)
+    spot = np.asarray(cols["spot"], dtype=np.float64)
+    # most books at once, without logarithms: ln S0 within +-299 and N |ln u|, N |ln d| <= 300
+    near = ((steps * np.maximum(np.abs(log_up), np.abs(log_down)) <= 300.0)
+            & (spot > 1e-130) & (spot < 1e130))
+    if near.all():
+        return ~near
     top, bottom = _node_range(cols, log_up, log_down)
     reach = (top > EXACT_NODE_LOG) | (bottom < -EXACT_NODE_LOG) | ~np.isfinite(top + bottom)
     if not reach.any():

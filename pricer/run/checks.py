@@ -17,7 +17,7 @@ from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_of_file
 from pricer.model.greeks import check
-from pricer.model.lattice import lattice_parameters
+from pricer.model.lattice import check_lattices as lattice_check
 from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped
 from pricer.run import memory
 from pricer.run.config import RunConfig
@@ -91,7 +91,7 @@ def check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
         block = slice(a, a + CHECK_ROWS)
         cols = columns_from_matrix(matrix[block])
         try:
-            lattice_parameters(cols, cfg.tree, ids=ids[block])
+            lattice_check(cols, cfg.tree, ids=ids[block])
             check_analytics(cols, cfg, ids[block])
         except InputError as exc:
             raise exc.prefixed(f"{cfg.input}: ") from None
@@ -106,7 +106,7 @@ def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
     check(cols, analytics, ids)
     for what, part in analytics.described_lattices(cols)[1:]:
         try:
-            lattice_parameters(part, cfg.tree, ids=ids)
+            lattice_check(part, cfg.tree, ids=ids)
         except InputError as exc:
             raise exc.prefixed(f"{what}, and ") from None
 

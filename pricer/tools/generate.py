@@ -158,7 +158,8 @@ def write_generated(args) -> None:
             "exercise": args.exercise, "min_steps": args.min_steps, "max_steps": args.max_steps}
     # the arguments that decide the book, not the command line: the same book is the same bytes
     # under any name
-    attrs = {"generated_by": json.dumps(spec, sort_keys=True), "pricer_version": __version__}
+    # (generate_args, not a job's generated_by: a job replaces only the books it made itself)
+    attrs = {"generate_args": json.dumps(spec, sort_keys=True), "pricer_version": __version__}
     write_book(args.output, fmt, portfolio, attrs)
     print(f"wrote {args.output}: {len(portfolio)} options ({args.dist}, seed {args.seed}), "
           f"{portfolio.nodes():.4g} nodes", flush=True)

@@ -12,10 +12,12 @@ from pricer.errors import InputError
 from pricer.files import check_input_file
 from pricer.io.formats import HDF5, input_format, read_book, read_table, table_attributes
 from pricer.io.portfolio import FLOAT_COLUMNS, GROUP, SCHEMA
+from pricer.io.results import SCHEMA as RESULTS_SCHEMA, read_results
 from pricer.model.greeks import GREEKS
 
 # attributes shown in full on their own lines, the rest after them
-_LONG = ("command", "libraries", "hosts", "gpus", "status_reasons", "generated_by")
+_LONG = ("command", "libraries", "hosts", "gpus", "status_reasons", "generated_by",
+         "generate_args")
 
 
 def describe(path: str) -> list[str]:
@@ -39,7 +41,11 @@ def _is_results(path: str, fmt: str) -> bool:
                 return "results" in f
         except OSError as exc:
             raise InputError(f"{path}: cannot read it: {exc}") from None
-    return "price" in read_table(path, fmt).columns
+    schema = table_attributes(path, fmt).get("schema")
+    if schema is not None:
+        return schema == RESULTS_SCHEMA
+    columns = read_table(path, fmt).columns
+    return "price" in columns and "spot" not in columns
 
 
 def _range(name: str, values: np.ndarray) -> str:
@@ -75,8 +81,6 @@ def _describe_portfolio(path: str, fmt: str) -> list[str]:
 
 
 def _describe_results(path: str) -> list[str]:
-    from pricer.io.results import read_results
-
     r = read_results(path)
     attrs, units = dict(r["attrs"]), r.get("units", {})
     order = ("price",) + GREEKS + ("status",)

@@ -67,7 +67,7 @@ def node_tables(spot, log_up, log_down, steps):
     bottom = log_spot + n * min(log_down, 0.0)
     if not (top <= NODE_LOG_LIMIT and bottom >= -NODE_LOG_LIMIT):
         return CLAMPED, 0.0
-    if spread <= NODE_LOG_LIMIT:
+    if spread <= NODE_LOG_LIMIT and n * abs(log_down) <= NODE_LOG_LIMIT:
         return PLAIN, 0.0
     # level_base's exponents are ln S0 + t ln d + shift, ratio's i ln(u/d) - shift: the largest
     # magnitude among them is max(rising + shift, falling - shift), least at the shift below
@@ -376,8 +376,9 @@ def exercise_limit(strike, steps, pu, pd, log_up, log_down, slack=EXERCISE_SLACK
     grows with N) and every operation rounds; bounding those errors by (num, den) below, each
     widened slack-fold, the difference is positive for S(t, i) < num/den. Without dividends den
     is only those errors, and every put node whose successors were exercised is (num ~ K r dt)."""
-    if steps * (log_up - log_down) > NODE_LOG_LIMIT:
-        return 0.0   # the bound's eta holds for PLAIN tables only (node_tables)
+    if steps * max(log_up - log_down, abs(log_down)) > NODE_LOG_LIMIT:
+        return 0.0   # the bound's eta holds for PLAIN tables only (node_tables; a CLAMPED
+                     # lattice is priced without a limit, options._price_clamped)
     up, down = math.exp(log_up), math.exp(log_down)
     discount = pu + pd
     growth = pu * up + pd * down                       # e^-q dt, up to rounding

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pricer.engines.cpu.kernels import (CLAMPED, backward_keeping_levels, clamp_block,
+from pricer.engines.cpu.kernels import (CLAMPED, backward_inplace, backward_keeping_levels,
+                                        clamp_block,
                                         clamped_tables, node_tables, power_tables_into,
                                         table_scratch_size, terminal_values)
 from pricer.engines.cpu.padded import (LANES, PAD, PAIR_MAX_STEPS, backward_padded,
@@ -113,8 +114,8 @@ def _price_single(k, spot, strike, steps, call, american, log_up, log_down, pu, 
 @njit(cache=True, nogil=True)
 def _price_clamped(k, spot, strike, steps, call, american, log_up, log_down, pu, pd, out, levels,
                    work):
-    """A CLAMPED lattice (kernels.node_tables) through the padded kernels, a block of levels at a
-    time, each block with its own tables (kernels.clamped_tables)."""
+    """A CLAMPED lattice (kernels.node_tables), a block of levels at a time, each block with its
+    own tables (kernels.clamped_tables), through the reference kernels (kernels.advance)."""
     values, level_base, ratio, scratch = work
     n = steps[k]
     sign = 1.0 if call[k] else -1.0
@@ -127,8 +128,9 @@ def _price_clamped(k, spot, strike, steps, call, american, log_up, log_down, pu,
     t = n
     while t > floor:
         stop = max(low, floor)
-        backward_padded(values, t, stop, strike[k], sign, american[k], pu[k], pd[k], level_base,
-                        ratio, n, log_up[k], log_down[k])
+        # no exercise limit: its bound assumes PLAIN tables (kernels.exercise_limit)
+        backward_inplace(values, t, stop, strike[k], sign, american[k], pu[k], pd[k], level_base,
+                         ratio, 0.0)
         t = stop
         if t > floor:
             low = clamp_block(log_down[k], t)
