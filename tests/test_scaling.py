@@ -13,8 +13,9 @@ from pricer.tools.generate import generate
 from pricer.model.cost import option_cost
 from pricer.io.portfolio import write_portfolio
 from pricer.io.results import read_results
-from pricer.tools.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, launcher_command, main, parse_ranks,
-                            parse_summary, simulate_rows)
+from pricer.tools.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, STAGES, add_speedup,
+                                  launcher_command, main, parse_ranks, parse_summary,
+                                  simulate_rows)
 
 from helpers import mpiexec
 
@@ -98,6 +99,40 @@ def test_strong_scaling_run(tmp_path, monkeypatch):
                                                    "ranks-2-rep-1.h5"}
     assert not (tmp_path / "never-written.h5").exists()
     assert read_results(str(runs / "ranks-2-rep-1.h5"))["attrs"]["distribute"] == "read"
+
+
+def test_the_limiting_stage_is_the_one_furthest_from_perfect_scaling():
+    """2 ranks against 1: the read did not shrink (+0.5 s over half of 1 s), compute did."""
+    def row(ranks, wall, read, compute, launch):
+        stages = dict.fromkeys(STAGES, 0.0)
+        stages.update(read=read, compute=compute)
+        return dict(stages, ranks=ranks, wall=wall, launch_wall=launch)
+    rows = [row(1, 10.0, 1.0, 9.0, 11.0), row(2, 5.5, 1.0, 4.5, 6.5)]
+    add_speedup(rows)
+    assert rows[0]["limiting"] == "" and rows[1]["limiting"] == "read"
+    assert rows[1]["limiting_seconds"] == pytest.approx(0.5)
+    rows = [row(1, 10.0, 1.0, 9.0, 11.0), row(4, 2.5, 0.25, 2.25, 5.0)]   # launch 0.25 -> 2.5 s
+    add_speedup(rows)
+    assert rows[1]["limiting"] == "launch" and rows[1]["limiting_seconds"] == pytest.approx(2.25)
+
+
+def test_strong_scaling_of_a_book_that_exists(tmp_path, monkeypatch):
+    """A portfolio file (CSV here) as the input: `pricer price` runs on it as it is, nothing is
+    generated; each row after the first names its limiting stage."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    book = generate("random", 200, seed=4, max_steps=200)
+    import pandas as pd
+    pd.DataFrame(vars(book)).drop(columns=["tree"]).to_csv(tmp_path / "book.csv", index=False)
+    before = (tmp_path / "book.csv").read_bytes()
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "book.csv"), "--ranks", "1,2", "--out", str(out), "--launcher",
+                 mpiexec(), "--backend", "cpu", "--no-warmup", "--timeout", "120"]) == 0
+    rows = read_csv(out / "scaling.csv")
+    assert [int(r["ranks"]) for r in rows] == [1, 2] and int(rows[1]["options"]) == 200
+    assert rows[0]["limiting"] == "" and rows[1]["limiting"] in STAGES + ("launch",)
+    assert "limited by" in (out / "scaling.md").read_text()
+    assert (tmp_path / "book.csv").read_bytes() == before
+    assert "price" in (out / "runs" / "ranks-2-rep-1.log").read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("ranks,message", [("", "comma-separated list"), (",", "comma-separated"),

@@ -1,11 +1,13 @@
 """`pricer scaling`: strong scaling of one job over rank counts, and partition quality at scale.
 
-    pricer scaling JOB.toml --ranks 1,2,4 [--repeats R] [--launcher CMD] --out DIR
-        runs `pricer run JOB.toml -o WORK/ranks-K-rep-R.h5` under `srun --kill-on-bad-exit=1 -n K`
+    pricer scaling JOB.toml|BOOK --ranks 1,2,4 [--repeats R] [--launcher CMD] --out DIR
+        runs `pricer run JOB.toml -o WORK/ranks-K-rep-R.h5` (or, for a portfolio file BOOK that
+        exists already, `pricer price BOOK -o ...`) under `srun --kill-on-bad-exit=1 -n K`
         (inside a Slurm allocation: SLURM_JOB_ID is set) or `mpiexec -n K` (else; `--launcher`
         overrides both) for each rank count K, R times (the median counts), after one untimed
         warm-up run (generation of the job's portfolio, numba's cache); writes DIR/scaling.csv,
-        DIR/scaling.md, DIR/scaling.png.
+        DIR/scaling.md, DIR/scaling.png. Each rank count's row names the stage that limits its
+        efficiency: the one whose time is furthest above the first row's, scaled by its ranks.
     pricer scaling --simulate PORTFOLIO.h5 --ranks 1,...,4096 --out DIR
         no pricing: each partitioner's largest and mean rank cost per rank count against the bound
         max(mean, largest option); writes DIR/simulate.csv, .md, .png.
@@ -35,7 +37,7 @@ from pricer.errors import InputError
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 RUN_COLUMNS = (("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall") + STAGES
                + ("compute_min", "compute_mean", "compute_max", "imbalance", "options", "nodes",
-                  "speedup", "efficiency"))
+                  "speedup", "efficiency", "limiting", "limiting_seconds"))
 SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
                "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
 # cost: what --partition cost runs (partition.assign); contiguous: its best contiguous split alone;
@@ -69,7 +71,8 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("input", help="JOB.toml (a pricing job), or with --simulate a PORTFOLIO.h5")
+    ap.add_argument("input", help="JOB.toml (a pricing job), a portfolio file to price as it is "
+                                  "(BOOK.h5, .csv, .parquet), or with --simulate a PORTFOLIO.h5")
     ap.add_argument("--ranks", type=parse_ranks, required=True, metavar="K1,K2,...",
                     help="rank counts, e.g. 1,2,4,8")
     ap.add_argument("--out", required=True, metavar="DIR",
@@ -167,7 +170,8 @@ def read_run_stats(path: str) -> dict:
 
 
 def _pricer_args(args, output: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pricer", "run", args.input, "-o", output, "--overwrite"]
+    command = "run" if args.input.endswith(".toml") else "price"   # a job, or a book as it is
+    cmd = [sys.executable, "-m", "pricer", command, args.input, "-o", output, "--overwrite"]
     for key in ("backend", "threads", "partition", "distribute"):
         if getattr(args, key) is not None:
             cmd += [f"--{key}", str(getattr(args, key))]
@@ -220,19 +224,37 @@ def aggregate(ranks: int, runs: list[dict]) -> dict:
 
 
 def add_speedup(rows: list[dict]) -> None:
-    """Speedup against the smallest rank count K0 (K0 x its wall / wall), efficiency = speedup / K."""
+    """Speedup against the smallest rank count K0 (K0 x its wall / wall), efficiency = speedup / K,
+    and the stage that limits it: the one with the most seconds beyond perfect scaling of K0's
+    (stage_K - stage_K0 x K0 / K), with those seconds; "launch" is the process start and MPI
+    set-up outside the run's own wall time. None for the first row."""
     base = rows[0]
     for row in rows:
         row["speedup"] = base["ranks"] * base["wall"] / row["wall"] if row["wall"] > 0 else math.nan
         row["efficiency"] = row["speedup"] / row["ranks"]
+        if row is base:
+            row["limiting"], row["limiting_seconds"] = "", math.nan
+            continue
+        scale = base["ranks"] / row["ranks"]
+        excess = {stage: row[stage] - base[stage] * scale for stage in STAGES
+                  if math.isfinite(row[stage]) and math.isfinite(base[stage])}
+        excess["launch"] = ((row["launch_wall"] - row["wall"])
+                            - (base["launch_wall"] - base["wall"]) * scale)
+        stage = max(excess, key=excess.get)
+        row["limiting"], row["limiting_seconds"] = stage, excess[stage]
 
 
 def strong_scaling(args) -> int:
+    from pricer.io.formats import input_format
     from pricer.io.jobs import load_job
 
     if not os.path.isfile(args.input):
-        raise InputError(f"{args.input}: no such job file")
-    load_job(args.input)   # refuse a bad job file before launching anything
+        raise InputError(f"{args.input}: no such job file" if args.input.endswith(".toml")
+                         else f"{args.input}: no such file")
+    if args.input.endswith(".toml"):
+        load_job(args.input)   # refuse a bad job file before launching anything
+    else:
+        input_format(args.input)   # a portfolio file of a known format
     launcher = launcher_command(args.launcher)
     work = args.work or os.path.join(args.out, "runs")
     os.makedirs(work, exist_ok=True)
@@ -263,13 +285,15 @@ def strong_scaling(args) -> int:
 def markdown_runs(rows: list[dict], title: str) -> list[str]:
     lines = [f"Strong scaling: {title}", "",
              "| ranks | wall s | " + " | ".join(f"{s} s" for s in STAGES)
-             + " | compute min/mean/max s | speedup | efficiency |",
-             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|"]
+             + " | compute min/mean/max s | speedup | efficiency | limited by |",
+             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---|"]
     for r in rows:
+        limit = (f"{r['limiting']} (+{r['limiting_seconds']:.3f} s)" if r.get("limiting")
+                 else "—")
         lines.append(f"| {r['ranks']} | {r['wall']:.3f} | "
                      + " | ".join(f"{r[s]:.3f}" for s in STAGES)
                      + f" | {r['compute_min']:.3f} / {r['compute_mean']:.3f} / {r['compute_max']:.3f}"
-                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} |")
+                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} | {limit} |")
     return lines
 
 
