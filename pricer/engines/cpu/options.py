@@ -147,31 +147,24 @@ def is_clamped(spot, log_up, log_down, steps):
 
 
 @njit(cache=True, nogil=True)
-def _option(order, j):
-    """The j-th option to price: order[j], or j itself where there is no order."""
-    if order is None:
-        return j
-    return order[j]
-
-
-@njit(cache=True, nogil=True)
 def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels):
-    """Price the options order[0..] (all of them, in turn, if order is None) into out, two at a
-    time (_price_pair) reusing two sets of work arrays; `levels` is (len(out), LEVEL_VALUES) to keep
-    the first levels' values, or (0, LEVEL_VALUES). Every price is bitwise the one the option gets
-    alone."""
-    count = out.size if order is None else order.size
+    """Price the options order[0..] (row numbers, int64) into out, two at a time (_price_pair)
+    reusing two sets of work arrays; `levels` is (len(out), LEVEL_VALUES) to keep the first
+    levels' values, or (0, LEVEL_VALUES). Every price is bitwise the one the option gets alone.
+    Callers pass an array for all rows too (np.arange), never None: each type of `order` compiles
+    the kernel again (~2.5 s on a cold cache)."""
+    count = order.size
     if count == 0:
         return
     width = 1
     for j in range(count):
-        width = max(width, steps[_option(order, j)] + 1)
+        width = max(width, steps[order[j]] + 1)
     first = _work(width)
     second = _work(width) if count > 1 else first
     # pairs of the options that are not CLAMPED, in order; CLAMPED ones alone, as they come
     waiting = np.int64(-1)   # not a literal: that compiled a second copy of _price_pair
     for j in range(count):
-        k = _option(order, j)
+        k = order[j]
         if is_clamped(spot[k], log_up[k], log_down[k], steps[k]):
             _price_clamped(k, spot, strike, steps, call, american, log_up, log_down, pu, pd, out,
                            levels, first)

@@ -13,6 +13,8 @@ Every node is computed with the serial engine's exact operations, so the prices 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -39,12 +41,24 @@ BLOCK_STEPS = 64
 MIN_CHUNK_NODES = 2_048
 
 
-@njit(cache=True, parallel=True)
-def _price_groups(spot, strike, steps, call, american, log_up, log_down, pu, pd, order,
-                  group_bounds, out, levels):
-    for g in prange(group_bounds.size - 1):
-        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
-                    order[group_bounds[g]:group_bounds[g + 1]], out, levels)
+# The groups run on Python threads, each one call of the nogil kernel price_range: a numba
+# parallel region here cost ~4 s of compiling on a cold cache, for the same schedule
+_POOL: list = [None, 0]   # the executor and its thread count, grown when a call needs more
+
+
+def _price_groups(args: tuple, order: np.ndarray, bounds: np.ndarray, out: np.ndarray,
+                  levels: np.ndarray) -> None:
+    """Group g (options order[bounds[g]:bounds[g + 1]]) on thread g, all at once."""
+    groups = bounds.size - 1
+    if _POOL[1] < groups:
+        if _POOL[0] is not None:
+            _POOL[0].shutdown()
+        _POOL[:] = [ThreadPoolExecutor(max_workers=groups, thread_name_prefix="pricer-cpu"),
+                    groups]
+    done = [_POOL[0].submit(price_range, *args, order[bounds[g]:bounds[g + 1]], out, levels)
+            for g in range(groups)]
+    for future in done:
+        future.result()
 
 
 @njit(cache=True, nogil=True)
@@ -138,7 +152,7 @@ class CpuEngine(Engine):
             price_range(*kernel_arguments(params), narrow, out, lv)
         elif groups > 1:
             bounds = partition_by_cost(params.steps[narrow], groups)
-            _price_groups(*kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv)
+            _price_groups(kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv)
         for k in np.flatnonzero(wide):
             out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
                                  params.american[k], params.log_up[k], params.log_down[k],

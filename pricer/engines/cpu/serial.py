@@ -74,7 +74,8 @@ def price_all(packed, out):
         return
     spot, strike, steps, call, american, log_up, log_down, pu, pd = packed_arguments(packed)
     if out.size > 0:
-        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, None, out,
+        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
+                    np.arange(out.size), out,
                     np.empty((0, LEVEL_VALUES)))
 
 
@@ -116,7 +117,8 @@ def price_here(params: LatticeParams, levels: np.ndarray | None = None) -> np.nd
     if levels is None:
         price_packed.call(params.packed, out)
     else:
-        price_range(*kernel_arguments(params), None, out, levels)
+        price_range(*kernel_arguments(params), np.arange(len(params), dtype=np.int64), out,
+                    levels)
     return out
 
 
