@@ -66,8 +66,9 @@ def read_table(path, fmt: str):
     check_input_file(str(path))
     try:
         if fmt == CSV:
-            # round_trip: pandas' default parser was measured an ulp off on some numbers (CSV
-            # and HDF5 books then priced apart); pandas 3 deprecates the argument
+            # round_trip: with pandas' default parser a CSV book and the same book in HDF5 were
+            # priced apart (the H100 host's pandas), with round_trip bitwise equal; pandas 3
+            # deprecates the argument
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
