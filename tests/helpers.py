@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -44,3 +46,16 @@ def run_pricer(args, ranks: int | None = None, timeout: float = 120, cwd=None,
         cmd = [mpiexec(), "-n", str(ranks)] + cmd
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(env(), **(extra_env or {})), cwd=cwd)
+
+
+@contextmanager
+def launched(cmd: list[str], environ: dict):
+    """`cmd` started in its own session (the job and every rank it launches one process group),
+    text pipes for stdout and stderr; on leaving, the group is killed if the job still runs."""
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=environ, start_new_session=True)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)

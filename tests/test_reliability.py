@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import env, mpiexec, pricer_command, run_pricer
+from helpers import env, launched, mpiexec, pricer_command, run_pricer
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.files import OutputLock
 from pricer.model.greeks import Analytics, price_with_analytics
@@ -206,9 +206,7 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
     if how == "stop-at-end":   # done with its chunks, stopped on its way to the barrier
         e["PRICER_FAULT"] = f"stop:{rank}:end"
     cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                           start_new_session=True)
-    try:
+    with launched(cmd, e) as job:
         pid = rank_pid(str(out), rank)
         wait_while(job, lambda: _chunks(folder) < 6)
         if how == "stop-at-end":    # wait for the stop, then time from it
@@ -218,9 +216,6 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
             os.kill(pid, signal.SIGSTOP)
         stdout, stderr = job.communicate(timeout=60)
         seconds = time.monotonic() - stopped
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0, stdout + stderr
     host = os.uname().nodename
     assert f"pricer: error: stalled: rank {rank} (host " in stderr, stderr
@@ -259,9 +254,7 @@ def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, ra
     cmd = [mpiexec(), "-n", str(ranks)] + pricer_command() + [
         "price", str(path), "-o", str(out), "--chunk-nodes", CHUNK, "--threads", "1",
         "--checkpoint", str(folder)]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                           start_new_session=True)
-    try:
+    with launched(cmd, e) as job:
         pid = rank_pid(str(out), rank)
         wait_while(job, lambda: _chunks(folder) < 2 * ranks)
         assert job.poll() is None, job.communicate()
@@ -269,9 +262,6 @@ def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, ra
         os.kill(pid, signal.SIGTERM)
         stdout, stderr = job.communicate(timeout=30)
         seconds = time.monotonic() - sent
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 1, (job.returncode, stderr)
     assert "pricer: terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
     assert seconds < 5, seconds
