@@ -427,13 +427,13 @@ _NEGLIGIBLE_LOG = 1074.0 * math.log(2.0)
 
 
 def _node_range(cols: dict, log_up, log_down):
-    """ln of the highest and of the lowest node price."""
+    """ln S0, and ln of the highest and of the lowest node price."""
     steps = np.asarray(cols["steps"], dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
         top = log_spot + steps * np.maximum(log_up, 0.0)
         bottom = log_spot + steps * np.minimum(log_down, 0.0)
-    return top, bottom
+    return log_spot, top, bottom
 
 
 def _clamp_matters(cols: dict, log_up, log_down, p) -> np.ndarray:
@@ -450,11 +450,10 @@ def _clamp_matters(cols: dict, log_up, log_down, p) -> np.ndarray:
             & (spot > 1e-130) & (spot < 1e130))
     if near.all():
         return ~near
-    top, bottom = _node_range(cols, log_up, log_down)
+    log_spot, top, bottom = _node_range(cols, log_up, log_down)
     reach = (top > EXACT_NODE_LOG) | (bottom < -EXACT_NODE_LOG) | ~np.isfinite(top + bottom)
     if not reach.any():
         return reach
-    log_spot = np.log(np.asarray(cols["spot"], dtype=np.float64))
     spread = log_up - log_down
     budget = (_NEGLIGIBLE_LOG + np.abs(log_spot - np.log(np.asarray(cols["strike"], np.float64)))
               + np.abs(np.asarray(cols["rate"]) - np.asarray(cols["dividend"]))
@@ -472,7 +471,7 @@ def _clamp_matters(cols: dict, log_up, log_down, p) -> np.ndarray:
 
 def _refuse_node_range(cols: dict, name: str, ids: np.ndarray, log_up, log_down, bad) -> None:
     steps = np.asarray(cols["steps"], dtype=np.float64)
-    top, bottom = _node_range(cols, log_up, log_down)
+    _, top, bottom = _node_range(cols, log_up, log_down)
     first = int(np.flatnonzero(bad)[0])
     raise InputError(
         f"the {name} lattice's node prices leave the FP64 range where its paths still carry "

@@ -14,6 +14,7 @@ Every node is computed with the serial engine's exact operations, so the prices 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import numba
 import numpy as np
@@ -43,20 +44,19 @@ MIN_CHUNK_NODES = 2_048
 
 # The groups run on Python threads, each one call of the nogil kernel price_range: a numba
 # parallel region here cost ~4 s of compiling on a cold cache, for the same schedule
-_POOL: list = [None, 0]   # the executor and its thread count, grown when a call needs more
+@lru_cache(maxsize=None)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The executor of `threads` threads (one a group), made once per thread count."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pricer-cpu")
 
 
 def _price_groups(args: tuple, order: np.ndarray, bounds: np.ndarray, out: np.ndarray,
-                  levels: np.ndarray) -> None:
-    """Group g (options order[bounds[g]:bounds[g + 1]]) on thread g, all at once."""
-    groups = bounds.size - 1
-    if _POOL[1] < groups:
-        if _POOL[0] is not None:
-            _POOL[0].shutdown()
-        _POOL[:] = [ThreadPoolExecutor(max_workers=groups, thread_name_prefix="pricer-cpu"),
-                    groups]
-    done = [_POOL[0].submit(price_range, *args, order[bounds[g]:bounds[g + 1]], out, levels)
-            for g in range(groups)]
+                  levels: np.ndarray, threads: int) -> None:
+    """Group g (options order[bounds[g]:bounds[g + 1]]) on thread g of the run's `threads`
+    (>= the groups), all at once."""
+    pool = _pool(threads)
+    done = [pool.submit(price_range, *args, order[bounds[g]:bounds[g + 1]], out, levels)
+            for g in range(bounds.size - 1)]
     for future in done:
         future.result()
 
@@ -152,7 +152,8 @@ class CpuEngine(Engine):
             price_range(*kernel_arguments(params), narrow, out, lv)
         elif groups > 1:
             bounds = partition_by_cost(params.steps[narrow], groups)
-            _price_groups(kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv)
+            _price_groups(kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv,
+                          threads)
         for k in np.flatnonzero(wide):
             out[k] = _price_wide(params.spot[k], params.strike[k], params.steps[k], params.call[k],
                                  params.american[k], params.log_up[k], params.log_down[k],
