@@ -59,8 +59,9 @@ def _extension(path) -> str:
     return f"extension {ext!r}" if ext else "no extension"
 
 
-def read_table(path, fmt: str):
-    """A CSV or Parquet file as a pandas DataFrame; any fault as InputError naming the file."""
+def read_table(path, fmt: str, header_only: bool = False):
+    """A CSV or Parquet file as a pandas DataFrame (header_only: its columns, no rows); any fault
+    as InputError naming the file."""
     import pandas
 
     check_input_file(str(path))
@@ -75,10 +76,14 @@ def read_table(path, fmt: str):
                 # only the leading `# key: value` lines are skipped: a later row that starts
                 # with # is a fault to name, not a row to drop
                 return pandas.read_csv(path, skiprows=_leading_comments(path),
-                                       skipinitialspace=True, float_precision="round_trip")
+                                       skipinitialspace=True, float_precision="round_trip",
+                                       nrows=0 if header_only else None)
         if importlib.util.find_spec("pyarrow") is None:   # pandas' own message names no extra
             raise InputError(f"{path}: reading Parquet needs pyarrow: pip install "
                              f"'pricer[parquet]'")
+        if header_only:
+            import pyarrow.parquet
+            return pandas.DataFrame(columns=pyarrow.parquet.read_schema(path).names)
         frame = pandas.read_parquet(path)
         # a column kept as the index (DataFrame.to_parquet with id set as the index)
         return frame.reset_index() if frame.index.name is not None else frame

@@ -44,7 +44,7 @@ def _is_results(path: str, fmt: str) -> bool:
     schema = table_attributes(path, fmt).get("schema")
     if schema is not None:
         return schema == RESULTS_SCHEMA
-    columns = read_table(path, fmt).columns
+    columns = read_table(path, fmt, header_only=True).columns
     return "price" in columns and "spot" not in columns
 
 
