@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pricer.io.checkpoint import chunk_grid
 from pricer.tools.generate import generate
 from pricer.model.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
                               min_bottleneck, option_cost, part_costs, partition,
@@ -227,3 +228,22 @@ def test_assign_cost_within_two_percent_of_the_bound(dist):
     for parts in (2, 64, 512, 4096):
         a = assign(steps, parts, "cost")
         assert a.costs(steps).max() <= 1.02 * lower_bound(steps, parts), (dist, parts)
+
+
+def _chunk_grid_by_definition(steps, nodes, rows):
+    """chunk_grid's docstring, row by row: a chunk starts where the label max(nodes before the row
+    // nodes, row // rows) grows."""
+    before = np.concatenate(([0.0], np.cumsum(option_cost(steps))[:-1]))
+    label = np.maximum(before // nodes, np.arange(len(steps)) // rows)
+    return np.concatenate(([0], np.flatnonzero(np.diff(label)) + 1, [len(steps)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=300),
+       st.floats(5.0, 1e7), st.integers(1, 60))
+def test_chunk_grid_is_its_definition(steps, nodes, rows):
+    """The checkpoint grid (which rows a chunk file holds) judged only at the rows where a chunk
+    can start is the grid the definition gives row by row: a resume must find the same chunks."""
+    steps = np.array(steps, dtype=np.int64)
+    assert np.array_equal(chunk_grid(steps, nodes, rows),
+                          _chunk_grid_by_definition(steps, nodes, rows))

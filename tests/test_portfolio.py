@@ -11,6 +11,7 @@ import pytest
 
 from pricer.errors import InputError
 from pricer.model.lattice import TREE_NAMES
+import pricer.io.portfolio as portfolio_module
 from pricer.io.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
                               SCHEMA, Portfolio, columns_from_matrix, max_steps_for_memory,
                               read_portfolio, write_portfolio)
@@ -115,6 +116,16 @@ def test_matrix_round_trip(rng):
     assert [TREE_NAMES[code] for code in cols["tree"]] == p.tree.tolist()
     # the column wins over the run's tree
     assert np.array_equal(columns_from_matrix(p.to_matrix("lr"))["tree"], cols["tree"])
+
+
+def test_matrix_across_its_row_blocks(rng, monkeypatch):
+    """to_matrix fills the matrix a block of rows at a time: a book of several blocks and a
+    partial last one is the plain column-by-column matrix."""
+    monkeypatch.setattr(portfolio_module, "MATRIX_BLOCK_ROWS", 7)
+    p = random_portfolio(rng, 52)
+    expected = np.column_stack([getattr(p, name) for name in MATRIX_COLUMNS[:-1]]
+                               + [p.tree_codes()]).astype(np.float64)
+    assert np.array_equal(p.to_matrix(), expected)
 
 
 def test_matrix_tree_codes_without_tree_column(rng):
@@ -434,3 +445,23 @@ def test_undecodable_tree_name_is_named(tmp_path):
     message = error_of(path)
     check_names_ids(path, message, "tree", [3])
     assert "\\\\xff" in message or "\\xff" in message
+
+
+def test_lattice_check_names_the_bad_options_beyond_its_first_block(rng, monkeypatch):
+    """Rank 0's lattice check goes block by block (CHECK_ROWS, for the cache); its refusal still
+    names every bad option of the MESSAGE_ROWS from the first bad block on, not of one block."""
+    from pricer.errors import InputError
+    from pricer.run import checks
+    from pricer.run.config import RunConfig
+
+    monkeypatch.setattr(checks, "CHECK_ROWS", 4)
+    monkeypatch.setattr(checks, "MESSAGE_ROWS", 16)
+    p = random_portfolio(rng, 40, trees=False)
+    p.steps[:] = 50
+    bad = [5, 9, 14, 30]            # p > 1 on crr: a rate far above the volatility, one step
+    p.rate[bad], p.volatility[bad], p.steps[bad] = 0.9, 0.01, 1
+    with pytest.raises(InputError) as caught:
+        checks.check_lattices(RunConfig(input="book.h5", output="out.h5", backend="cpu"),
+                              p.to_matrix("crr"), p.id)
+    assert list(caught.value.ids) == list(p.id[[5, 9, 14]])     # row 30 is beyond the window
+    assert str(caught.value).startswith("book.h5: the crr lattice is not arbitrage-free")

@@ -35,11 +35,22 @@ GPU_CHUNK_ROWS = 2**21
 
 def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_ROWS) -> np.ndarray:
     """Row boundaries [0, ..., n] of the chunks: a new chunk starts where the nodes before a row
-    reach another multiple of `nodes`, or its row number another multiple of `rows`."""
+    reach another multiple of `nodes`, or its row number another multiple of `rows`.
+
+    A row's label is max(nodes before it // nodes, row // rows), and a chunk starts where the
+    label grows, which only a row where either part grows can do: those rows alone are judged."""
     n = len(steps)
-    before = np.concatenate(([0.0], np.cumsum(lattice_nodes(steps))[:-1]))
-    label = np.maximum(before // nodes, np.arange(n) // rows)
-    cuts = np.flatnonzero(np.diff(label)) + 1
+    if n == 0:
+        return np.zeros(2, dtype=np.int64)
+    before = np.empty(n)
+    before[0] = 0.0
+    np.cumsum(lattice_nodes(steps[:-1]), out=before[1:])
+    by_nodes = before // nodes
+    candidates = np.union1d(np.flatnonzero(by_nodes[1:] != by_nodes[:-1]) + 1,
+                            np.arange(rows, n, rows, dtype=np.int64))
+    label = np.maximum(by_nodes[candidates], candidates // rows)
+    previous = np.maximum(by_nodes[candidates - 1], (candidates - 1) // rows)
+    cuts = candidates[label != previous]
     return np.concatenate(([0], cuts, [n])).astype(np.int64)
 
 

@@ -14,8 +14,13 @@ import numpy as np
 
 def lattice_nodes(steps) -> np.ndarray:
     """Nodes of a recombining lattice with N steps: (N+1)(N+2)/2, as float64 (exact below 2^53)."""
-    n = np.asarray(steps, dtype=np.float64)
-    return (n + 1.0) * (n + 2.0) / 2.0
+    # in place, two arrays rather than four temporaries: each is a fresh allocation (page faults)
+    # on a large book
+    nodes = np.array(steps, dtype=np.float64)
+    nodes += 1.0
+    nodes *= nodes + 1.0
+    nodes *= 0.5
+    return nodes
 
 
 def option_cost(steps) -> np.ndarray:

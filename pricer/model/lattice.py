@@ -329,7 +329,7 @@ def _tree_parameters(cols: dict, tree: str, ids: np.ndarray | None):
     n = int(np.shape(cols["steps"])[0])
     ids = ids if ids is not None else np.arange(n)
     default = TREE_NAMES.index(tree_named(tree).name)
-    codes = np.asarray(cols.get("tree", np.full(n, -1)), dtype=np.int64)
+    codes = np.asarray(cols["tree"], dtype=np.int64) if "tree" in cols else np.full(n, default)
     codes = np.where(codes < 0, default, codes)
     if n == 0 or (codes == codes[0]).all():
         dt, log_up, log_down, p = _parameters(cols, TREE_NAMES[int(codes[0]) if n else default], ids)

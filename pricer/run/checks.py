@@ -80,20 +80,31 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
 
 
 # options whose lattices are checked at a time: the check builds every parameter of an option (~150
-# bytes of temporaries): block by block, that peak does not grow with the book
-CHECK_ROWS = 1 << 20
+# bytes of temporaries), so a block of CHECK_ROWS stays in the CPU's cache with its rows of the
+# matrix (2.5x faster than blocks of 2^20 on a 4M-option book), and the peak does not grow with
+# the book; a refusal is told from the MESSAGE_ROWS that start at the first bad block, so that its
+# "and N more" counts more than one small block
+CHECK_ROWS = 1 << 16
+MESSAGE_ROWS = 1 << 20
 
 
 def check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
     """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add;
-    block by block (a message names the first block's bad options)."""
-    for a in range(0, max(len(matrix), 1), CHECK_ROWS):
-        block = slice(a, a + CHECK_ROWS)
+    block by block (a message names the bad options of the MESSAGE_ROWS from the first bad
+    block on)."""
+    def check(block: slice) -> None:
         cols = columns_from_matrix(matrix[block])
+        lattice_check(cols, cfg.tree, ids=ids[block])
+        check_analytics(cols, cfg, ids[block])
+
+    for a in range(0, max(len(matrix), 1), CHECK_ROWS):
         try:
-            lattice_check(cols, cfg.tree, ids=ids[block])
-            check_analytics(cols, cfg, ids[block])
+            check(slice(a, a + CHECK_ROWS))
         except InputError as exc:
+            try:
+                check(slice(a, a + MESSAGE_ROWS))
+            except InputError as wider:
+                exc = wider
             raise exc.prefixed(f"{cfg.input}: ") from None
 
 

@@ -129,13 +129,13 @@ def distribute(comm, matrix, bounds: np.ndarray, how: str, ncols: int) -> np.nda
             _check_buffer(matrix)
             comm.Bcast([matrix, int(bounds[-1]), row], root=ROOT)
             return matrix[bounds[rank]:bounds[rank + 1]]
-        local = np.empty((int(counts[rank]), ncols))
-        if rank == ROOT:
+        if rank == ROOT:       # rank 0's own rows stay where they are (MPI.IN_PLACE): a view
             _check_buffer(matrix)
-            send = [matrix, counts, bounds[:-1], row]
-        else:
-            send = None
-        comm.Scatterv(send, [local, int(counts[rank]), row], root=ROOT)
+            if comm.Get_size() > 1:
+                comm.Scatterv([matrix, counts, bounds[:-1], row], MPI.IN_PLACE, root=ROOT)
+            return matrix[bounds[ROOT]:bounds[ROOT + 1]]
+        local = np.empty((int(counts[rank]), ncols))
+        comm.Scatterv(None, [local, int(counts[rank]), row], root=ROOT)
         return local
     finally:
         row.Free()
@@ -146,6 +146,8 @@ def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | No
     order: one Gatherv of contiguous k-double rows (as the portfolio matrix is scattered)."""
     _check_buffer(values)
     assert values.ndim == 2 and values.shape[0] == bounds[comm.Get_rank() + 1] - bounds[comm.Get_rank()]
+    if comm.Get_size() == 1:
+        return values
     ncols = values.shape[1]
     row = _row_type(ncols)
     try:

@@ -191,8 +191,8 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
 
 def _tree_codes(matrix: np.ndarray) -> np.ndarray:
     """The codes of the trees that price a portfolio matrix's rows (skipped rows' are < 0)."""
-    codes = np.unique(matrix[:, -1]).astype(np.int64)
-    return codes[codes >= 0]
+    codes = matrix[:, -1].astype(np.int64)
+    return np.flatnonzero(np.bincount(codes[codes >= 0], minlength=1))
 
 
 def _assignment_digest(assignment) -> int:

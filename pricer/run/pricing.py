@@ -13,9 +13,12 @@ def price_chunk(engine, matrix: np.ndarray, priced: np.ndarray, a: int, b: int, 
     """Rows a:b of the portfolio matrix that `priced` marks (all of them, unless --invalid skip
     skipped some), priced by `engine`; their outputs (Analytics.outputs, in that order) written
     into the same rows of `values`. The others are left as they are."""
-    rows = np.flatnonzero(priced[a:b]) + a
-    if rows.size:
-        outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), tree, ids[rows],
-                                       analytics)
-        for j, name in enumerate(analytics.outputs):
-            values[rows, j] = outputs[name]
+    picked = priced[a:b]
+    if not picked.any():
+        return
+    # every row priced (no --invalid skip, or none skipped here): a slice, not a copy of the rows
+    rows = slice(a, b) if picked.all() else np.flatnonzero(picked) + a
+    outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), tree, ids[rows],
+                                   analytics)
+    for j, name in enumerate(analytics.outputs):
+        values[rows, j] = outputs[name]
