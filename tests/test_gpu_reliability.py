@@ -8,6 +8,7 @@ reason, run on the GPU machine (../shared/device)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 
@@ -76,3 +77,31 @@ def test_batch_kill_9_and_resume_bitwise_equal(tmp_path, book):
         assert bitwise_equal(got[name], want[name]), name
     assert "from the checkpoint" in proc.stdout, proc.stdout
     print(f"GPU RESUME chunks saved before the kill {saved} of {_chunks(folder)}; bitwise equal")
+
+
+def test_ranks_on_a_cold_kernel_cache_compile_each_kernel_once(tmp_path, book):
+    """Two ranks starting at once on an empty kernel cache (both on one GPU, as ranks of a node
+    share a cache): each kernel module is compiled once — nvcc's compiles counted by a wrapper on
+    PATH that runs the real nvcc — both price, and the next run compiles nothing."""
+    path, _ = book
+    real = shutil.which("nvcc")
+    assert real, "nvcc not on PATH"
+    bin_dir, log, cache = tmp_path / "bin", tmp_path / "nvcc.log", tmp_path / "cache"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    extra = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PRICER_CUDA_CACHE": str(cache)}
+
+    def compiles() -> int:
+        return sum("cubin" in line for line in log.read_text().splitlines()) if log.exists() else 0
+
+    for attempt in ("cold", "warm"):
+        proc, seconds = run(["price", path, "-o", tmp_path / f"{attempt}.h5", "--backend", "batch"],
+                            extra, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        print(f"GPU CACHE {attempt}: {compiles()} nvcc compiles, {seconds:.1f} s")
+        if attempt == "cold":
+            cubins = len(list(cache.glob("*.cubin")))
+            assert cubins >= 5 and compiles() == cubins, (cubins, log.read_text())
+    assert compiles() == cubins

@@ -56,7 +56,8 @@ overwrite = true
 # ------------------------------------------------------------------------------------------------
 # The shipped job specs and docs/jobs.md (no cluster needed)
 
-@pytest.mark.parametrize("name", ["demo.toml", "large.toml", "scaling.toml", "scaling-gpu.toml"])
+@pytest.mark.parametrize("name", ["demo.toml", "large.toml", "scaling.toml", "scaling-gpu.toml",
+                                  "scaling-realistic.toml"])
 def test_shipped_job_specs_load(name):
     from pricer.io.jobs import load_job
 
@@ -69,6 +70,9 @@ def test_shipped_job_specs_load(name):
     if name == "scaling-gpu.toml":  # one rank per GPU, the batch backend
         assert job["pricing"]["backend"] == "batch"
         assert job["portfolio"]["generate"]["count"] == 1_000_000
+    if name == "scaling-realistic.toml":  # short lattices, every rank reading its own rows
+        assert job["pricing"]["backend"] == "batch" and job["pricing"]["distribute"] == "read"
+        assert job["portfolio"]["generate"]["max_steps"] == 2048
 
 
 def test_docs_jobs_lists_every_shipped_job():

@@ -24,7 +24,20 @@ from typing import Callable
 import numpy as np
 
 from pricer.errors import InputError
-from pricer.model.lattice import CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, LatticeParams
+from pricer.model.lattice import (CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, LatticeParams,
+                                  lattice_parameters)
+
+
+def sample_params(steps) -> LatticeParams:
+    """American puts, S = K = 100, T = 1, r = 1 %, sigma = 20 %, on crr with these steps: what a
+    warm_up prices so that the kernels a book needs are compiled or loaded before the book."""
+    steps = np.asarray(steps, dtype=np.int64)
+    count = steps.size
+    cols = dict(spot=np.full(count, 100.0), strike=np.full(count, 100.0),
+                maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
+                volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
+                american=np.ones(count, bool))
+    return lattice_parameters(cols, "crr")
 
 
 class Engine:

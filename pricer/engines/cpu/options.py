@@ -3,7 +3,9 @@
 Options are priced two at a time (_price_pair): at small N a lattice's levels are short, each
 waits on the one before, and a second, independent lattice in the same loop fills the wait. Each
 option has its work arrays (values and the two node tables, padded) in one of two reused buffers.
-A CLAMPED lattice (kernels.node_tables) goes alone, a block of levels at a time (_price_clamped).
+A CLAMPED lattice (kernels.node_tables) goes alone, a block of levels at a time (_price_clamped),
+in a kernel of its own (price_clamped) that price_options calls only where price_range left one:
+a book without CLAMPED lattices never compiles it (~3.5 s of a cold start).
 """
 
 from __future__ import annotations
@@ -151,23 +153,24 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
     """Price the options order[0..] (row numbers, int64) into out, two at a time (_price_pair)
     reusing two sets of work arrays; `levels` is (len(out), LEVEL_VALUES) to keep the first
     levels' values, or (0, LEVEL_VALUES). Every price is bitwise the one the option gets alone.
-    Callers pass an array for all rows too (np.arange), never None: each type of `order` compiles
-    the kernel again (~2.5 s on a cold cache)."""
+    CLAMPED lattices are left as they are: returns how many there were (price_clamped prices
+    them). Callers pass an array for all rows too (np.arange), never None: each type of `order`
+    compiles the kernel again (~2.5 s on a cold cache)."""
     count = order.size
     if count == 0:
-        return
+        return 0
     width = 1
     for j in range(count):
         width = max(width, steps[order[j]] + 1)
     first = _work(width)
     second = _work(width) if count > 1 else first
-    # pairs of the options that are not CLAMPED, in order; CLAMPED ones alone, as they come
+    # pairs of the options that are not CLAMPED, in order
     waiting = np.int64(-1)   # not a literal: that compiled a second copy of _price_pair
+    clamped = 0
     for j in range(count):
         k = order[j]
         if is_clamped(spot[k], log_up[k], log_down[k], steps[k]):
-            _price_clamped(k, spot, strike, steps, call, american, log_up, log_down, pu, pd, out,
-                           levels, first)
+            clamped += 1
         elif waiting < 0:
             waiting = k
         else:
@@ -177,3 +180,27 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
     if waiting >= 0:
         _price_single(waiting, spot, strike, steps, call, american, log_up, log_down, pu, pd, out,
                       levels, first)
+    return clamped
+
+
+@njit(cache=True, nogil=True)
+def price_clamped(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out,
+                  levels):
+    """The CLAMPED lattices among the options order[0..], as price_range would price them."""
+    width = 1
+    for j in range(order.size):
+        width = max(width, steps[order[j]] + 1)
+    work = _work(width)
+    for j in range(order.size):
+        k = order[j]
+        if is_clamped(spot[k], log_up[k], log_down[k], steps[k]):
+            _price_clamped(k, spot, strike, steps, call, american, log_up, log_down, pu, pd, out,
+                           levels, work)
+
+
+def price_options(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out,
+                  levels) -> None:
+    """price_range, then the CLAMPED lattices it left (price_clamped)."""
+    args = (spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out, levels)
+    if price_range(*args):
+        price_clamped(*args)

@@ -20,13 +20,13 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from pricer.engines.base import Engine
+from pricer.engines.base import Engine, sample_params
 from pricer.engines.cpu.kernels import (CLAMPED, advance, backward_keeping_levels,
                                         exercise_limit, power_tables, table_kinds,
                                         terminal_values)
-from pricer.engines.cpu.options import price_range
-from pricer.engines.cpu.serial import (_bits, Direct, kernel_arguments, level_array, price_all,
-                                       price_here)
+from pricer.engines.cpu.options import is_clamped, price_clamped, price_options, price_range
+from pricer.engines.cpu.serial import (_LOG_DOWN, _LOG_UP, _SPOT, _bits, _price_one, Direct,
+                                       kernel_arguments, level_array)
 from pricer.model.lattice import STEPS_ROW, LatticeParams
 from pricer.model.cost import option_cost
 from pricer.model.partition import partition_by_cost
@@ -57,8 +57,8 @@ def _price_groups(args: tuple, order: np.ndarray, bounds: np.ndarray, out: np.nd
     pool = _pool(threads)
     done = [pool.submit(price_range, *args, order[bounds[g]:bounds[g + 1]], out, levels)
             for g in range(bounds.size - 1)]
-    for future in done:
-        future.result()
+    if sum(future.result() for future in done):     # CLAMPED lattices, each on one thread
+        price_clamped(*args, order, out, levels)
 
 
 @njit(cache=True, nogil=True)
@@ -104,15 +104,18 @@ def _price_wide(spot, strike, steps, call, american, log_up, log_down, pu, pd, c
 @njit(cache=True, nogil=True)
 def _price_if_one_narrow(packed, out):
     """Prices and returns True if the call is one option too narrow to share its levels at the
-    default LEVEL_PARALLEL_MIN_STEPS."""
-    if out.size != 1 or _bits(packed[STEPS_ROW, 0]) >= LEVEL_PARALLEL_MIN_STEPS:
+    default LEVEL_PARALLEL_MIN_STEPS (and not CLAMPED)."""
+    steps = _bits(packed[STEPS_ROW, 0])
+    if out.size != 1 or steps >= LEVEL_PARALLEL_MIN_STEPS or is_clamped(
+            packed[_SPOT, 0], packed[_LOG_UP, 0], packed[_LOG_DOWN, 0], steps):
         return False
-    price_all(packed, out)
+    out[0] = _price_one(packed)
     return True
 
 
 # The check and the serial kernel in one call: from Python, the check alone is a measurable share
-# of a small option's time.
+# of a small option's time. A call of several options never makes it, so that a book's first call
+# does not compile the one-option kernel (~4 s of a cold start) beside price_range.
 price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
 
 
@@ -132,16 +135,19 @@ class CpuEngine(Engine):
         # One option too narrow to share its levels, or one thread: the serial kernels, called
         # straight away (the first case checked inside the kernel call). A small option is
         # hardly more work than asking numba for its thread count, and the cost model and
-        # partition below cost more still.
+        # partition below cost more still. Several options on one thread take price_range, as
+        # each thread's group does: a book compiles one kernel, whatever the thread count.
         out = np.empty(params.count)
-        if levels is None and self._narrow_in_kernel and price_if_one_narrow.call(params.packed,
-                                                                                  out):
+        if levels is None and self._narrow_in_kernel and params.count == 1 and \
+                price_if_one_narrow.call(params.packed, out):
             return out
+        lv = level_array(levels)
         one_small = params.steps.size == 1 and params.steps[0] < self.level_parallel_min_steps
         threads = 1 if one_small else numba.get_num_threads()
         if threads < 2:
-            return price_here(params, levels)
-        lv = level_array(levels)
+            price_options(*kernel_arguments(params), np.arange(params.count, dtype=np.int64), out,
+                          lv)
+            return out
         wide = self.level_parallel(params.steps, threads)
         if wide.any():   # a CLAMPED lattice is priced a block of levels at a time, on one thread
             wide &= table_kinds(params.spot, params.log_up, params.log_down,
@@ -149,7 +155,7 @@ class CpuEngine(Engine):
         narrow = np.flatnonzero(~wide).astype(np.int64)
         groups = min(threads, narrow.size)
         if groups == 1:  # no parallel region (and no partition) for one option
-            price_range(*kernel_arguments(params), narrow, out, lv)
+            price_options(*kernel_arguments(params), narrow, out, lv)
         elif groups > 1:
             bounds = partition_by_cost(params.steps[narrow], groups)
             _price_groups(kernel_arguments(params), narrow, bounds.astype(np.int64), out, lv,
@@ -159,6 +165,11 @@ class CpuEngine(Engine):
                                  params.american[k], params.log_up[k], params.log_down[k],
                                  params.pu[k], params.pd[k], threads, lv, k)
         return out
+
+    def warm_up(self) -> None:
+        """A small book priced as a book's chunks are, so that their kernels are compiled (or
+        loaded from numba's cache) beside the read rather than in the first chunk."""
+        self.price(sample_params([16, 24, 32, 40]))
 
     def level_parallel(self, steps: np.ndarray, threads: int) -> np.ndarray:
         """Options that get all threads on each level: wide enough to split, and larger than one

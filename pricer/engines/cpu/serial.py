@@ -10,9 +10,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from pricer.engines.base import Engine
+from pricer.engines.base import Engine, sample_params
 from pricer.engines.cpu.options import (_prepare, _work_size, _work_views, is_clamped,
-                                        price_range)
+                                        price_clamped, price_options, price_range)
 from pricer.engines.cpu.padded import backward_padded
 from pricer.model.lattice import FLAGS_ROW, FLOAT_ROWS, LEVEL_VALUES, STEPS_ROW, LatticeParams
 
@@ -61,22 +61,28 @@ def _bits(typingctx, x):
 @njit(cache=True, nogil=True)
 def price_all(packed, out):
     """price_range over all the options of LatticeParams.packed, without their first levels: two
-    array arguments, where the nine fields would each add to numba's dispatch per call."""
+    array arguments, where the nine fields would each add to numba's dispatch per call. Returns
+    price_range's count of the CLAMPED lattices it left (price_packed prices them)."""
     if out.size == 1 and not is_clamped(packed[_SPOT, 0], packed[_LOG_UP, 0],
                                         packed[_LOG_DOWN, 0], _bits(packed[STEPS_ROW, 0])):
-        # from the numbers themselves: nine views of packed's rows would each be
-        # reference-counted. The flags row holds call then american, a byte each
-        # (packed_views; little-endian).
-        flags = _bits(packed[FLAGS_ROW, 0])
-        out[0] = _price_alone(packed[_SPOT, 0], packed[_STRIKE, 0], _bits(packed[STEPS_ROW, 0]),
-                              (flags & 0xFF) != 0, (flags & 0xFF00) != 0, packed[_LOG_UP, 0],
-                              packed[_LOG_DOWN, 0], packed[_PU, 0], packed[_PD, 0])
-        return
+        out[0] = _price_one(packed)
+        return 0
     spot, strike, steps, call, american, log_up, log_down, pu, pd = packed_arguments(packed)
-    if out.size > 0:
-        price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
-                    np.arange(out.size), out,
-                    np.empty((0, LEVEL_VALUES)))
+    if out.size == 0:
+        return 0
+    return price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd,
+                       np.arange(out.size), out, np.empty((0, LEVEL_VALUES)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _price_one(packed):
+    """_price_alone of LatticeParams.packed's first option, from the numbers themselves: nine
+    views of packed's rows would each be reference-counted. The flags row holds call then
+    american, a byte each (packed_views; little-endian)."""
+    flags = _bits(packed[FLAGS_ROW, 0])
+    return _price_alone(packed[_SPOT, 0], packed[_STRIKE, 0], _bits(packed[STEPS_ROW, 0]),
+                        (flags & 0xFF) != 0, (flags & 0xFF00) != 0, packed[_LOG_UP, 0],
+                        packed[_LOG_DOWN, 0], packed[_PU, 0], packed[_PD, 0])
 
 
 def kernel_arguments(params: LatticeParams):
@@ -108,17 +114,24 @@ class Direct:
         return self.call(*args)
 
 
-price_packed = Direct(price_all, "void(float64[:, ::1], float64[::1])")
+_price_all = Direct(price_all, "int64(float64[:, ::1], float64[::1])")
+
+
+def price_packed(params: LatticeParams, out: np.ndarray) -> None:
+    """price_all into out, then the CLAMPED lattices it left."""
+    if _price_all.call(params.packed, out):
+        price_clamped(*kernel_arguments(params), np.arange(params.count, dtype=np.int64), out,
+                      _NO_LEVELS)
 
 
 def price_here(params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
-    """All the options on this thread, in one kernel call."""
+    """All the options on this thread, in one kernel call (two where a lattice is CLAMPED)."""
     out = np.empty(len(params))
     if levels is None:
-        price_packed.call(params.packed, out)
+        price_packed(params, out)
     else:
-        price_range(*kernel_arguments(params), np.arange(len(params), dtype=np.int64), out,
-                    levels)
+        price_options(*kernel_arguments(params), np.arange(len(params), dtype=np.int64), out,
+                      levels)
     return out
 
 
@@ -131,7 +144,10 @@ class SerialEngine(Engine):
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
         if levels is not None:
             return price_here(params, levels)
-        # price_here's path, inline: at small N each Python call and lookup counts
         out = np.empty(params.count)
-        price_packed.call(params.packed, out)
+        price_packed(params, out)
         return out
+
+    def warm_up(self) -> None:
+        """price_all compiled (or loaded from numba's cache) beside the read, on a small book."""
+        self.price(sample_params([16, 24]))

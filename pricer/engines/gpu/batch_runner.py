@@ -38,16 +38,16 @@ import time
 
 import numpy as np
 
-from pricer.engines.base import Engine
+from pricer.engines.base import Engine, sample_params
 from pricer.engines.gpu.batch_layout import (INPUT_BYTES_PER_OPTION, KEY_BINS, SORT_BLOCK,
                                              SORT_THREADS, WORK_ORDER_THREADS, WORK_RANK_LANES,
                                              defines, fill_input, input_views, order_span)
-from pricer.engines.gpu.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS, WIDTH_ROWS,
-                                           chunk_bounds, check_steps, chunk_size, class_of,
+from pricer.engines.gpu.batch_plan import (CAPACITY, DEFAULT_CHUNK_OPTIONS, KERNELS, WARPS,
+                                           WIDTH_ROWS, chunk_bounds, check_steps, chunk_size, class_of,
                                            counted_schedule, heaviest_first, options_per_block,
                                            schedule, widest_payoff)
 from pricer.engines.gpu.runtime import GpuRuntime, resident_blocks
-from pricer.model.lattice import LEVEL_VALUES, LatticeParams, lattice_parameters
+from pricer.model.lattice import LEVEL_VALUES, LatticeParams
 
 LAUNCH_STREAMS = 8     # streams the launches of one chunk spread over
 
@@ -72,6 +72,10 @@ class CudaBatchRunner(Engine):
         self._keep_levels = False
         self._stats: dict = {}
         self._unread: list = []     # (marks, ready) of the last call's chunks, not read yet
+
+    def variants(self) -> list:
+        """The (defines, source) of every module the runner may load: one per warp count."""
+        return [([f"-DBATCH_W={warps}", *self._defines], "batch.cu") for warps in WARPS]
 
     def function(self, cls: int):
         """The kernel KERNELS[cls] (its module, one per warp count W, is compiled on first use)."""
@@ -187,14 +191,10 @@ class CudaBatchRunner(Engine):
         ~1e8 nodes): CUDA loads a kernel at its first launch, and an idle GPU raises its clocks at
         its first work. The run does this while rank 0 reads the input, so neither cost falls in
         the timed pricing."""
-        steps = np.concatenate(([1], CAPACITY[:-1] + 1)).astype(np.int64)
-        count = steps.size
-        cols = dict(spot=np.full(count, 100.0), strike=np.full(count, 100.0),
-                    maturity=np.ones(count), rate=np.full(count, 0.01), dividend=np.zeros(count),
-                    volatility=np.full(count, 0.2), steps=steps, call=np.zeros(count, bool),
-                    american=np.ones(count, bool))
+        self.rt.precompile(self.variants())
+        steps = np.concatenate(([1], CAPACITY[:-1] + 1))
         # fewer than WIDTH_ROWS rows and not narrowed: each in the class of its steps
-        self._price(lattice_parameters(cols, "crr"), None, None, narrowed=False)
+        self._price(sample_params(steps), None, None, narrowed=False)
 
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The kernels of the classes of these options (steps <= MAX_STEPS) and the page-locked

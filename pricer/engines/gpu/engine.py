@@ -133,7 +133,14 @@ class GpuEngine(Engine):
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
 
     def warm_up(self) -> None:
-        """The batch kernels loaded and the GPU's clocks raised before the input is read."""
+        """Before the input is read: every kernel the engine may launch compiled where the cache
+        lacks it (all at once, GpuRuntime.precompile), then the batch kernels loaded and the GPU's
+        clocks raised."""
+        if self._kernels is None:       # not an emulation (tests): compile on the real GPU
+            variants = CudaKernels.variants(self.config)
+            if self.config.fma:
+                variants += self.runner().variants()
+            (self._runtime or GpuRuntime.get()).precompile(variants)
         if self.config.fma:
             self.runner().warm_up()
 

@@ -60,6 +60,13 @@ class CudaKernels:
     """The launch interface the schedule uses, backed by pycuda (tests/numpy_kernels.py emulates it
     in numpy, so that the schedule runs on machines without a GPU)."""
 
+    @staticmethod
+    def variants(config: GpuConfig) -> list:
+        """The (defines, source) of every module the regimes may load under `config`."""
+        configs = [config] + ([config.narrow()] if config.narrow() is not None else [])
+        return [(defines, "binomial.cu") for c in configs
+                for defines in (c.defines(), c.mid_defines())]
+
     def __init__(self, config: GpuConfig, runtime: GpuRuntime | None = None):
         self.config = config
         self.rt = runtime or GpuRuntime.get()

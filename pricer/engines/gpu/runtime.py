@@ -8,14 +8,20 @@ run set (set_local_rank: the run splits its communicator by node), else 0. CUDA_
 honoured by the driver; show_each_rank_its_gpu narrows it to the rank's own GPU before CUDA starts.
 
 Kernels are compiled at run time for the device's sm_XY with nvcc (through pycuda) and cached on
-disk as cubins keyed by the hash of source + options + arch (PRICER_CUDA_CACHE, else
-$XDG_CACHE_HOME/pricer/cuda, else ~/.cache/pricer/cuda); cache files are written atomically.
-pycuda is imported lazily, so this module imports on machines without it.
+disk as cubins (PRICER_CUDA_CACHE, else $XDG_CACHE_HOME/pricer/cuda, else ~/.cache/pricer/cuda),
+keyed by the hash of the source, the options, the arch and the toolchain (nvcc's resolved path
+and size, pycuda's version), so that one cache serves several nodes and users. A cubin is written
+atomically, and compiled under a lock on its own name (flock), so that ranks starting at once on
+a cold cache compile each kernel once and the others wait for it. An engine asks for every
+variant it may need at its start (GpuRuntime.precompile), and the missing ones compile at once,
+one nvcc per core, beside the read of the input. pycuda is imported lazily, so this module
+imports on machines without it.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import glob
 import hashlib
@@ -23,6 +29,8 @@ import importlib.util
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from pricer.files import atomic_write, cache_dir
@@ -155,6 +163,7 @@ class GpuRuntime:
             self.pci_bus_id = "?"
         self._allocations: list = []
         self._modules: dict = {}
+        self._cubins: dict = {}     # precompiled, not loaded yet (an unwritable cache keeps them)
         self.stream = cuda.Stream()
         self.closed = False
         atexit.register(self.close)
@@ -187,8 +196,23 @@ class GpuRuntime:
         """The kernels of cuda/SOURCE compiled for this device with these -D options (disk-cached)."""
         key = (source, *defines)
         if key not in self._modules:
-            self._modules[key] = self.cuda.module_from_buffer(compiled_cubin(self.arch, defines, source))
+            cubin = self._cubins.pop(key, None) or compiled_cubin(self.arch, defines, source)
+            self._modules[key] = self.cuda.module_from_buffer(cubin)
         return self._modules[key]
+
+    def precompile(self, variants: list) -> None:
+        """The cubins of these (defines, source) variants that the cache does not hold, compiled
+        at once (one nvcc per core); module() loads them when they are first used."""
+        wanted = {(source, *defines): (list(defines), source) for defines, source in variants}
+        missing = [key for key, (defines, source) in wanted.items()
+                   if key not in self._modules and key not in self._cubins
+                   and not cubin_path(self.arch, defines, source).exists()]
+        if not missing:
+            return
+        workers = min(len(missing), len(os.sched_getaffinity(0)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pricer-nvcc") as pool:
+            cubins = pool.map(lambda key: compiled_cubin(self.arch, *wanted[key]), missing)
+            self._cubins.update(zip(missing, cubins))
 
     def close(self) -> None:
         """Free every device array, then pop and detach the context (idempotent)."""
@@ -213,20 +237,71 @@ class GpuRuntime:
             self.context.detach()
 
 
-def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu") -> bytes:
-    """cuda/NAME compiled for `arch` with these -D options: from the cache on disk, keyed by the
-    hash of the source, the options and the arch, else by nvcc (and then cached)."""
+def cubin_path(arch: str, defines: list[str], name: str = "binomial.cu") -> Path:
+    """Where the cache keeps cuda/NAME compiled for `arch` with these -D options."""
     source = (cuda_source_dir() / name).read_text()
-    options = ["-O3", *defines]
-    key = hashlib.sha256("\0".join([source, arch, *options]).encode()).hexdigest()[:24]
-    path = cache_dir("cuda", "PRICER_CUDA_CACHE") / f"{Path(name).stem}-{key}-{arch}.cubin"
+    key = hashlib.sha256("\0".join([source, arch, _toolchain(), *_nvcc_options(defines)])
+                         .encode()).hexdigest()[:24]
+    return cache_dir("cuda", "PRICER_CUDA_CACHE") / f"{Path(name).stem}-{key}-{arch}.cubin"
+
+
+def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu") -> bytes:
+    """cuda/NAME compiled for `arch` with these -D options: from the cache on disk, else by nvcc
+    (and then cached), under the cubin's lock: a process that finds another compiling it waits
+    and reads the other's cubin."""
+    path = cubin_path(arch, defines, name)
     if path.exists():
         return path.read_bytes()
-    from pycuda.compiler import compile as nvcc_compile
-    cubin = nvcc_compile(source, options=options, arch=arch, no_extern_c=True, cache_dir=False)
+    with _compiling(path):
+        if path.exists():
+            return path.read_bytes()
+        from pycuda.compiler import compile as nvcc_compile
+        cubin = nvcc_compile((cuda_source_dir() / name).read_text(),
+                             options=_nvcc_options(defines), arch=arch, no_extern_c=True,
+                             cache_dir=False)
+        try:
+            atomic_write(path, cubin)
+        except OSError:
+            pass  # an unwritable cache only costs a recompile next time
+    return cubin
+
+
+def _nvcc_options(defines: list[str]) -> list[str]:
+    return ["-O3", *defines]
+
+
+@functools.lru_cache(maxsize=1)
+def _toolchain() -> str:
+    """What else decides a cubin's bytes: nvcc (its resolved path and size, which differ between
+    CUDA versions) and pycuda's version (the flags it adds)."""
+    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc")
+    try:
+        real = os.path.realpath(nvcc)
+        found = f"{real}:{os.stat(real).st_size}"
+    except OSError:
+        found = "nvcc not found"
+    try:
+        from pycuda import VERSION_TEXT
+    except ImportError:
+        VERSION_TEXT = "no pycuda"
+    return f"{found} pycuda {VERSION_TEXT}"
+
+
+@contextmanager
+def _compiling(path: Path):
+    """An exclusive lock on PATH.lock while the cubin is compiled (flock: released if the process
+    dies); without one (an unwritable cache, a file system without locks) it compiles anyway."""
+    handle = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, cubin)
+        handle = open(path.with_suffix(".lock"), "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
     except OSError:
-        pass  # an unwritable cache only costs a recompile next time
-    return cubin
+        if handle is not None:
+            handle.close()
+            handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()          # releases the lock
