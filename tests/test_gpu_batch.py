@@ -167,12 +167,28 @@ def test_gpu_and_hybrid_price_up_to_max_steps_with_the_batch_runner(rng):
 
 
 def test_warm_up_launches_every_class_and_leaves_prices_alone(rng):
-    """The run warms the engine up while rank 0 reads: every class once, then real work."""
+    """The run warms the engine up while rank 0 reads: every kernel once (the classes and the
+    split last waves' kernels), on a small option, then real work."""
     engine = gpu_engine()
     engine.warm_up()
-    assert sorted(engine.runner()._functions) == list(range(len(CLASSES)))
+    assert sorted(engine.runner()._functions) == list(range(len(KERNELS)))
     p = options(rng, rng.integers(1, MAX_STEPS + 1, 64))
     assert_close(engine.price(p), CpuEngine().price(p), p, "after warm_up")
+
+
+def test_every_kernel_prices_the_warm_up_option():
+    """warm_up launches every kernel, whatever its class, on one option of WARM_UP_STEPS steps:
+    each prices it as the cpu engine does, so those launches are ones the kernels are made for."""
+    from pricer.engines.base import sample_params
+    from pricer.engines.gpu.batch_runner import WARM_UP_STEPS
+
+    for put in (True, False):
+        p = sample_params([WARM_UP_STEPS])
+        p.call[0] = not put
+        got = batch_runner().each_kernel(p)
+        want = CpuEngine().price(p)[0]
+        assert got.shape == (len(KERNELS),)
+        np.testing.assert_allclose(got, want, rtol=TOLERANCE, err_msg=f"put={put}")
 
 
 def fill_the_lattice(p, row: int) -> None:

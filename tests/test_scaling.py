@@ -111,9 +111,13 @@ def test_the_limiting_stage_is_the_one_furthest_from_perfect_scaling():
     add_speedup(rows)
     assert rows[0]["limiting"] == "" and rows[1]["limiting"] == "read"
     assert rows[1]["limiting_seconds"] == pytest.approx(0.5)
-    rows = [row(1, 10.0, 1.0, 9.0, 11.0), row(4, 2.5, 0.25, 2.25, 5.0)]   # launch 0.25 -> 2.5 s
+    assert rows[1]["efficiency"] == pytest.approx(10 / 11)
+    assert rows[1]["launch_efficiency"] == pytest.approx(11 / 13)
+    # the run scales perfectly, the whole command does not: 1 s outside the run at 1 rank, 2.5 s at 4
+    rows = [row(1, 10.0, 1.0, 9.0, 11.0), row(4, 2.5, 0.25, 2.25, 5.0)]
     add_speedup(rows)
-    assert rows[1]["limiting"] == "launch" and rows[1]["limiting_seconds"] == pytest.approx(2.25)
+    assert rows[1]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["launch_efficiency"] == pytest.approx(11 / 20)
 
 
 def test_strong_scaling_of_a_book_that_exists(tmp_path, monkeypatch):
@@ -129,7 +133,7 @@ def test_strong_scaling_of_a_book_that_exists(tmp_path, monkeypatch):
                  mpiexec(), "--backend", "cpu", "--no-warmup", "--timeout", "120"]) == 0
     rows = read_csv(out / "scaling.csv")
     assert [int(r["ranks"]) for r in rows] == [1, 2] and int(rows[1]["options"]) == 200
-    assert rows[0]["limiting"] == "" and rows[1]["limiting"] in STAGES + ("launch",)
+    assert rows[0]["limiting"] == "" and rows[1]["limiting"] in STAGES
     assert "limited by" in (out / "scaling.md").read_text()
     assert (tmp_path / "book.csv").read_bytes() == before
     assert "price" in (out / "runs" / "ranks-2-rep-1.log").read_text().splitlines()[0]

@@ -38,18 +38,27 @@ def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_
     reach another multiple of `nodes`, or its row number another multiple of `rows`.
 
     A row's label is max(nodes before it // nodes, row // rows), and a chunk starts where the
-    label grows, which only a row where either part grows can do: those rows alone are judged."""
+    label grows, which only a row where either part grows can do: those rows alone are judged.
+    The first row at or past each multiple of `nodes` is found by bisection: the nodes before a
+    row are whole numbers that grow by at least 3 a row, so it is at most one row off, and the
+    rows beside it are judged too."""
     n = len(steps)
     if n == 0:
         return np.zeros(2, dtype=np.int64)
     before = np.empty(n)
     before[0] = 0.0
     np.cumsum(lattice_nodes(steps[:-1]), out=before[1:])
-    by_nodes = before // nodes
-    candidates = np.union1d(np.flatnonzero(by_nodes[1:] != by_nodes[:-1]) + 1,
-                            np.arange(rows, n, rows, dtype=np.int64))
-    label = np.maximum(by_nodes[candidates], candidates // rows)
-    previous = np.maximum(by_nodes[candidates - 1], (candidates - 1) // rows)
+    count = int(before[-1] // nodes)
+    if count <= n:
+        near = np.searchsorted(before, np.arange(1, count + 1) * nodes)
+        grown = np.concatenate((near - 1, near, near + 1))
+    else:        # more multiples than rows (tiny chunks): every row where the division grows
+        by_nodes = before // nodes
+        grown = np.flatnonzero(by_nodes[1:] != by_nodes[:-1]) + 1
+    candidates = np.unique(np.concatenate((grown, np.arange(rows, n, rows, dtype=np.int64))))
+    candidates = candidates[(candidates >= 1) & (candidates < n)]
+    label = np.maximum(before[candidates] // nodes, candidates // rows)
+    previous = np.maximum(before[candidates - 1] // nodes, (candidates - 1) // rows)
     cuts = candidates[label != previous]
     return np.concatenate(([0], cuts, [n])).astype(np.int64)
 

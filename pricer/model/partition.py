@@ -52,16 +52,18 @@ def lower_bound(steps: np.ndarray, parts: int) -> float:
     return float(max(cost.sum() / parts, cost.max(initial=0.0)))
 
 
-def whole_option_bound(steps: np.ndarray, parts: int) -> float:
+def whole_option_bound(steps: np.ndarray, parts: int, total: float | None = None) -> float:
     """A tighter bound for whole options: with costs sorted c1 >= c2 >= ..., some part holds k + 1
     of the k·parts + 1 largest, so the largest part costs at least (k + 1)·c[k·parts + 1] for every
-    k (for n equal options: ceil(n / parts)·c); and at least the mean."""
+    k (for n equal options: ceil(n / parts)·c); and at least the mean. `total`: the options' total
+    cost, where the caller has it."""
     steps = np.asarray(steps, dtype=np.int64)
     if steps.size == 0:
         return 0.0
     k = np.arange((steps.size - 1) // parts + 1)
     largest = option_cost(_descending_at(steps, k * parts))
-    return float(max(option_cost(steps).sum() / parts, ((k + 1) * largest).max()))
+    total = option_cost(steps).sum() if total is None else total
+    return float(max(total / parts, ((k + 1) * largest).max()))
 
 
 def _descending_at(steps: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -107,10 +109,22 @@ def min_bottleneck(steps: np.ndarray, parts: int, upper: float | None = None) ->
     split (`upper`) or that bound plus the largest option (always feasible: greedy parts then each
     exceed the mean)."""
     cost = option_cost(steps)
+    return _min_bottleneck(steps, parts, cost, _prefix(cost), upper)
+
+
+def _prefix(cost: np.ndarray) -> np.ndarray:
+    """[0, c0, c0 + c1, ...]: the prefix sums of the costs (exact below 2^53)."""
+    prefix = np.empty(cost.size + 1)
+    prefix[0] = 0.0
+    np.cumsum(cost, out=prefix[1:])
+    return prefix
+
+
+def _min_bottleneck(steps, parts: int, cost, prefix, upper: float | None) -> float:
+    """min_bottleneck with the options' costs and their prefix sums given."""
     if cost.size == 0:
         return 0.0
-    prefix = np.concatenate(([0.0], np.cumsum(cost)))
-    lo = np.ceil(whole_option_bound(steps, parts))
+    lo = np.ceil(whole_option_bound(steps, parts, prefix[-1]))
     hi = lo + cost.max() if upper is None else min(float(upper), lo + cost.max())
     if hi <= lo or _parts_needed(prefix, lo, parts) <= parts:
         return float(min(lo, hi))
@@ -128,16 +142,22 @@ def partition_by_cost(steps: np.ndarray, parts: int) -> np.ndarray:
     close to k/parts of the total as that allows. Where the plain closest-to-target cuts already
     reach the bottleneck (uniform and most random books), they are the answer; so no part exceeds
     its equal share by more than one option's cost, and equal options get equal counts."""
+    if parts == 1:
+        return np.array([0, len(steps)], dtype=np.int64)
     cost = option_cost(steps)
+    return _partition_by_cost(steps, parts, cost, _prefix(cost))
+
+
+def _partition_by_cost(steps, parts: int, cost, prefix) -> np.ndarray:
+    """partition_by_cost with the options' costs and their prefix sums given."""
     n = cost.size
-    prefix = np.concatenate(([0.0], np.cumsum(cost)))
     targets = prefix[-1] * np.arange(1, parts) / parts
     cuts = _closest_cuts(prefix, targets)
     bounds = np.maximum.accumulate(np.concatenate(([0], cuts, [n])).astype(np.int64))
     if n == 0 or parts == 1:
         return bounds
     largest = (prefix[bounds[1:]] - prefix[bounds[:-1]]).max()
-    limit = min_bottleneck(steps, parts, upper=largest)
+    limit = _min_bottleneck(steps, parts, cost, prefix, upper=largest)
     if largest <= limit:
         return bounds
     # latest[k]: the smallest cut k from which the rest fits in parts - k parts of cost <= limit
@@ -170,14 +190,16 @@ class Assignment:
     order[bounds[k]:bounds[k+1]] (each part's options in input order)."""
     order: np.ndarray    # a permutation of range(n), int64
     bounds: np.ndarray   # parts + 1 non-decreasing int64 bounds into `order`
+    identity: bool = False   # order is known to be range(n)
 
     @classmethod
     def contiguous(cls, bounds: np.ndarray) -> "Assignment":
-        return cls(order=np.arange(int(bounds[-1]), dtype=np.int64), bounds=np.asarray(bounds, np.int64))
+        return cls(order=np.arange(int(bounds[-1]), dtype=np.int64),
+                   bounds=np.asarray(bounds, np.int64), identity=True)
 
     def in_input_order(self) -> bool:
         """True when every part is a contiguous slice in input order (no permutation to undo)."""
-        return bool(np.array_equal(self.order, np.arange(self.order.size)))
+        return self.identity or bool(np.array_equal(self.order, np.arange(self.order.size)))
 
     def owner(self) -> np.ndarray:
         """The part of each option, in input order."""
@@ -241,12 +263,13 @@ def assign_by_cost(steps: np.ndarray, parts: int, small: float = SMALL) -> Assig
 def assign(steps: np.ndarray, parts: int, method: str = "cost") -> Assignment:
     """The options each of `parts` ranks prices (module docstring): `count` and `cost` contiguous,
     `cost` leaving input order where assign_by_cost does better by more than LPT_GAIN."""
-    bounds = partition(steps, parts, method)
-    contiguous = Assignment.contiguous(bounds)
     if method != "cost" or parts == 1 or len(steps) == 0:
-        return contiguous
-    largest = part_costs(steps, bounds).max()
-    if largest <= LPT_GAIN * lower_bound(steps, parts):
+        return Assignment.contiguous(partition(steps, parts, method))
+    cost = option_cost(steps)        # once, for the split and the bound
+    prefix = _prefix(cost)
+    contiguous = Assignment.contiguous(_partition_by_cost(steps, parts, cost, prefix))
+    largest = (prefix[contiguous.bounds[1:]] - prefix[contiguous.bounds[:-1]]).max()
+    if largest <= LPT_GAIN * max(prefix[-1] / parts, cost.max()):    # lower_bound
         return contiguous    # no assignment of whole options can gain LPT_GAIN here
     lpt = assign_by_cost(steps, parts)
     return lpt if largest > LPT_GAIN * lpt.costs(steps).max() else contiguous

@@ -57,7 +57,7 @@ class RunSummary:
     stages: dict = field(default_factory=dict)
     analytics: Analytics = Analytics()
     reused: int = 0  # options read back from the checkpoint instead of priced
-    engine_start: float = 0.0  # rank 0's engine start (GPU context), beside its read
+    read_parts: dict = field(default_factory=dict)  # rank 0's read stage, part by part (_agree)
     notes: list = field(default_factory=list)  # e.g. chunks shrunk to fit the GPUs' memory
 
     def lines(self) -> list[str]:
@@ -71,8 +71,11 @@ class RunSummary:
         lines = [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
                  f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
                  f"stages: {stages}"]
-        if self.engine_start >= 0.01:
-            lines.append(f"engine started beside the read in {self.engine_start:.3f}s")
+        if self.read_parts:
+            parts = self.read_parts
+            lines.append(f"read stage: plan {parts['plan']:.3f}s beside the engine start "
+                         f"{parts['engine']:.3f}s, device fit {parts['fit']:.3f}s, the ranks' "
+                         f"agreement {parts['agree']:.3f}s")
         return lines + list(self.notes)
 
 
@@ -99,6 +102,7 @@ class Agreed:
     chunk_ids: np.ndarray   # each chunk's number in the checkpoint grid (-1: none)
     hosts: list | None = None   # rank 0: each rank's host
     gpus: list | None = None    # rank 0: each rank's GPU ("" for none)
+    parts: dict = field(default_factory=dict)   # seconds of the plan, engine start, fit, agreement
 
 
 def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
@@ -155,7 +159,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
                       backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
                       analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
-                      engine_start=agreed.started.seconds, notes=notes)
+                      read_parts=agreed.parts, notes=notes)
 
 
 def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
@@ -174,19 +178,30 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
         outcome(comm, prepare if rank == ROOT else None)
         prepare = None
     plan, own = None, None
+    start = time.perf_counter()
+    parts = dict(plan=0.0, fit=0.0)
+
+    def timed(make, *args):
+        try:
+            return make(*args)
+        finally:
+            parts["plan"] = time.perf_counter() - start
+
     # the plan is made in a second thread while every rank starts its engine (a GPU context does not
     # shrink with more ranks, so it goes beside the read rather than after it)
     with ThreadPoolExecutor(max_workers=1) as pool:
         if reading:
-            planned = pool.submit(plan_own_rows, cfg, size, rank, ranks_here)
+            planned = pool.submit(timed, plan_own_rows, cfg, size, rank, ranks_here)
         else:
-            planned = pool.submit(make_plan, cfg, size, ranks_here, prepare) \
+            planned = pool.submit(timed, make_plan, cfg, size, ranks_here, prepare) \
                 if rank == ROOT else None
         started = start_engine(cfg)
         if planned is not None:
             result, status, message, failure = attempt(planned.result)
             if status == 0:
                 plan, own = result if reading else (result, None)
+    parts["engine"] = started.seconds
+    joined = time.perf_counter()
     polite_barrier(comm)  # the others sleep while rank 0 reads, rather than spin on its cores
     # every rank's GPU, measured now that every engine has started, to rank 0, which fits every
     # rank's share to it or refuses the run before the verdict
@@ -195,8 +210,10 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     hosts = [host for _, host in gathered] if rank == ROOT else None
     fitted = None
     if rank == ROOT and status == 0:
+        t = time.perf_counter()
         fitted, status, message, failure = attempt(
             lambda: fit_devices(cfg, plan, started.engine, infos))
+        parts["fit"] = time.perf_counter() - t
     try:
         trees = verdict(comm, status, message, own)
     except BaseException:          # another rank refused the run: rank 0 gives its claim up
@@ -213,8 +230,10 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
                                for name in ("bounds", "cuts", "chunk_ids"))
     gpus = [f"{info.name} ({info.device})" if info is not None else ""
             for info in infos] if rank == ROOT else None
-    return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [],
-                  configure_threads(cfg.threads, ranks_here), bounds, cuts, chunk_ids, hosts, gpus)
+    threads = configure_threads(cfg.threads, ranks_here)
+    parts["agree"] = time.perf_counter() - joined - parts["fit"]
+    return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [], threads,
+                  bounds, cuts, chunk_ids, hosts, gpus, parts)
 
 
 def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray]:

@@ -37,7 +37,7 @@ from pricer.errors import InputError
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 RUN_COLUMNS = (("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall") + STAGES
                + ("compute_min", "compute_mean", "compute_max", "imbalance", "options", "nodes",
-                  "speedup", "efficiency", "limiting", "limiting_seconds"))
+                  "speedup", "efficiency", "launch_efficiency", "limiting", "limiting_seconds"))
 SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
                "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
 # cost: what --partition cost runs (partition.assign); contiguous: its best contiguous split alone;
@@ -225,21 +225,23 @@ def aggregate(ranks: int, runs: list[dict]) -> dict:
 
 def add_speedup(rows: list[dict]) -> None:
     """Speedup against the smallest rank count K0 (K0 x its wall / wall), efficiency = speedup / K,
-    and the stage that limits it: the one with the most seconds beyond perfect scaling of K0's
-    (stage_K - stage_K0 x K0 / K), with those seconds; "launch" is the process start and MPI
-    set-up outside the run's own wall time. None for the first row."""
+    the same of the whole launcher command (launch_efficiency: process start, imports and MPI
+    set-up included), and the stage that limits the efficiency: the one with the most seconds
+    beyond perfect scaling of K0's (stage_K - stage_K0 x K0 / K), with those seconds. None for the
+    first row."""
     base = rows[0]
     for row in rows:
         row["speedup"] = base["ranks"] * base["wall"] / row["wall"] if row["wall"] > 0 else math.nan
         row["efficiency"] = row["speedup"] / row["ranks"]
+        row["launch_efficiency"] = (base["ranks"] * base["launch_wall"]
+                                    / (row["ranks"] * row["launch_wall"])
+                                    if row["launch_wall"] > 0 else math.nan)
         if row is base:
             row["limiting"], row["limiting_seconds"] = "", math.nan
             continue
         scale = base["ranks"] / row["ranks"]
         excess = {stage: row[stage] - base[stage] * scale for stage in STAGES
                   if math.isfinite(row[stage]) and math.isfinite(base[stage])}
-        excess["launch"] = ((row["launch_wall"] - row["wall"])
-                            - (base["launch_wall"] - base["wall"]) * scale)
         stage = max(excess, key=excess.get)
         row["limiting"], row["limiting_seconds"] = stage, excess[stage]
 
@@ -285,15 +287,17 @@ def strong_scaling(args) -> int:
 def markdown_runs(rows: list[dict], title: str) -> list[str]:
     lines = [f"Strong scaling: {title}", "",
              "| ranks | wall s | " + " | ".join(f"{s} s" for s in STAGES)
-             + " | compute min/mean/max s | speedup | efficiency | limited by |",
-             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---|"]
+             + " | compute min/mean/max s | speedup | efficiency | limited by | launch s |"
+             " launch efficiency |",
+             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---|---:|---:|"]
     for r in rows:
         limit = (f"{r['limiting']} (+{r['limiting_seconds']:.3f} s)" if r.get("limiting")
                  else "—")
         lines.append(f"| {r['ranks']} | {r['wall']:.3f} | "
                      + " | ".join(f"{r[s]:.3f}" for s in STAGES)
                      + f" | {r['compute_min']:.3f} / {r['compute_mean']:.3f} / {r['compute_max']:.3f}"
-                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} | {limit} |")
+                     f" | {r['speedup']:.3f} | {r['efficiency']:.3f} | {limit}"
+                     f" | {r['launch_wall']:.3f} | {r['launch_efficiency']:.3f} |")
     return lines
 
 

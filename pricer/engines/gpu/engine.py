@@ -163,23 +163,31 @@ class GpuEngine(Engine):
             return DeviceNeed()
         starts = np.asarray(cuts[:-1], dtype=np.int64)
         kinds = analytics.lattices(steps)
-        row_nodes = sum(count * lattice_nodes(s) for s, count in kinds)
-        on_gpu = np.repeat(np.add.reduceat(row_nodes, starts) > self.cpu_max_nodes, np.diff(cuts))
+        on_gpu = None            # every chunk goes to the GPU (no cpu_max_nodes: the common case)
+        if self.cpu_max_nodes:
+            row_nodes = sum(count * lattice_nodes(s) for s, count in kinds)
+            on_gpu = np.repeat(np.add.reduceat(row_nodes, starts) > self.cpu_max_nodes,
+                               np.diff(cuts))
         narrow = np.zeros(steps.size, dtype=np.int64)
-        widest = np.zeros(steps.size, dtype=np.int64)
+        widest = 0
         for s, count in kinds:
             narrow += count * self._on_runner.accepts(s)
-            widest = np.maximum(widest, np.where(on_gpu & self._on_regimes.accepts(s), s, 0))
+            wide = self._on_regimes.accepts(s)
+            if on_gpu is not None:
+                wide &= on_gpu
+            if wide.any():
+                widest = np.maximum(widest, np.where(wide, s, 0))
         # a call's rows go through the runner's buffers in chunks; prepare() sizes them for the
         # share's own options, a call for its lattices: one chunk of the larger
-        rows = int(np.add.reduceat(np.where(on_gpu, narrow, 0), starts).max())
-        if lattice_nodes(steps).sum() > self.cpu_max_nodes:
+        rows = int(np.add.reduceat(narrow if on_gpu is None else np.where(on_gpu, narrow, 0),
+                                   starts).max())
+        if not self.cpu_max_nodes or lattice_nodes(steps).sum() > self.cpu_max_nodes:
             rows = max(rows, int(self._on_runner.accepts(steps).sum()))
         unit = BATCH_SETS * batch_row_bytes(analytics.greeks)
         rows = chunk_size(rows, self.chunk_options) if rows else 0
         need = DeviceNeed(held=BATCH_SETS * BATCH_SORT_BYTES if rows else 0.0,
                           streamed=rows * unit, unit=unit)
-        if widest.max() > 0:
+        if np.max(widest) > 0:
             need.held_row = int(np.argmax(widest))
             need.held_steps = int(widest[need.held_row])
             need.held += float(regime_bytes(need.held_steps))
