@@ -128,14 +128,14 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     # every rank reports its finished chunks; rank 0 shows them against all the nodes to price
     total = nodes_priced(agreed.plan.steps, cfg.analytics()) if rank == ROOT else 0.0
     tracker = Progress(comm, cfg.progress, agreed.cuts, agreed.bounds, total)
-    values, engine_name, setup = compute(comm, cfg, local, ids, chunks, agreed.started,
-                                         agreed.chunk_options, tracker)
+    values, engine_name, setup, local_nodes = compute(comm, cfg, local, ids, chunks,
+                                                      agreed.started, agreed.chunk_options,
+                                                      tracker)
     stages["setup"], stages["compute"] = setup, time.perf_counter() - t - setup
 
     t = time.perf_counter()
     full = gather_rows(comm, values, agreed.bounds)
-    stats = np.array([stages["compute"], local.shape[0],
-                      nodes_priced(local[:, STEPS], cfg.analytics()), agreed.threads])
+    stats = np.array([stages["compute"], local.shape[0], local_nodes, agreed.threads])
     all_stats = np.empty((size, 4)) if rank == ROOT else None
     comm.Gather(stats, all_stats, root=ROOT)
     stages["gather"] = time.perf_counter() - t
@@ -324,14 +324,15 @@ def fit_devices(cfg: RunConfig, plan: Plan, engine, infos: list):
 def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list,
             started: StartedEngine, chunk_options: int = 0, progress: Progress | None = None):
     """This rank's rows, chunk by chunk (each saved to the checkpoint, if any), as
-    (values, engine name, set-up seconds). A failure here is reported to rank 0, which names the
+    (values, engine name, set-up seconds, lattice nodes). A failure here is reported to rank 0, which names the
     rank and ends the job (faults.py); a rank that stops advancing is named and ends it too
     (watchdog.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
     stall = StallWatch(comm, cfg.stall_timeout,
                        lambda message: abort_job(comm, message, in_thread=True))
-    nodes = [nodes_priced(local[a:b, STEPS], cfg.analytics()) for a, b, _ in chunks]
+    steps = local[:, STEPS].astype(np.int64)     # one pass over the matrix's strided column
+    nodes = [nodes_priced(steps[a:b], cfg.analytics()) for a, b, _ in chunks]
     limits = chunk_limits(nodes, cfg.stall_timeout)
     stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     checkpoint = None
@@ -354,7 +355,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
         engine.fit_device(chunk_options)       # before prepare() sizes the buffers
         t = time.perf_counter()
         if priced.any():
-            engine.prepare(local[priced, STEPS].astype(np.int64), levels=cfg.greeks)
+            engine.prepare(steps if priced.all() else steps[priced], levels=cfg.greeks)
         setup = time.perf_counter() - t
         progress.start()
         for (a, b, chunk), limit, chunk_nodes in zip(chunks, limits, nodes):
@@ -383,4 +384,4 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     watch.barrier(idle=progress.poll)
     stall.stop()
     progress.finish()
-    return values, engine_name, setup
+    return values, engine_name, setup, float(sum(nodes))
