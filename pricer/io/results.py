@@ -7,6 +7,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -18,6 +19,17 @@ from pricer.io.formats import (HDF5, input_format, output_format, read_table, ta
                                 table_bytes)
 
 SCHEMA = "pricer.results/1"
+
+
+def sha256_beside(path: str) -> Future:
+    """sha256_of_file(path) on a thread of its own, which the caller need not wait for (the
+    digest is written with the results, at the end of a run): hashlib and the reads release the
+    GIL, so it runs beside the parsing and the pricing."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-sha256")
+    try:
+        return pool.submit(sha256_of_file, path)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def sha256_of_file(path: str, block: int = 1 << 22) -> str:

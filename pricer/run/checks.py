@@ -5,7 +5,6 @@ settings, output path, the file, every option's lattice (and the extra lattices 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from pricer.io.formats import HDF5, input_format, read_book
 from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix,
                                  max_steps_for_memory, priced_steps)
 from pricer.io.checkpoint import checkpoint_bytes
-from pricer.io.results import check_output_path, results_bytes, sha256_of_file
+from pricer.io.results import check_output_path, results_bytes, sha256_beside
 from pricer.model.greeks import check
 from pricer.model.lattice import check_lattices as lattice_check
 from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped
@@ -26,7 +25,8 @@ from pricer.run.memory import size_text
 
 def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     """Rank 0 only: everything that can be wrong with the input, found before any work; the node's
-    memory checked from the book's shape before the book itself is read."""
+    memory checked from the book's shape before the book itself is read. Returns the portfolio,
+    its matrix and the future of the file's sha256 (sha256_beside)."""
     cfg.check()
     check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
@@ -36,24 +36,22 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
         options, most, has_tree = book_shape(cfg.input, values=not skip)
         if most is not None:      # else the read below names the steps column's fault
             check_memory(cfg, options, most, has_tree, size, node_ranks)
-    # the file's hash (for the results and checkpoints) is read beside the parsing: hashlib and the
-    # file reads release the GIL, and on a large input it is a large share of rank 0's read
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        digest = pool.submit(sha256_of_file, cfg.input)
-        portfolio = read_book(cfg.input, values=not skip)
-        if not hdf5:          # a CSV or Parquet table is parsed whole before its shape is known
-            steps = priced_steps(portfolio.steps)
-            check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
-                         size, node_ranks)
-        # the tree column, or the run's tree, as codes
-        matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
-        if skip:
-            skip_invalid(cfg, matrix)
-            portfolio.steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
-        else:
-            check_lattices(cfg, matrix, portfolio.id)
-        input_sha256 = digest.result()
-    return portfolio, matrix, input_sha256
+    # the file's hash (for the results and checkpoints) is read beside the parsing and beyond it
+    # (sha256_beside): on a large input it is a large share of rank 0's read
+    digest = sha256_beside(cfg.input)
+    portfolio = read_book(cfg.input, values=not skip)
+    if not hdf5:          # a CSV or Parquet table is parsed whole before its shape is known
+        steps = priced_steps(portfolio.steps)
+        check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
+                     size, node_ranks)
+    # the tree column, or the run's tree, as codes
+    matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    if skip:
+        skip_invalid(cfg, matrix)
+        portfolio.steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+    else:
+        check_lattices(cfg, matrix, portfolio.id)
+    return portfolio, matrix, digest
 
 
 def skip_invalid(cfg: RunConfig, matrix: np.ndarray) -> np.ndarray:

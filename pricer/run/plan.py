@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from pricer.files import OutputLock, check_input_file
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
 from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
-from pricer.io.results import check_output_path, sha256_of_file
+from pricer.io.results import check_output_path, sha256_beside
 from pricer import __version__
 from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
@@ -39,7 +39,7 @@ class Plan:
     """Rank 0's decisions before any work: the rows to price and how they are cut."""
     input_ids: np.ndarray   # every option's id, in input order (the results' id column)
     trees: list             # the names of the trees that price the run
-    input_sha256: str
+    digest: Future          # of the input's sha256 (hex), read beside the run (sha256_beside)
     matrix: np.ndarray | None  # rows to price (all, or a resume's missing chunks), in plan order;
                                # None with --distribute read (every rank reads its own)
     steps: np.ndarray       # their steps (int64)
@@ -52,6 +52,10 @@ class Plan:
     checkpoint: Checkpoint | None
     notes: list = field(default_factory=list)   # for the run's summary
     locks: list = field(default_factory=list)    # rank 0's claims (OutputLock), until written
+
+    @property
+    def input_sha256(self) -> str:
+        return self.digest.result()
 
     def assemble(self, priced: np.ndarray) -> np.ndarray:
         """The whole (n, k) result: the gathered rows, and a resume's chunks from the checkpoint."""
@@ -71,17 +75,17 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     check_launcher(size)
     if prepare is not None:
         prepare()
-    portfolio, matrix, input_sha256 = read_and_check(cfg, size, node_ranks)
+    portfolio, matrix, digest = read_and_check(cfg, size, node_ranks)
     trees = [TREE_NAMES[code] for code in _tree_codes(matrix)]
     grid = chunk_grid(portfolio.steps, *cfg.chunk_shape()) if cfg.checkpoint else None
     check_disk(cfg, len(portfolio), len(grid) - 1 if grid is not None else 0)
     locks = claim(cfg)
     try:
         if grid is None:
-            plan = plan_whole(cfg, portfolio.id, portfolio.steps, matrix, input_sha256, trees,
+            plan = plan_whole(cfg, portfolio.id, portfolio.steps, matrix, digest, trees,
                               assign(portfolio.steps, size, cfg.partition))
         else:
-            plan = _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid)
+            plan = _plan_checkpoint(cfg, size, portfolio, matrix, digest, trees, grid)
     except BaseException:
         for lock in locks:
             lock.release()
@@ -105,10 +109,11 @@ def claim(cfg: RunConfig) -> list:
     return locks
 
 
-def _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid) -> Plan:
-    """The chunks a checkpoint does not hold yet, split over the ranks by cost."""
+def _plan_checkpoint(cfg, size, portfolio, matrix, digest, trees, grid) -> Plan:
+    """The chunks a checkpoint does not hold yet, split over the ranks by cost (the checkpoint's
+    manifest binds them to the input's digest: waited for here)."""
     checkpoint = Checkpoint(cfg.checkpoint)
-    resumed = checkpoint.open(input_sha256, checkpoint_settings(cfg, grid))
+    resumed = checkpoint.open(digest.result(), checkpoint_settings(cfg, grid))
     done, failed = checkpoint.done(grid, len(cfg.outputs())) if resumed \
         else (np.zeros(len(grid) - 1, bool), 0)
     missing = np.flatnonzero(~done)
@@ -121,13 +126,13 @@ def _plan_checkpoint(cfg, size, portfolio, matrix, input_sha256, trees, grid) ->
     reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
     notes = [f"checkpoint: {failed} chunk file(s) failed their checks (cut short, changed, or "
              f"another chunk's or run's) and were priced again"] if failed else []
-    return Plan(portfolio.id, trees, input_sha256, np.ascontiguousarray(matrix[todo]),
+    return Plan(portfolio.id, trees, digest, np.ascontiguousarray(matrix[todo]),
                 portfolio.steps[todo], portfolio.id[todo], todo, bounds, cuts,
                 missing.astype(np.int64), reuse, checkpoint, notes)
 
 
 def plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
-               matrix: np.ndarray | None, input_sha256: str, trees: list, assignment) -> Plan:
+               matrix: np.ndarray | None, digest: Future, trees: list, assignment) -> Plan:
     """Every row priced; each rank's rows as partition.assign placed them: contiguous slices, or
     whole options in another order (then rows travel in that order and Plan.assemble undoes it).
     `matrix` None: the ranks read their own rows (--distribute read)."""
@@ -138,7 +143,7 @@ def plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
         rows = None if matrix is None else np.ascontiguousarray(matrix[todo])
         ids, steps = input_ids[todo], input_steps[todo]
     cuts = _merge_cuts(chunk_grid(steps, *cfg.chunk_shape()), assignment.bounds)
-    return Plan(input_ids, trees, input_sha256, rows, steps, ids, todo, assignment.bounds, cuts,
+    return Plan(input_ids, trees, digest, rows, steps, ids, todo, assignment.bounds, cuts,
                 np.full(len(cuts) - 1, -1), [], None)
 
 
@@ -161,31 +166,30 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
     check_input_file(cfg.input)   # before any read: a FIFO or a device never ends
     if rank == ROOT:
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        digest = pool.submit(sha256_of_file, cfg.input) if rank == ROOT else None
-        skip = cfg.invalid == "skip"
-        index = read_index(cfg.input, values=not skip)
-        if skip:            # every rank alike, from the steps alone
-            index.steps = priced_steps(index.steps)
-        if rank == ROOT:      # before the rows are read, as read_and_check does
-            check_memory(cfg, len(index), max(int(index.steps.max()), 1), index.has_tree, size,
-                         node_ranks)
-        assignment = assign(index.steps, size, cfg.partition)
-        rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
-        part = read_portfolio_rows(cfg.input, rows, values=not skip)  # rows in input order
-        matrix = part.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
-        if skip:
-            skip_invalid(cfg, matrix)
-        else:
-            check_lattices(cfg, matrix, part.id)
-        codes = _tree_codes(matrix)
-        own = OwnRows(matrix, part.id, _assignment_digest(assignment),
-                      int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
-        plan = None
-        if rank == ROOT:
-            plan = plan_whole(cfg, index.id, index.steps, None, digest.result(), [], assignment)
-            check_disk(cfg, len(index), 0)
-            plan.locks = claim(cfg)
+    digest = sha256_beside(cfg.input) if rank == ROOT else None
+    skip = cfg.invalid == "skip"
+    index = read_index(cfg.input, values=not skip)
+    if skip:            # every rank alike, from the steps alone
+        index.steps = priced_steps(index.steps)
+    if rank == ROOT:      # before the rows are read, as read_and_check does
+        check_memory(cfg, len(index), max(int(index.steps.max()), 1), index.has_tree, size,
+                     node_ranks)
+    assignment = assign(index.steps, size, cfg.partition)
+    rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
+    part = read_portfolio_rows(cfg.input, rows, values=not skip)  # rows in input order
+    matrix = part.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    if skip:
+        skip_invalid(cfg, matrix)
+    else:
+        check_lattices(cfg, matrix, part.id)
+    codes = _tree_codes(matrix)
+    own = OwnRows(matrix, part.id, _assignment_digest(assignment),
+                  int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
+    plan = None
+    if rank == ROOT:
+        plan = plan_whole(cfg, index.id, index.steps, None, digest, [], assignment)
+        check_disk(cfg, len(index), 0)
+        plan.locks = claim(cfg)
     return plan, own
 
 
