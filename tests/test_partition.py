@@ -247,3 +247,14 @@ def test_chunk_grid_is_its_definition(steps, nodes, rows):
     steps = np.array(steps, dtype=np.int64)
     assert np.array_equal(chunk_grid(steps, nodes, rows),
                           _chunk_grid_by_definition(steps, nodes, rows))
+
+
+@pytest.mark.parametrize("dist", ["random", "skewed"])
+def test_chunk_grid_from_the_partitions_prefix_sums(dist):
+    """A run's plan hands the partition's cost prefix sums to chunk_grid (one sum of the costs,
+    not two): the same grid as chunk_grid's own, for both chunk shapes."""
+    steps = generate(dist, 50_000, seed=3).steps
+    a = assign(steps, 4, "cost")
+    assert a.in_input_order() and a.prefix is not None
+    for shape in ((2.0**28, 2**17), (1e8, 1000), (2.0**40, 2**21)):
+        assert np.array_equal(chunk_grid(steps, *shape, prefix=a.prefix), chunk_grid(steps, *shape))

@@ -33,9 +33,11 @@ GPU_CHUNK_NODES = 2**40   # the GPU backends: ~1e12 nodes, seconds of one GPU's 
 GPU_CHUNK_ROWS = 2**21
 
 
-def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_ROWS) -> np.ndarray:
+def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_ROWS,
+               prefix: np.ndarray | None = None) -> np.ndarray:
     """Row boundaries [0, ..., n] of the chunks: a new chunk starts where the nodes before a row
-    reach another multiple of `nodes`, or its row number another multiple of `rows`.
+    reach another multiple of `nodes`, or its row number another multiple of `rows`. `prefix`:
+    the rows' lattice nodes' prefix sums [0, n0, n0 + n1, ...], where the caller has them.
 
     A row's label is max(nodes before it // nodes, row // rows), and a chunk starts where the
     label grows, which only a row where either part grows can do: those rows alone are judged.
@@ -45,9 +47,12 @@ def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_
     n = len(steps)
     if n == 0:
         return np.zeros(2, dtype=np.int64)
-    before = np.empty(n)
-    before[0] = 0.0
-    np.cumsum(lattice_nodes(steps[:-1]), out=before[1:])
+    if prefix is not None:
+        before = prefix[:-1]
+    else:
+        before = np.empty(n)
+        before[0] = 0.0
+        np.cumsum(lattice_nodes(steps[:-1]), out=before[1:])
     count = int(before[-1] // nodes)
     if count <= n:
         near = np.searchsorted(before, np.arange(1, count + 1) * nodes)

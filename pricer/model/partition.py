@@ -191,6 +191,9 @@ class Assignment:
     order: np.ndarray    # a permutation of range(n), int64
     bounds: np.ndarray   # parts + 1 non-decreasing int64 bounds into `order`
     identity: bool = False   # order is known to be range(n)
+    # the options' cost prefix sums in input order, [0, c0, c0 + c1, ...], where the partition
+    # computed them (chunk_grid takes them rather than summing the same costs again)
+    prefix: np.ndarray | None = None
 
     @classmethod
     def contiguous(cls, bounds: np.ndarray) -> "Assignment":
@@ -268,6 +271,7 @@ def assign(steps: np.ndarray, parts: int, method: str = "cost") -> Assignment:
     cost = option_cost(steps)        # once, for the split and the bound
     prefix = _prefix(cost)
     contiguous = Assignment.contiguous(_partition_by_cost(steps, parts, cost, prefix))
+    contiguous.prefix = prefix
     largest = (prefix[contiguous.bounds[1:]] - prefix[contiguous.bounds[:-1]]).max()
     if largest <= LPT_GAIN * max(prefix[-1] / parts, cost.max()):    # lower_bound
         return contiguous    # no assignment of whole options can gain LPT_GAIN here

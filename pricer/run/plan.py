@@ -142,7 +142,8 @@ def plan_whole(cfg: RunConfig, input_ids: np.ndarray, input_steps: np.ndarray,
         todo = assignment.order
         rows = None if matrix is None else np.ascontiguousarray(matrix[todo])
         ids, steps = input_ids[todo], input_steps[todo]
-    cuts = _merge_cuts(chunk_grid(steps, *cfg.chunk_shape()), assignment.bounds)
+    prefix = assignment.prefix if todo is None else None    # the partition's, in input order
+    cuts = _merge_cuts(chunk_grid(steps, *cfg.chunk_shape(), prefix=prefix), assignment.bounds)
     return Plan(input_ids, trees, digest, rows, steps, ids, todo, assignment.bounds, cuts,
                 np.full(len(cuts) - 1, -1), [], None)
 
