@@ -98,3 +98,41 @@ def test_batch_layout_is_required(missing, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, f"{' '.join(cmd)} succeeded without {want}"
     assert f"{want} must be given (-D)" in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_path, monkeypatch):
+    """Ranks on one kernel cache: a process compiles a cubin only while it holds the cubin's
+    flock (another that holds it makes it wait), and one that holds it past LOCK_WAIT_SECONDS
+    (a hung nvcc) does not hold the others' start: they compile without it."""
+    import fcntl
+    import threading
+    import time
+
+    from pricer.engines.gpu import runtime
+
+    path = tmp_path / "batch-key-sm_90.cubin"
+    holder = open(path.with_suffix(".lock"), "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    entered = []
+
+    def compile_it():
+        with runtime._compiling(path):
+            entered.append(time.monotonic())
+
+    waiting = threading.Thread(target=compile_it)
+    waiting.start()
+    time.sleep(0.3)
+    assert entered == []                      # waits for the holder
+    released = time.monotonic()
+    holder.close()                            # releases the lock
+    waiting.join(5)
+    assert entered and entered[0] >= released
+
+    holder = open(path.with_suffix(".lock"), "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)        # a holder that never lets go
+    monkeypatch.setattr(runtime, "LOCK_WAIT_SECONDS", 0.2)
+    start = time.monotonic()
+    with runtime._compiling(path):
+        waited = time.monotonic() - start
+    assert 0.2 <= waited < 3
+    holder.close()

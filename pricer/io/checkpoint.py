@@ -42,8 +42,9 @@ def chunk_grid(steps: np.ndarray, nodes: float = CHUNK_NODES, rows: int = CHUNK_
     A row's label is max(nodes before it // nodes, row // rows), and a chunk starts where the
     label grows, which only a row where either part grows can do: those rows alone are judged.
     The first row at or past each multiple of `nodes` is found by bisection: the nodes before a
-    row are whole numbers that grow by at least 3 a row, so it is at most one row off, and the
-    rows beside it are judged too."""
+    row are whole numbers that grow by at least 1 a row (a lattice has at least one node), so the
+    rounding of the multiple and of the division put it at most one row off, and the rows beside
+    it are judged too."""
     n = len(steps)
     if n == 0:
         return np.zeros(2, dtype=np.int64)

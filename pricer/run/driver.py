@@ -253,10 +253,16 @@ def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray
 def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, engine_name: str,
            size: int, wall: float, origin: dict) -> None:
     """Rank 0: the results file, with its provenance (`origin`: provenance.provenance) and the
-    ranks' stats."""
+    ranks' stats. A failure says what was kept (OutputError)."""
+    try:
+        input_sha256 = plan.input_sha256     # read beside the run (sha256_beside)
+    except OSError as exc:
+        raise OutputError(f"{cfg.input}: the input could not be read again for its sha256 "
+                          f"({exc.strerror or exc}), so the results were not written; "
+                          f"{_kept(cfg)}") from None
     attrs = {**origin, "backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
-             "utc_time": utc_now(), "input_sha256": plan.input_sha256,
+             "utc_time": utc_now(), "input_sha256": input_sha256,
              "input_path": os.path.abspath(cfg.input), "greeks": bool(cfg.greeks),
              "richardson": bool(cfg.richardson), "invalid": cfg.invalid}
     if cfg.invalid == "skip":
@@ -269,15 +275,18 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
     try:
         write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
-        if cfg.checkpoint:
-            kept = (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
-                    f"price {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
-                    f"run's other settings) writes them elsewhere without pricing again")
-        else:
-            kept = ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
-                    "are priced, so that a run that cannot write its results can be finished")
         raise OutputError(f"{cfg.output}: the results could not be written "
-                          f"({exc.strerror or exc}); {kept}") from None
+                          f"({exc.strerror or exc}); {_kept(cfg)}") from None
+
+
+def _kept(cfg: RunConfig) -> str:
+    """What a run that cannot write its results keeps of its prices."""
+    if cfg.checkpoint:
+        return (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
+                f"price {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
+                f"run's other settings) writes them elsewhere without pricing again")
+    return ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
+            "are priced, so that a run that cannot write its results can be finished")
 
 
 def configure_threads(threads: int | None, ranks_here: int) -> int:

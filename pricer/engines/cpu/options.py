@@ -5,7 +5,7 @@ waits on the one before, and a second, independent lattice in the same loop fill
 option has its work arrays (values and the two node tables, padded) in one of two reused buffers.
 A CLAMPED lattice (kernels.node_tables) goes alone, a block of levels at a time (_price_clamped),
 in a kernel of its own (price_clamped) that price_options calls only where price_range left one:
-a book without CLAMPED lattices never compiles it (~3.5 s of a cold start).
+a book without CLAMPED lattices never compiles it (seconds on a cold cache).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pricer.engines.base import Engine, sample_params
 from pricer.engines.cpu.kernels import (CLAMPED, advance, backward_keeping_levels,
                                         exercise_limit, power_tables, table_kinds,
                                         terminal_values)
-from pricer.engines.cpu.options import is_clamped, price_clamped, price_options, price_range
+from pricer.engines.cpu.options import is_clamped, price_options
 from pricer.engines.cpu.serial import (_LOG_DOWN, _LOG_UP, _SPOT, _bits, _price_one, Direct,
                                        kernel_arguments, level_array)
 from pricer.model.lattice import STEPS_ROW, LatticeParams
@@ -42,8 +42,9 @@ BLOCK_STEPS = 64
 MIN_CHUNK_NODES = 2_048
 
 
-# The groups run on Python threads, each one call of the nogil kernel price_range: a numba
-# parallel region here cost ~4 s of compiling on a cold cache, for the same schedule
+# The groups run on Python threads, each one call of the nogil kernel price_range (and of
+# price_clamped where its group has CLAMPED lattices): a numba parallel region here cost seconds
+# more of compiling on a cold cache, for the same schedule
 @lru_cache(maxsize=None)
 def _pool(threads: int) -> ThreadPoolExecutor:
     """The executor of `threads` threads (one a group), made once per thread count."""
@@ -55,10 +56,10 @@ def _price_groups(args: tuple, order: np.ndarray, bounds: np.ndarray, out: np.nd
     """Group g (options order[bounds[g]:bounds[g + 1]]) on thread g of the run's `threads`
     (>= the groups), all at once."""
     pool = _pool(threads)
-    done = [pool.submit(price_range, *args, order[bounds[g]:bounds[g + 1]], out, levels)
+    done = [pool.submit(price_options, *args, order[bounds[g]:bounds[g + 1]], out, levels)
             for g in range(bounds.size - 1)]
-    if sum(future.result() for future in done):     # CLAMPED lattices, each on one thread
-        price_clamped(*args, order, out, levels)
+    for future in done:
+        future.result()
 
 
 @njit(cache=True, nogil=True)
@@ -115,7 +116,7 @@ def _price_if_one_narrow(packed, out):
 
 # The check and the serial kernel in one call: from Python, the check alone is a measurable share
 # of a small option's time. A call of several options never makes it, so that a book's first call
-# does not compile the one-option kernel (~4 s of a cold start) beside price_range.
+# does not compile the one-option kernel (seconds on a cold cache) beside price_range.
 price_if_one_narrow = Direct(_price_if_one_narrow, "boolean(float64[:, ::1], float64[::1])")
 
 

@@ -192,9 +192,9 @@ class CudaBatchRunner(Engine):
         (each_kernel): CUDA loads a kernel at its first launch, and an idle GPU raises its clocks
         at its first work. Then two small calls, one sorted on the host and one of WIDTH_ROWS
         rows sorted on the GPU, so that the host's side of a call (numba's functions, loaded from
-        its cache: ~0.6 s) is ready too. The run does this while rank 0 reads the input, so none
-        of it falls in the timed pricing. (Options at the bottom of each class instead kept one
-        block busy with up to ~1e8 nodes.)"""
+        its cache) is ready too. The run does this while rank 0 reads the input, so none of it
+        falls in the timed pricing. Each launch is a few steps' work: an option at the bottom of
+        each class would keep one block busy with up to ~1e8 nodes."""
         self.rt.precompile(self.variants())
         self.each_kernel(sample_params([WARM_UP_STEPS]))
         for count in (3, WIDTH_ROWS):

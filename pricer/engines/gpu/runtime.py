@@ -29,6 +29,7 @@ import importlib.util
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -209,10 +210,17 @@ class GpuRuntime:
                    and not cubin_path(self.arch, defines, source).exists()]
         if not missing:
             return
+        def compile_one(key):
+            try:
+                return compiled_cubin(self.arch, *wanted[key])
+            except Exception:  # noqa: BLE001 - module() compiles it again and fails where used
+                return None
+
         workers = min(len(missing), len(os.sched_getaffinity(0)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pricer-nvcc") as pool:
-            cubins = pool.map(lambda key: compiled_cubin(self.arch, *wanted[key]), missing)
-            self._cubins.update(zip(missing, cubins))
+            cubins = pool.map(compile_one, missing)
+            self._cubins.update((key, cubin) for key, cubin in zip(missing, cubins)
+                                if cubin is not None)
 
     def close(self) -> None:
         """Free every device array, then pop and detach the context (idempotent)."""
@@ -287,16 +295,30 @@ def _toolchain() -> str:
     return f"{found} pycuda {VERSION_TEXT}"
 
 
+# how long a process waits for another's compile of the same cubin (one takes seconds) before it
+# compiles the cubin itself: a holder that hangs must not hold every rank's start
+LOCK_WAIT_SECONDS = 300.0
+
+
 @contextmanager
 def _compiling(path: Path):
     """An exclusive lock on PATH.lock while the cubin is compiled (flock: released if the process
-    dies); without one (an unwritable cache, a file system without locks) it compiles anyway."""
+    dies); without one (an unwritable cache, a file system without locks, a holder that keeps it
+    past LOCK_WAIT_SECONDS) it compiles anyway."""
     handle = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path.with_suffix(".lock"), "a")
-        fcntl.flock(handle, fcntl.LOCK_EX)
-    except OSError:
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    except OSError:         # BlockingIOError past the deadline included
         if handle is not None:
             handle.close()
             handle = None
