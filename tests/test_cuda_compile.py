@@ -102,8 +102,9 @@ def test_batch_layout_is_required(missing, tmp_path):
 
 def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_path, monkeypatch):
     """Ranks on one kernel cache: a process compiles a cubin only while it holds the cubin's
-    flock (another that holds it makes it wait), and one that holds it past LOCK_WAIT_SECONDS
-    (a hung nvcc) does not hold the others' start: they compile without it."""
+    flock (another that holds it makes it wait, or with wait=False pass it by), and one that holds
+    it past LOCK_WAIT_SECONDS (a hung nvcc) does not hold the others' start: they compile without
+    it."""
     import fcntl
     import threading
     import time
@@ -119,6 +120,8 @@ def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_
         with runtime._compiling(path):
             entered.append(time.monotonic())
 
+    with runtime._compiling(path, wait=False) as held:
+        assert held is False                  # busy: left to the holder for now
     waiting = threading.Thread(target=compile_it)
     waiting.start()
     time.sleep(0.3)

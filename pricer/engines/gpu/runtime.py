@@ -203,24 +203,31 @@ class GpuRuntime:
 
     def precompile(self, variants: list) -> None:
         """The cubins of these (defines, source) variants that the cache does not hold, compiled
-        at once (one nvcc per core); module() loads them when they are first used."""
+        at once (one nvcc per core of this process); module() loads them when they are first
+        used. Those another process is compiling are left to it at first, so that ranks bound to
+        a core each share the work, then waited for. A variant that fails to compile is left to
+        its first use, which fails there."""
         wanted = {(source, *defines): (list(defines), source) for defines, source in variants}
         missing = [key for key, (defines, source) in wanted.items()
                    if key not in self._modules and key not in self._cubins
                    and not cubin_path(self.arch, defines, source).exists()]
         if not missing:
             return
-        def compile_one(key):
+
+        def compile_one(key, wait):
             try:
-                return compiled_cubin(self.arch, *wanted[key])
+                return compiled_cubin(self.arch, *wanted[key], wait=wait)
             except Exception:  # noqa: BLE001 - module() compiles it again and fails where used
-                return None
+                return b""
 
         workers = min(len(missing), len(os.sched_getaffinity(0)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pricer-nvcc") as pool:
-            cubins = pool.map(compile_one, missing)
-            self._cubins.update((key, cubin) for key, cubin in zip(missing, cubins)
-                                if cubin is not None)
+            first = list(pool.map(lambda key: compile_one(key, False), missing))
+            busy = [key for key, cubin in zip(missing, first) if cubin is None]
+            later = list(pool.map(lambda key: compile_one(key, True), busy))
+        for key, cubin in [*zip(missing, first), *zip(busy, later)]:
+            if cubin:
+                self._cubins[key] = cubin
 
     def close(self) -> None:
         """Free every device array, then pop and detach the context (idempotent)."""
@@ -253,14 +260,17 @@ def cubin_path(arch: str, defines: list[str], name: str = "binomial.cu") -> Path
     return cache_dir("cuda", "PRICER_CUDA_CACHE") / f"{Path(name).stem}-{key}-{arch}.cubin"
 
 
-def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu") -> bytes:
+def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu",
+                   wait: bool = True) -> bytes | None:
     """cuda/NAME compiled for `arch` with these -D options: from the cache on disk, else by nvcc
     (and then cached), under the cubin's lock: a process that finds another compiling it waits
-    and reads the other's cubin."""
+    and reads the other's cubin (wait=False: returns None at once instead)."""
     path = cubin_path(arch, defines, name)
     if path.exists():
         return path.read_bytes()
-    with _compiling(path):
+    with _compiling(path, wait) as held:
+        if not held:
+            return None
         if path.exists():
             return path.read_bytes()
         from pycuda.compiler import compile as nvcc_compile
@@ -301,11 +311,12 @@ LOCK_WAIT_SECONDS = 300.0
 
 
 @contextmanager
-def _compiling(path: Path):
+def _compiling(path: Path, wait: bool = True):
     """An exclusive lock on PATH.lock while the cubin is compiled (flock: released if the process
-    dies); without one (an unwritable cache, a file system without locks, a holder that keeps it
-    past LOCK_WAIT_SECONDS) it compiles anyway."""
-    handle = None
+    dies); yields True to compile. Without a lock (an unwritable cache, a file system without
+    locks, a holder that keeps it past LOCK_WAIT_SECONDS) it yields True too; where another
+    process holds it and `wait` is False, False."""
+    handle, busy = None, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path.with_suffix(".lock"), "a")
@@ -315,6 +326,9 @@ def _compiling(path: Path):
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not wait:
+                    busy = True
+                    break
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
@@ -322,8 +336,12 @@ def _compiling(path: Path):
         if handle is not None:
             handle.close()
             handle = None
+    if busy:
+        handle.close()
+        yield False
+        return
     try:
-        yield
+        yield True
     finally:
         if handle is not None:
             handle.close()          # releases the lock
