@@ -190,15 +190,15 @@ class CudaBatchRunner(Engine):
     def warm_up(self) -> None:
         """Every kernel (KERNELS) launched once on a one-option chunk of WARM_UP_STEPS steps
         (each_kernel): CUDA loads a kernel at its first launch, and an idle GPU raises its clocks
-        at its first work. Then two small calls, one sorted on the host and one of WIDTH_ROWS
-        rows sorted on the GPU, so that the host's side of a call (numba's functions, loaded from
-        its cache) is ready too. The run does this while rank 0 reads the input, so none of it
-        falls in the timed pricing. Each launch is a few steps' work: an option at the bottom of
-        each class would keep one block busy with up to ~1e8 nodes."""
+        at its first work. Then a small call sorted on the host, so that the host's side of a
+        call (numba's functions, loaded from its cache) is ready too; a chunk the GPU sorts needs
+        none of them. The run does this while rank 0 reads the input, so none of it falls in the
+        timed pricing. Each launch is a few steps' work: an option at the bottom of each class
+        would keep one block busy with up to ~1e8 nodes. The buffers stay small: prepare() sizes
+        them for the share (the memory guard counts the share's, not the warm-up's)."""
         self.rt.precompile(self.variants())
         self.each_kernel(sample_params([WARM_UP_STEPS]))
-        for count in (3, WIDTH_ROWS):
-            self.price(sample_params(np.resize([16, 40, WARM_UP_STEPS], count)))
+        self.price(sample_params([16, 40, WARM_UP_STEPS]))
 
     def each_kernel(self, params: LatticeParams) -> np.ndarray:
         """The first option of `params` priced by every kernel in turn, whatever its class: the
