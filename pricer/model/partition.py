@@ -49,7 +49,12 @@ def part_costs(steps: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 def lower_bound(steps: np.ndarray, parts: int) -> float:
     """max(mean part cost, largest option): no split of whole options into `parts` beats it."""
     cost = option_cost(steps)
-    return float(max(cost.sum() / parts, cost.max(initial=0.0)))
+    return _lower_bound(cost, cost.sum(), parts)
+
+
+def _lower_bound(cost: np.ndarray, total: float, parts: int) -> float:
+    """lower_bound from the options' costs and their total."""
+    return float(max(total / parts, cost.max(initial=0.0)))
 
 
 def whole_option_bound(steps: np.ndarray, parts: int, total: float | None = None) -> float:
@@ -273,7 +278,7 @@ def assign(steps: np.ndarray, parts: int, method: str = "cost") -> Assignment:
     contiguous = Assignment.contiguous(_partition_by_cost(steps, parts, cost, prefix))
     contiguous.prefix = prefix
     largest = (prefix[contiguous.bounds[1:]] - prefix[contiguous.bounds[:-1]]).max()
-    if largest <= LPT_GAIN * max(prefix[-1] / parts, cost.max()):    # lower_bound
+    if largest <= LPT_GAIN * _lower_bound(cost, prefix[-1], parts):
         return contiguous    # no assignment of whole options can gain LPT_GAIN here
     lpt = assign_by_cost(steps, parts)
     return lpt if largest > LPT_GAIN * lpt.costs(steps).max() else contiguous

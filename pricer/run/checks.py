@@ -79,9 +79,9 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
 
 # options whose lattices are checked at a time: the check builds every parameter of an option (~150
 # bytes of temporaries), so a block of CHECK_ROWS stays in the CPU's cache with its rows of the
-# matrix (docs/decisions.md), and the peak does not grow with
-# the book; a refusal is told from the MESSAGE_ROWS that start at the first bad block, so that its
-# "and N more" counts more than one small block
+# matrix (docs/decisions.md), and the peak does not grow with the book; a refusal is told from
+# the MESSAGE_ROWS that start at the first bad block, so that its "and N more" counts more than
+# one small block
 CHECK_ROWS = 1 << 16
 MESSAGE_ROWS = 1 << 20
 

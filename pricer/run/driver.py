@@ -333,9 +333,9 @@ def fit_devices(cfg: RunConfig, plan: Plan, engine, infos: list):
 def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: list,
             started: StartedEngine, chunk_options: int = 0, progress: Progress | None = None):
     """This rank's rows, chunk by chunk (each saved to the checkpoint, if any), as
-    (values, engine name, set-up seconds, lattice nodes). A failure here is reported to rank 0, which names the
-    rank and ends the job (faults.py); a rank that stops advancing is named and ends it too
-    (watchdog.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
+    (values, engine name, set-up seconds, lattice nodes). A failure here is reported to rank 0,
+    which names the rank and ends the job (faults.py); a rank that stops advancing is named and
+    ends it too (watchdog.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
     stall = StallWatch(comm, cfg.stall_timeout,

@@ -56,6 +56,15 @@ def _work_views(buf, width):
             buf[at + 3 * size:])
 
 
+@njit(cache=True, nogil=True, _nrt=False)
+def _widest(steps, order):
+    """The width (steps + 1) of the widest lattice among the options order[0..], at least 1."""
+    width = 1
+    for j in range(order.size):
+        width = max(width, steps[order[j]] + 1)
+    return width
+
+
 @njit(cache=True, nogil=True)
 def _work(width):
     """_work_views of a new buffer, for one option of up to width - 1 steps."""
@@ -159,9 +168,7 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
     count = order.size
     if count == 0:
         return 0
-    width = 1
-    for j in range(count):
-        width = max(width, steps[order[j]] + 1)
+    width = _widest(steps, order)
     first = _work(width)
     second = _work(width) if count > 1 else first
     # pairs of the options that are not CLAMPED, in order
@@ -187,10 +194,7 @@ def price_range(spot, strike, steps, call, american, log_up, log_down, pu, pd, o
 def price_clamped(spot, strike, steps, call, american, log_up, log_down, pu, pd, order, out,
                   levels):
     """The CLAMPED lattices among the options order[0..], as price_range would price them."""
-    width = 1
-    for j in range(order.size):
-        width = max(width, steps[order[j]] + 1)
-    work = _work(width)
+    work = _work(_widest(steps, order))
     for j in range(order.size):
         k = order[j]
         if is_clamped(spot[k], log_up[k], log_down[k], steps[k]):

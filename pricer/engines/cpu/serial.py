@@ -142,11 +142,7 @@ class SerialEngine(Engine):
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        if levels is not None:
-            return price_here(params, levels)
-        out = np.empty(params.count)
-        price_packed(params, out)
-        return out
+        return price_here(params, levels)
 
     def warm_up(self) -> None:
         """price_all compiled (or loaded from numba's cache) beside the read, on a small book."""
