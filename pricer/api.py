@@ -22,8 +22,8 @@ import numpy as np
 from pricer.engines import get_engine
 from pricer.io.checkpoint import chunk_grid
 from pricer.io.portfolio import MATRIX_COLUMNS, portfolio_from_columns
-from pricer.model.validity import PRICED, UNKNOWN_TREE_CODE
-from pricer.run.checks import check_lattices, skip_invalid
+from pricer.model.validity import PRICED
+from pricer.run.checks import checked_matrix
 from pricer.run.config import RunConfig
 from pricer.run.pricing import price_chunk
 
@@ -41,12 +41,9 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
                     richardson=richardson, threads=threads, invalid=invalid).check()
     skip = cfg.invalid == "skip"
     portfolio = portfolio_from_columns(book, source, values=not skip)
-    matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
-    if skip:
-        status = skip_invalid(cfg, matrix)
-    else:
-        check_lattices(cfg, matrix, portfolio.id)
-        status = np.zeros(len(portfolio), dtype=np.int8)
+    checked = checked_matrix(cfg, portfolio)
+    matrix = checked.matrix
+    status = checked.status if skip else np.zeros(len(portfolio), dtype=np.int8)
     engine = _engine(cfg)
     analytics = cfg.analytics()
     if threads is not None:

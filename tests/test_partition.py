@@ -205,6 +205,22 @@ def test_whole_option_bound():
     assert whole_option_bound(steps, 4) == option_cost(steps).max() == lower_bound(steps, 4)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_option_bound_is_its_definition(seed):
+    """One term per distinct steps value gives the bound's definition, max over k of
+    (k + 1)·c[k·parts + 1] of the costs sorted in descending order, and the mean: on books of
+    few and of many distinct values (the counting and the sorting path)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        n, parts = int(rng.integers(1, 2000)), int(rng.integers(1, 80))
+        high = int(rng.choice([2, 60, 10**7]))
+        steps = rng.integers(1, high, n)
+        cost = np.sort(option_cost(steps))[::-1]
+        k = np.arange((n - 1) // parts + 1)
+        expected = max(option_cost(steps).sum() / parts, ((k + 1) * cost[k * parts]).max())
+        assert whole_option_bound(steps, parts) == expected, (n, parts, high)
+
+
 def test_assign_keeps_input_order_unless_it_pays():
     """A run's partition (partition.assign): count and cost stay contiguous where cost's best
     contiguous split is near the bound, and cost leaves input order for a > LPT_GAIN gain."""

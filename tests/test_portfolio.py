@@ -448,20 +448,25 @@ def test_undecodable_tree_name_is_named(tmp_path):
 
 
 def test_lattice_check_names_the_bad_options_beyond_its_first_block(rng, monkeypatch):
-    """Rank 0's lattice check goes block by block (CHECK_ROWS, for the cache); its refusal still
-    names every bad option of the MESSAGE_ROWS from the first bad block on, not of one block."""
+    """Rank 0's lattice check goes block by block as the matrix is filled (MATRIX_BLOCK_ROWS, for
+    the cache); its refusal still names every bad option of the MESSAGE_ROWS from the first bad
+    block on, not of one block. The matrix and the trees it reports are those of to_matrix."""
     from pricer.errors import InputError
+    from pricer.io import portfolio
     from pricer.run import checks
     from pricer.run.config import RunConfig
 
-    monkeypatch.setattr(checks, "CHECK_ROWS", 4)
+    monkeypatch.setattr(portfolio, "MATRIX_BLOCK_ROWS", 4)
     monkeypatch.setattr(checks, "MESSAGE_ROWS", 16)
+    cfg = RunConfig(input="book.h5", output="out.h5", backend="cpu")
     p = random_portfolio(rng, 40, trees=False)
     p.steps[:] = 50
+    good = checks.checked_matrix(cfg, p)
+    assert np.array_equal(good.matrix, p.to_matrix("crr")) and good.tree_names() == ["crr"]
+    assert good.status is None
     bad = [5, 9, 14, 30]            # p > 1 on crr: a rate far above the volatility, one step
     p.rate[bad], p.volatility[bad], p.steps[bad] = 0.9, 0.01, 1
     with pytest.raises(InputError) as caught:
-        checks.check_lattices(RunConfig(input="book.h5", output="out.h5", backend="cpu"),
-                              p.to_matrix("crr"), p.id)
+        checks.checked_matrix(cfg, p)
     assert list(caught.value.ids) == list(p.id[[5, 9, 14]])     # row 30 is beyond the window
     assert str(caught.value).startswith("book.h5: the crr lattice is not arbitrage-free")

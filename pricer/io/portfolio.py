@@ -29,6 +29,7 @@ FLOAT_COLUMNS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
 INT_COLUMNS = ("steps",)
 FLAG_COLUMNS = ("call", "american")
 TREE_COLUMN = "tree"
+_COLUMN_TYPES = {"steps": np.int64, "call": bool, "american": bool}   # the others: float64
 MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
 MATRIX_BLOCK_ROWS = 1 << 15   # 2.6 MB of the (n, 10) matrix: a block to_matrix fills in cache
 OPTIONAL_DEFAULTS = {"dividend": 0.0}
@@ -72,20 +73,35 @@ class Portfolio:
         """The names of the trees that price this portfolio when the run's tree is `default`."""
         return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
 
-    def to_matrix(self, default_tree: str | None = None, unknown: int | None = None) -> np.ndarray:
+    def to_matrix(self, default_tree: str | None = None, unknown: int | None = None, *,
+                  codes: np.ndarray | None = None, each_block=None) -> np.ndarray:
         """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
-        tree column holds tree codes (see tree_codes)."""
+        tree column holds tree codes (see tree_codes; `codes`: those codes, where the caller has
+        them). `each_block(rows, cols)`, if given, sees each block of rows (a slice) as its rows
+        are filled, with their columns (block_columns) while they are in the CPU's cache."""
         # column by column into one matrix, a block of rows at a time: each block's rows stay in
         # the CPU's cache while its columns are written, where whole strided columns would read
         # and write every cache line of the matrix once per column
         matrix = np.empty((len(self), len(MATRIX_COLUMNS)))
-        columns = [getattr(self, name) for name in MATRIX_COLUMNS[:-1]]
-        columns.append(self.tree_codes(default_tree, unknown))
+        if codes is None:
+            codes = self.tree_codes(default_tree, unknown)
+        columns = [getattr(self, name) for name in MATRIX_COLUMNS[:-1]] + [codes]
         for a in range(0, len(self), MATRIX_BLOCK_ROWS):
-            block = matrix[a:a + MATRIX_BLOCK_ROWS]
+            rows = slice(a, a + MATRIX_BLOCK_ROWS)
+            block = matrix[rows]
             for j, column in enumerate(columns):
-                block[:, j] = column[a:a + MATRIX_BLOCK_ROWS]
+                block[:, j] = column[rows]
+            if each_block is not None:
+                each_block(rows, self.block_columns(rows, codes))
         return matrix
+
+    def block_columns(self, rows: slice, codes: np.ndarray) -> dict:
+        """Rows `rows` as columns_from_matrix gives them (name -> array; views, no copy), with
+        `codes` (tree_codes) as the tree column."""
+        cols = {name: np.asarray(getattr(self, name)[rows], dtype=_COLUMN_TYPES.get(name, float))
+                for name in MATRIX_COLUMNS[:-1]}
+        cols[TREE_COLUMN] = np.asarray(codes[rows], dtype=np.int64)
+        return cols
 
     def take(self, index) -> "Portfolio":
         return Portfolio(**{f.name: None if getattr(self, f.name) is None
@@ -140,11 +156,19 @@ def read_portfolio(path: str, values: bool = True) -> Portfolio:
     return read_portfolio_rows(path, None, values)
 
 
-def read_portfolio_rows(path: str, rows: np.ndarray | None, values: bool = True) -> Portfolio:
+def read_portfolio_rows(path: str, rows: np.ndarray | None, values: bool = True,
+                        index: "PortfolioIndex | None" = None) -> Portfolio:
     """The options at row numbers `rows` (increasing; None: all), read and validated. Ids are
-    checked for uniqueness among these rows only (read_index checks the whole column)."""
-    portfolio = Portfolio(**_with_file(path, lambda f: _read_columns(path, f, rows)))
-    validate(portfolio, path, values)
+    checked for uniqueness among these rows only (read_index checks the whole column). `index`:
+    the file's read_index (with values), whose id and steps are taken rather than read again."""
+    known = ("id", "steps") if index is not None else ()
+    raw = _with_file(path, lambda f: _read_columns(path, f, rows, known))
+    if index is not None:
+        every = rows is None or rows.size == len(index)     # increasing: then every row, in order
+        raw["id"] = index.id if every else index.id[rows]
+        raw["steps"] = index.steps if every else index.steps[rows]
+    portfolio = Portfolio(**raw)
+    validate(portfolio, path, values, indexed=index is not None)
     return portfolio
 
 
@@ -290,10 +314,11 @@ def _checked_group(path: str, f: h5py.File):
     return g, names
 
 
-def _read_columns(path: str, f: h5py.File, rows: np.ndarray | None) -> dict:
+def _read_columns(path: str, f: h5py.File, rows: np.ndarray | None, known=()) -> dict:
+    """The columns at `rows`, typed and checked, but for the `known` ones (the caller has them)."""
     g, names = _checked_group(path, f)
-    raw = {name: _typed_column(path, name, g[name], rows) for name in names}
-    count = len(raw["id"])
+    raw = {name: _typed_column(path, name, g[name], rows) for name in names if name not in known}
+    count = g["id"].shape[0] if rows is None else rows.size
     for name, default in OPTIONAL_DEFAULTS.items():
         if name not in raw:
             raw[name] = np.full(count, default)
@@ -361,11 +386,14 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
                          f"{first_ids(dup, np.ones(dup.size, bool))}", column="id", ids=dup)
 
 
-def validate(p: Portfolio, source: str = "portfolio", values: bool = True) -> None:
+def validate(p: Portfolio, source: str = "portfolio", values: bool = True,
+             indexed: bool = False) -> None:
     """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in
-    pricer/model/lattice.py. values=False: unique ids only (--invalid skip)."""
+    pricer/model/lattice.py. values=False: unique ids only (--invalid skip). `indexed`: the id
+    and steps columns come from a read_index, which checked them whole."""
     ids = p.id
-    _check_unique(ids, source)
+    if not indexed:
+        _check_unique(ids, source)
     if not values:
         return
     for name in FLOAT_COLUMNS:
@@ -380,7 +408,8 @@ def validate(p: Portfolio, source: str = "portfolio", values: bool = True) -> No
             raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
                              f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})",
                              column=name, ids=ids[bad])
-    _check_steps(ids, p.steps, source)
+    if not indexed:
+        _check_steps(ids, p.steps, source)
     if p.tree is not None:
         bad = ~np.isin(p.tree, TREE_NAMES)
         if bad.any():

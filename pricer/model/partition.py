@@ -65,21 +65,27 @@ def whole_option_bound(steps: np.ndarray, parts: int, total: float | None = None
     steps = np.asarray(steps, dtype=np.int64)
     if steps.size == 0:
         return 0.0
-    k = np.arange((steps.size - 1) // parts + 1)
-    largest = option_cost(_descending_at(steps, k * parts))
     total = option_cost(steps).sum() if total is None else total
-    return float(max(total / parts, ((k + 1) * largest).max()))
+    # cost grows with steps, so the sorted costs are runs of equal steps; within a run the bound
+    # is largest at the run's last k·parts: one term per distinct value rather than per k
+    values, ends = _descending_runs(steps)
+    last = (ends - 1) // parts
+    starts = np.concatenate(([0], ends[:-1]))
+    hit = last * parts >= starts                  # runs that hold some k·parts
+    return float(max(total / parts, ((last[hit] + 1) * option_cost(values[hit])).max()))
 
 
-def _descending_at(steps: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """steps sorted in descending order, at `positions` only. Steps are whole numbers, mostly far
-    fewer distinct ones than options: counting them is linear where a sort of a large book
-    dominated rank 0's partition time (cost grows with steps, so this orders costs too)."""
+def _descending_runs(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct steps, largest first, and where each one's run ends in the steps sorted in
+    descending order. Steps are whole numbers, mostly far fewer distinct ones than options:
+    counting them is linear where a sort of a large book dominated rank 0's partition time."""
     if steps.min() < 0 or steps.max() > 4 * steps.size + 65_536:
-        return np.sort(steps)[::-1][positions]
-    counts = np.bincount(steps)[::-1]                   # counts of max, max - 1, ..., 0
-    ends = np.cumsum(counts)                            # sorted positions before each value ends
-    return (counts.size - 1) - np.searchsorted(ends, positions, side="right")
+        values, counts = np.unique(steps, return_counts=True)
+    else:
+        counts = np.bincount(steps)
+        values = np.flatnonzero(counts)
+        counts = counts[values]
+    return values[::-1], np.cumsum(counts[::-1])
 
 
 def partition_by_count(n: int, parts: int) -> np.ndarray:

@@ -5,6 +5,7 @@ settings, output path, the file, every option's lattice (and the extra lattices 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_beside
 from pricer.model.greeks import check
-from pricer.model.lattice import check_lattices as lattice_check
+from pricer.model.lattice import TREE_NAMES, check_lattices as lattice_check
 from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped
 from pricer.run import memory
 from pricer.run.config import RunConfig
@@ -26,7 +27,7 @@ from pricer.run.memory import size_text
 def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     """Rank 0 only: everything that can be wrong with the input, found before any work; the node's
     memory checked from the book's shape before the book itself is read. Returns the portfolio,
-    its matrix and the future of the file's sha256 (sha256_beside)."""
+    its rows checked (CheckedRows) and the future of the file's sha256 (sha256_beside)."""
     cfg.check()
     check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
@@ -44,19 +45,66 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
         steps = priced_steps(portfolio.steps)
         check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
                      size, node_ranks)
-    # the tree column, or the run's tree, as codes
-    matrix = portfolio.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    checked = checked_matrix(cfg, portfolio)
     if skip:
-        skip_invalid(cfg, matrix)
-        portfolio.steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
-    else:
-        check_lattices(cfg, matrix, portfolio.id)
-    return portfolio, matrix, digest
+        portfolio.steps = checked.matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
+    return portfolio, checked, digest
+
+
+@dataclass
+class CheckedRows:
+    """A portfolio's rows as the engines take them, checked."""
+    matrix: np.ndarray          # Portfolio.to_matrix, tree codes in its last column
+    status: np.ndarray | None   # --invalid skip: each row's status (model/validity.py), else None
+    trees: int                  # the trees that price its rows, a bit per code in TREE_NAMES
+
+    def tree_names(self) -> list:
+        return tree_names(self.trees)
+
+
+def tree_names(bits: int) -> list:
+    """The names of the trees whose codes are the bits set in `bits`."""
+    return [name for code, name in enumerate(TREE_NAMES) if bits >> code & 1]
+
+
+def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
+    """The portfolio's matrix with every option's lattice checked (check_lattices' refusals, by
+    id), each block of rows checked as to_matrix fills it, while its columns are in the CPU's
+    cache; with --invalid skip, the rows that cannot be priced marked as skipped instead."""
+    skip = cfg.invalid == "skip"
+    codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    if skip:
+        matrix = portfolio.to_matrix(codes=codes)
+        status = skip_invalid(cfg, matrix)
+        return CheckedRows(matrix, status, _tree_bits(matrix[:, -1]))
+
+    def check(rows: slice, cols: dict) -> None:
+        try:
+            _check_block(cfg, cols, portfolio.id[rows])
+        except InputError as exc:    # named from the MESSAGE_ROWS that start at this block
+            wider = slice(rows.start, rows.start + MESSAGE_ROWS)
+            try:
+                _check_block(cfg, portfolio.block_columns(wider, codes), portfolio.id[wider])
+            except InputError as more:
+                exc = more
+            raise exc.prefixed(f"{cfg.input}: ") from None
+
+    matrix = portfolio.to_matrix(codes=codes, each_block=check)
+    if portfolio.tree is None:         # one tree for every row
+        return CheckedRows(matrix, None, 1 << int(codes[0]) if codes.size else 0)
+    return CheckedRows(matrix, None, _tree_bits(codes))
+
+
+def _tree_bits(codes: np.ndarray) -> int:
+    """A bit per tree code in `codes` (a skipped row's code, < 0, is none)."""
+    codes = codes.astype(np.int64, copy=False)
+    present = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=1))
+    return int(np.bitwise_or.reduce(np.left_shift(1, present))) if present.size else 0
 
 
 def skip_invalid(cfg: RunConfig, matrix: np.ndarray) -> np.ndarray:
     """--invalid skip: every row's status (pricer/model/validity.py), the rows that cannot be
-    priced marked as skipped in the matrix; block by block, as check_lattices."""
+    priced marked as skipped in the matrix; block by block (CHECK_ROWS)."""
     status = np.empty(len(matrix), dtype=np.int8)
     steps = MATRIX_COLUMNS.index("steps")
     for a in range(0, len(matrix), CHECK_ROWS):
@@ -77,33 +125,18 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
     memory.check(est, cfg.input)
 
 
-# options whose lattices are checked at a time: the check builds every parameter of an option (~150
-# bytes of temporaries), so a block of CHECK_ROWS stays in the CPU's cache with its rows of the
-# matrix (docs/decisions.md), and the peak does not grow with the book; a refusal is told from
-# the MESSAGE_ROWS that start at the first bad block, so that its "and N more" counts more than
-# one small block
+# rows --invalid skip judges at a time: judging builds every parameter of an option (~150 bytes of
+# temporaries), so a block stays in the CPU's cache with its rows of the matrix and the peak does
+# not grow with the book (docs/decisions.md); a refusal is told from the MESSAGE_ROWS that start
+# at the first bad block, so that its "and N more" counts more than one small block
 CHECK_ROWS = 1 << 16
 MESSAGE_ROWS = 1 << 20
 
 
-def check_lattices(cfg: RunConfig, matrix: np.ndarray, ids: np.ndarray) -> None:
-    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add;
-    block by block (a message names the bad options of the MESSAGE_ROWS from the first bad
-    block on)."""
-    def check(block: slice) -> None:
-        cols = columns_from_matrix(matrix[block])
-        lattice_check(cols, cfg.tree, ids=ids[block])
-        check_analytics(cols, cfg, ids[block])
-
-    for a in range(0, max(len(matrix), 1), CHECK_ROWS):
-        try:
-            check(slice(a, a + CHECK_ROWS))
-        except InputError as exc:
-            try:
-                check(slice(a, a + MESSAGE_ROWS))
-            except InputError as wider:
-                exc = wider
-            raise exc.prefixed(f"{cfg.input}: ") from None
+def _check_block(cfg: RunConfig, cols: dict, ids: np.ndarray) -> None:
+    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add."""
+    lattice_check(cols, cfg.tree, ids=ids)
+    check_analytics(cols, cfg, ids)
 
 
 def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:

@@ -30,11 +30,11 @@ from pricer.io.results import utc_now, write_results
 from pricer.run.provenance import provenance
 from pricer.model.cost import nodes_priced
 from pricer.model.greeks import Analytics
-from pricer.model.lattice import TREE_NAMES
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict)
+from pricer.run.checks import tree_names
 from pricer.run.config import RunConfig
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults, polite_barrier)
@@ -223,7 +223,7 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
     if failure is not None:
         raise failure
     if reading and rank == ROOT:
-        plan.trees = [name for code, name in enumerate(TREE_NAMES) if trees >> code & 1]
+        plan.trees = tree_names(trees)
     fit = bcast_array(comm, (fitted.chunk_options if fitted is not None else np.zeros(size))
                       if rank == ROOT else None)
     bounds, cuts, chunk_ids = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)

@@ -25,11 +25,8 @@ from pricer.io.results import check_output_path, sha256_beside
 from pricer import __version__
 from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
-from pricer.model.lattice import TREE_NAMES
 from pricer.model.partition import assign
-from pricer.model.validity import UNKNOWN_TREE_CODE
-from pricer.run.checks import (check_disk, check_lattices, check_memory, read_and_check,
-                               skip_invalid)
+from pricer.run.checks import check_disk, check_memory, checked_matrix, read_and_check
 from pricer.run.collectives import ROOT, check_launcher
 from pricer.run.config import RunConfig
 
@@ -75,8 +72,8 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     check_launcher(size)
     if prepare is not None:
         prepare()
-    portfolio, matrix, digest = read_and_check(cfg, size, node_ranks)
-    trees = [TREE_NAMES[code] for code in _tree_codes(matrix)]
+    portfolio, checked, digest = read_and_check(cfg, size, node_ranks)
+    matrix, trees = checked.matrix, checked.tree_names()
     grid = chunk_grid(portfolio.steps, *cfg.chunk_shape()) if cfg.checkpoint else None
     check_disk(cfg, len(portfolio), len(grid) - 1 if grid is not None else 0)
     locks = claim(cfg)
@@ -177,27 +174,16 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
                      node_ranks)
     assignment = assign(index.steps, size, cfg.partition)
     rows = assignment.order[assignment.bounds[rank]:assignment.bounds[rank + 1]]
-    part = read_portfolio_rows(cfg.input, rows, values=not skip)  # rows in input order
-    matrix = part.to_matrix(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
-    if skip:
-        skip_invalid(cfg, matrix)
-    else:
-        check_lattices(cfg, matrix, part.id)
-    codes = _tree_codes(matrix)
-    own = OwnRows(matrix, part.id, _assignment_digest(assignment),
-                  int(np.bitwise_or.reduce(np.left_shift(1, codes))) if codes.size else 0)
+    # rows in input order; without --invalid skip, their ids and steps are the index's
+    part = read_portfolio_rows(cfg.input, rows, values=not skip, index=None if skip else index)
+    checked = checked_matrix(cfg, part)
+    own = OwnRows(checked.matrix, part.id, _assignment_digest(assignment), checked.trees)
     plan = None
     if rank == ROOT:
         plan = plan_whole(cfg, index.id, index.steps, None, digest, [], assignment)
         check_disk(cfg, len(index), 0)
         plan.locks = claim(cfg)
     return plan, own
-
-
-def _tree_codes(matrix: np.ndarray) -> np.ndarray:
-    """The codes of the trees that price a portfolio matrix's rows (skipped rows' are < 0)."""
-    codes = matrix[:, -1].astype(np.int64)
-    return np.flatnonzero(np.bincount(codes[codes >= 0], minlength=1))
 
 
 def _assignment_digest(assignment) -> int:
