@@ -806,3 +806,26 @@ def test_each_rank_sees_its_own_gpu_unless_the_launcher_chose():
         before = dict(env)
         show_each_rank_its_gpu(env, gpus=gpus)
         assert env == before
+
+
+def test_an_engine_starts_without_importing_scipy_linalg():
+    """numba imports scipy.linalg at its first load only to ask whether BLAS is there; an engine
+    starts without that import (pricer.engines._numba_without_scipy_at_start), and numba's
+    answer, and np.convolve in a user's function, stay what they are with it. In a fresh
+    interpreter, since the suite's process has loaded numba's NumPy implementations already."""
+    pytest.importorskip("scipy")
+    import subprocess
+    import sys
+    code = (
+        "import sys, numpy as np, numba\n"
+        "from pricer.engines import get_engine\n"
+        "get_engine('serial').warm_up()\n"
+        "print('scipy.linalg' in sys.modules)\n"
+        "import numba.np.arraymath as am\n"
+        "print(am._HAVE_BLAS)\n"
+        "f = numba.njit(lambda a, b: np.convolve(a, b))\n"
+        "a, b = np.random.default_rng(1).random(50), np.random.default_rng(2).random(7)\n"
+        "print(np.allclose(f(a, b), np.convolve(a, b), rtol=1e-14, atol=0))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent).stdout.split()
+    assert out == ["False", "True", "True"]

@@ -58,6 +58,31 @@ def _prefer_full_width_vectors() -> None:
 _prefer_full_width_vectors()
 
 
+@functools.lru_cache(maxsize=1)
+def _numba_without_scipy_at_start() -> None:
+    """numba's NumPy implementations, loaded at its first compile or cache load, import
+    scipy.linalg when scipy is installed (~0.5 s of an engine's start, holding the GIL beside the
+    read of the input) only to learn whether np.convolve and np.correlate may call BLAS; no engine
+    calls either. So they are loaded here with that import refused, and numba's answer then set
+    to what it would have found (scipy is installed; numba imports its BLAS where a function needs
+    it). The result is the same numba, without the import."""
+    import importlib.util
+    import sys
+
+    blas = "scipy.linalg.cython_blas"
+    if "numba.np.arraymath" in sys.modules or blas in sys.modules \
+            or importlib.util.find_spec("scipy") is None:
+        return
+    sys.modules[blas] = None         # an import of it raises ImportError, importing nothing
+    try:
+        import numba.np.arraymath as arraymath
+    finally:
+        if sys.modules.get(blas, False) is None:
+            del sys.modules[blas]
+    if hasattr(arraymath, "_HAVE_BLAS"):
+        arraymath._HAVE_BLAS = True
+
+
 
 # `auto` on a GPU machine is `batch`; a rank's share of at most this many lattice nodes is priced on
 # the CPU instead (a launch, its copies and the first-use set-up cost more than that much CPU work).
@@ -92,6 +117,7 @@ def resolve_backend(name: str) -> str:
 def get_engine(name: str, **overrides) -> Engine:
     """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the
     GPU backends over their calibrated or default values; the others ignore them."""
+    _numba_without_scipy_at_start()
     return backend(resolve_backend(name) if name != "auto" else "auto").factory(**overrides)
 
 
