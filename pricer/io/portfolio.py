@@ -96,8 +96,8 @@ class Portfolio:
         return matrix
 
     def block_columns(self, rows: slice, codes: np.ndarray) -> dict:
-        """Rows `rows` as columns_from_matrix gives them (name -> array; views, no copy), with
-        `codes` (tree_codes) as the tree column."""
+        """Rows `rows` as columns_from_matrix gives them (name -> array; views where a column has
+        the engines' type already), with `codes` (tree_codes) as the tree column."""
         cols = {name: np.asarray(getattr(self, name)[rows], dtype=_COLUMN_TYPES.get(name, float))
                 for name in MATRIX_COLUMNS[:-1]}
         cols[TREE_COLUMN] = np.asarray(codes[rows], dtype=np.int64)

@@ -127,8 +127,9 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
 
 # rows --invalid skip judges at a time: judging builds every parameter of an option (~150 bytes of
 # temporaries), so a block stays in the CPU's cache with its rows of the matrix and the peak does
-# not grow with the book (docs/decisions.md); a refusal is told from the MESSAGE_ROWS that start
-# at the first bad block, so that its "and N more" counts more than one small block
+# not grow with the book (docs/decisions.md). checked_matrix checks to_matrix's blocks
+# (MATRIX_BLOCK_ROWS) for the same reason, and tells a refusal from the MESSAGE_ROWS that start at
+# the first bad block, so that its "and N more" counts more than one small block.
 CHECK_ROWS = 1 << 16
 MESSAGE_ROWS = 1 << 20
 
