@@ -14,6 +14,7 @@ import sys
 import threading
 
 from pricer import __version__
+from pricer.devices import start_cuda_beside
 from pricer.errors import InputError, OutputError
 from pricer.files import cleanup, end_process
 
@@ -306,8 +307,23 @@ def _exit_1_on_signals() -> None:
     threading.Thread(target=watch, name="pricer-signals", daemon=True).start()
 
 
+def _may_use_a_gpu(argv: list) -> bool:
+    """Whether a command line may price on a GPU (`price` or `run`, without --backend cpu or
+    serial), read before the parser is built: building it imports numpy and numba."""
+    words = [word for word in argv if not word.startswith("-")]
+    backend = None
+    for k, word in enumerate(argv):
+        if word == "--backend" and k + 1 < len(argv):
+            backend = argv[k + 1]
+        elif word.startswith("--backend="):
+            backend = word.split("=", 1)[1]
+    return bool(words) and words[0] in ("price", "run") and backend not in ("cpu", "serial")
+
+
 def main(argv=None) -> int:
     global _decided
+    if _may_use_a_gpu(sys.argv[1:] if argv is None else list(argv)):
+        start_cuda_beside()       # the driver's start beside the imports (pricer.devices)
     args = build_parser().parse_args(argv)
     if argv is None:   # a real command line (tests call main(argv) inside pytest)
         _exit_1_on_signals()

@@ -791,8 +791,8 @@ def test_cpu_matches_reference(reference, two_threads):
 
 
 def test_each_rank_sees_its_own_gpu_unless_the_launcher_chose():
-    """engines.show_each_rank_its_gpu: local rank mod GPUs, only where nothing was chosen."""
-    from pricer.engines.gpu.runtime import show_each_rank_its_gpu
+    """devices.show_each_rank_its_gpu: local rank mod GPUs, only where nothing was chosen."""
+    from pricer.devices import show_each_rank_its_gpu
     env = {"OMPI_COMM_WORLD_LOCAL_RANK": "5"}
     show_each_rank_its_gpu(env, gpus=4)
     assert env["CUDA_VISIBLE_DEVICES"] == "1"

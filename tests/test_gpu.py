@@ -426,8 +426,9 @@ def test_local_rank(monkeypatch):
     import sys
 
     from pricer.engines import set_local_rank as engines_set_local_rank
+    from pricer import devices
     from pricer.engines.gpu import runtime
-    for var in runtime.LOCAL_RANK_VARIABLES:
+    for var in devices.LOCAL_RANK_VARIABLES:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(runtime, "_run_local_rank", None)     # restored after the test
     monkeypatch.setitem(sys.modules, "mpi4py", None)          # an MPI query would fail
@@ -447,8 +448,8 @@ def test_local_rank(monkeypatch):
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
     monkeypatch.delenv("SLURM_LOCALID")
     assert local_rank() == 0
-    assert runtime.launcher_local_rank({"MPI_LOCALRANKID": "4"}) == 4
-    assert runtime.launcher_local_rank({}) is None
+    assert devices.launcher_local_rank({"MPI_LOCALRANKID": "4"}) == 4
+    assert devices.launcher_local_rank({}) is None
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -810,3 +811,43 @@ def test_gpu_the_seeds_option_at_every_n_it_prices(steps, engines):
         assert abs(got - ref) <= 1e-9 * ref, (name, got, ref)
     if steps == 500_000:
         assert round(ref, 6) == 11.211412
+
+
+def test_cuda_starts_beside_the_imports_only_where_it_can(monkeypatch):
+    """devices.start_cuda_beside: no thread with PRICER_NO_GPU or without pycuda; and the command
+    line asks for it only where a GPU may price (`price`/`run`, not --backend cpu or serial)."""
+    import importlib.util
+
+    from pricer import devices
+    from pricer.cli import _may_use_a_gpu
+    monkeypatch.setenv("PRICER_NO_GPU", "1")
+    assert devices.start_cuda_beside() is None
+    monkeypatch.delenv("PRICER_NO_GPU")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pycuda" else real(name, *a))
+    assert devices.start_cuda_beside() is None
+    for argv, expected in ((["price", "b.h5", "-o", "r.h5"], True),
+                           (["price", "b.h5", "--backend", "cpu"], False),
+                           (["run", "job.toml", "--backend=serial"], False),
+                           (["run", "job.toml", "--backend", "batch"], True),
+                           (["generate", "--count", "5", "-o", "b.h5"], False),
+                           (["--version"], False), ([], False)):
+        assert _may_use_a_gpu(argv) is expected, argv
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_started_beside_is_the_runs_cuda():
+    """The thread's cuInit leaves the driver started for the process: the run's context comes up
+    on it, on the rank's GPU."""
+    import pycuda.driver as cuda
+
+    from pricer import devices
+    from pricer.engines.gpu.runtime import GpuRuntime
+    thread = devices.start_cuda_beside()
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive() and cuda.Device.count() > 0
+    rt = GpuRuntime.get()
+    assert rt.device_index == rt.local_rank % cuda.Device.count()

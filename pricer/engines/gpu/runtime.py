@@ -5,7 +5,8 @@ Process model: the context is created on first use (GpuRuntime.get) on device (l
 the visible devices), pushed once, and popped at exit (atexit, or close()) after every device array
 has been freed. The local rank is the launcher's (Open MPI, MPICH's hydra, Slurm), else the one the
 run set (set_local_rank: the run splits its communicator by node), else 0. CUDA_VISIBLE_DEVICES is
-honoured by the driver; show_each_rank_its_gpu narrows it to the rank's own GPU before CUDA starts.
+honoured by the driver; pricer.devices.show_each_rank_its_gpu narrows it to the rank's own GPU
+before CUDA starts.
 
 Kernels are compiled at run time for the device's sm_XY with nvcc (through pycuda) and cached on
 disk as cubins (PRICER_CUDA_CACHE, else $XDG_CACHE_HOME/pricer/cuda, else ~/.cache/pricer/cuda),
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import fcntl
 import functools
-import glob
 import hashlib
 import importlib.util
 import os
@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from pricer.devices import launcher_local_rank, show_each_rank_its_gpu
 from pricer.files import atomic_write, cache_dir
 
 
@@ -53,18 +54,7 @@ def cuda_source_dir() -> Path:
     return here.parents[3] / "cuda"
 
 
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MPI_LOCAL_RANK",
-                        "PMI_LOCAL_RANK", "SLURM_LOCALID")
 _run_local_rank: int | None = None
-
-
-def launcher_local_rank(environ=os.environ) -> int | None:
-    """This process's rank on its node as the launcher (Open MPI, MPICH's hydra, Slurm) says, or None."""
-    for var in LOCAL_RANK_VARIABLES:
-        value = environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def set_local_rank(rank: int | None) -> None:
@@ -80,20 +70,6 @@ def local_rank() -> int:
     if from_launcher is not None:
         return from_launcher
     return _run_local_rank or 0
-
-
-def show_each_rank_its_gpu(environ=os.environ, gpus: int | None = None) -> None:
-    """On a node with several GPUs, where the launcher set no CUDA_VISIBLE_DEVICES, show this rank
-    only GPU (local rank mod GPUs) -- the one GpuRuntime would pick -- before CUDA starts: otherwise
-    every rank's CUDA start sets up every GPU of the node, and the ranks queue for the driver.
-    PRICER_GPU_PIN=0 leaves the variable alone."""
-    if "CUDA_VISIBLE_DEVICES" in environ or environ.get("PRICER_GPU_PIN", "1") == "0":
-        return
-    local = launcher_local_rank(environ)
-    if gpus is None:   # the driver's list: counting the GPUs must not start CUDA
-        gpus = len(glob.glob("/proc/driver/nvidia/gpus/*"))
-    if local is not None and gpus > 1:
-        environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
 
 
 @functools.lru_cache(maxsize=1)
