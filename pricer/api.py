@@ -17,15 +17,11 @@ same book with the same backend and tree (an option's price does not depend on i
 
 from __future__ import annotations
 
-import numpy as np
-
 from pricer.engines import get_engine
-from pricer.io.checkpoint import chunk_grid
-from pricer.io.portfolio import MATRIX_COLUMNS, portfolio_from_columns
-from pricer.model.validity import PRICED
+from pricer.io.portfolio import portfolio_from_columns
 from pricer.run.checks import checked_matrix
 from pricer.run.config import RunConfig
-from pricer.run.pricing import price_chunk
+from pricer.run.pricing import price_checked
 
 
 _engines: dict = {}     # one engine per backend and overrides for the process: a GPU context, once
@@ -41,22 +37,13 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
                     richardson=richardson, threads=threads, invalid=invalid).check()
     skip = cfg.invalid == "skip"
     portfolio = portfolio_from_columns(book, source, values=not skip)
-    checked = checked_matrix(cfg, portfolio)
-    matrix = checked.matrix
-    status = checked.status if skip else np.zeros(len(portfolio), dtype=np.int8)
+    checked = checked_matrix(cfg, portfolio)       # refused before any engine starts
     engine = _engine(cfg)
-    analytics = cfg.analytics()
     if threads is not None:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    priced = status == PRICED
-    steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)   # 0 where skipped
-    if priced.any():
-        engine.prepare(steps[priced], levels=greeks)
-    values = np.full((len(portfolio), len(analytics.outputs)), np.nan)
-    cuts = chunk_grid(steps, *cfg.chunk_shape())     # bounds the working arrays, as a run does
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        price_chunk(engine, matrix, priced, a, b, cfg.tree, portfolio.id, analytics, values)
+    values, status = price_checked(engine, cfg, checked, portfolio.id)
+    analytics = cfg.analytics()
     return pd.DataFrame({"id": portfolio.id,
                          **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
                          **({"status": status} if skip else {})})

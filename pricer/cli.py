@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pricer.tools.scaling import add_arguments as scaling_arguments
     scaling_arguments(p)
 
+    p = sub.add_parser("warm", help="compile every kernel a backend may run into the caches "
+                                    "(numba's, the GPU's) before the first run")
+    p.add_argument("--backend", action="append", default=None, metavar="NAME",
+                   help="a backend to warm (repeatable; default: every backend this machine "
+                        "can run)")
+
     p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
     p.add_argument("--out", default=None, metavar="FILE.json",
@@ -245,13 +251,27 @@ def _calibrate(args) -> int:
     return main(quick=args.quick, out=args.out)
 
 
+def _warm(args) -> int:
+    from pricer.engines import backends
+    from pricer.tools.warm import caches, default_backends, warm
+
+    names = args.backend or default_backends()
+    unknown = [name for name in names if name not in backends()]
+    if unknown:
+        raise InputError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(backends())}")
+    warm(names)
+    for line in caches():
+        print(line)
+    return 0
+
+
 def _scaling(args) -> int:
     from pricer.tools.scaling import run
     return run(args)
 
 
 COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
-            "calibrate": _calibrate, "scaling": _scaling}
+            "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
