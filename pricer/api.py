@@ -17,6 +17,8 @@ same book with the same backend and tree (an option's price does not depend on i
 
 from __future__ import annotations
 
+import numpy as np
+
 from pricer.engines import get_engine
 from pricer.io.portfolio import portfolio_from_columns
 from pricer.run.checks import checked_matrix
@@ -47,6 +49,33 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
     return pd.DataFrame({"id": portfolio.id,
                          **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
                          **({"status": status} if skip else {})})
+
+
+def implied_volatility(book, backend: str = "auto", tree: str = "crr", invalid: str = "refuse",
+                       threads: int | None = None, source: str = "book"):
+    """Each option's implied volatility from its market price, on its lattice (the `pricer
+    implied-vol` command's search, pricer/model/implied.py), as a pandas DataFrame: id,
+    implied_volatility (NaN where the status is not 0), status (0 converged, else the reason:
+    pricer.model.implied.REASONS, and with invalid="skip" pricer.model.validity.REASONS),
+    iterations and price (the lattice price at the answer). `book` as for price(), with a
+    market_price column; its volatility column, where given, is the search's start (NaN: none)."""
+    import pandas as pd
+
+    cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, threads=threads,
+                    invalid=invalid, task="implied-vol").check()
+    portfolio = portfolio_from_columns(book, source, values=cfg.invalid != "skip")
+    checked = checked_matrix(cfg, portfolio)       # refused before any engine starts
+    engine = _engine(cfg)
+    if threads is not None:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    values, _ = price_checked(engine, cfg, checked, portfolio.id)
+    outputs = cfg.outputs()
+    column = {name: values[:, j] for j, name in enumerate(outputs)}
+    return pd.DataFrame({"id": portfolio.id, "implied_volatility": column["implied_volatility"],
+                         "status": column["status"].astype(np.int8),
+                         "iterations": np.nan_to_num(column["iterations"]).astype(np.int64),
+                         "price": column["price"]})
 
 
 def _engine(cfg: RunConfig):

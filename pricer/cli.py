@@ -1,4 +1,4 @@
-"""The `pricer` command: price, run, generate, info, bench, calibrate, scaling (also `python -m pricer`).
+"""The `pricer` command: price, implied-vol, run, generate, info, bench, calibrate, scaling (also `python -m pricer`).
 
 Exit codes: 0 done, 2 bad input (message names the cause, nothing written), 1 anything else (SIGTERM
 included). Under MPI an unexpected exception on any rank aborts the whole job rather than leaving the
@@ -37,9 +37,10 @@ def _mpi_excepthook():
     sys.excepthook = hook
 
 
-def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
-    """The pricing flags of `price` and `run` (job: a job file's settings are overridden). Every
-    flag's default is None, "not given": the defaults live in RunConfig alone."""
+def _add_pricing_options(p: argparse.ArgumentParser, job: bool, implied: bool = False) -> None:
+    """The pricing flags of `price`, `run` and `implied-vol` (job: a job file's settings are
+    overridden; implied: no Greeks or Richardson). Every flag's default is None, "not given": the
+    defaults live in RunConfig alone."""
     from pricer.engines import backends
     from pricer.model.lattice import TREES
     from pricer.model.partition import PARTITIONERS
@@ -68,6 +69,12 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
                         "(default: `pricer calibrate`'s value for this GPU, else 200000)")
     p.add_argument("--t2", type=int, default=None, metavar="N",
                    help="hybrid/batch: CPU tail below N nodes (default: calibrated, else 500)")
+    if not implied:
+        _add_analytics_options(p, job)
+    _add_run_options(p)
+
+
+def _add_analytics_options(p: argparse.ArgumentParser, job: bool) -> None:
     # --greeks/--no-greeks: `run` overrides the job file either way
     switch = argparse.BooleanOptionalAction if job else "store_true"
     from_job = "pricing.{}, else off" if job else "off"
@@ -81,6 +88,9 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool) -> None:
                         "lattice M ~ N/2 of N's parity (2 V(N) - V(N/2) where 4 divides N); the "
                         "Greeks stay those of the N-step lattice; needs steps >= 3; default: "
                         f"{from_job.format('richardson')}")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="replace an existing output file")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
@@ -114,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="portfolio HDF5 file (schema pricer.portfolio/1)")
     p.add_argument("-o", "--output", required=True, help="results HDF5 file to write")
     _add_pricing_options(p, job=False)
+
+    p = sub.add_parser("implied-vol", help="solve for each option's volatility from its market "
+                                           "price, on its lattice (under mpiexec for several ranks)")
+    p.add_argument("input", help="portfolio file with a market_price column (volatility, where "
+                                 "given, is the search's start)")
+    p.add_argument("-o", "--output", required=True, help="results file to write: id, "
+                   "implied_volatility, status, iterations and the lattice price at the answer")
+    _add_pricing_options(p, job=False, implied=True)
 
     p = sub.add_parser("run", help="run a TOML job spec (flags override the file)")
     p.add_argument("job", help="job spec, e.g. jobs/demo.toml")
@@ -171,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _price(args) -> int:
     from pricer.run.config import RunConfig
     return _run(args, RunConfig.from_args(args))   # checked by rank 0 before any work
+
+
+def _implied_vol(args) -> int:
+    from pricer.run.config import RunConfig
+    return _run(args, RunConfig.from_args(args, task="implied-vol"))
 
 
 def _run_job(args) -> int:
@@ -270,7 +293,7 @@ def _scaling(args) -> int:
     return run(args)
 
 
-COMMANDS = {"price": _price, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
+COMMANDS = {"price": _price, "implied-vol": _implied_vol, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
             "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 
 
@@ -337,7 +360,8 @@ def _may_use_a_gpu(argv: list) -> bool:
             backend = argv[k + 1]
         elif word.startswith("--backend="):
             backend = word.split("=", 1)[1]
-    return bool(words) and words[0] in ("price", "run") and backend not in ("cpu", "serial")
+    return bool(words) and words[0] in ("price", "implied-vol", "run") \
+        and backend not in ("cpu", "serial")
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,8 @@ def book(rng, n: int = 40) -> Portfolio:
 
 
 def frame(p: Portfolio) -> pd.DataFrame:
-    return pd.DataFrame({f.name: getattr(p, f.name) for f in fields(p)})
+    return pd.DataFrame({f.name: getattr(p, f.name) for f in fields(p)
+                         if getattr(p, f.name) is not None})
 
 
 def write(p: Portfolio, path) -> None:

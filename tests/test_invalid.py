@@ -36,7 +36,8 @@ def books(seed: int):
     """(the book with its bad rows, the expected statuses, the book without them)."""
     portfolio = generate("random", 240, seed=seed, max_steps=400)
     portfolio.tree = np.array(["crr", "jr", "lr", "tian"])[np.arange(240) % 4]
-    cols = {name: np.array(value, copy=True) for name, value in vars(portfolio).items()}
+    cols = {name: np.array(value, copy=True) for name, value in vars(portfolio).items()
+            if value is not None}
     cols["tree"] = cols["tree"].astype(object)
     status = np.zeros(240, dtype=np.int8)
     for row, (column, value, code) in BAD.items():

@@ -71,6 +71,7 @@ def random_portfolio(rng, n: int, trees: bool = True) -> Portfolio:
 
 def test_write_read_round_trip(tmp_path, rng):
     original = random_portfolio(rng, 257)
+    original.market_price = rng.uniform(0.0, 50.0, 257)
     path = tmp_path / "book.h5"
     write_portfolio(str(path), original, attrs={"note": "round trip"})
     assert os.listdir(tmp_path) == ["book.h5"]  # no temporary file left beside it
@@ -94,9 +95,9 @@ def test_write_read_round_trip_without_tree_column(tmp_path, rng):
     path = tmp_path / "book.h5"
     write_portfolio(str(path), original)
     with h5py.File(path, "r") as f:
-        assert set(f["portfolio"]) == set(ALL_COLUMNS) - {"tree"}
+        assert set(f["portfolio"]) == set(ALL_COLUMNS) - {"tree", "market_price"}
     back = read_portfolio(str(path))
-    assert back.tree is None
+    assert back.tree is None and back.market_price is None
     assert np.array_equal(back.spot, original.spot) and back.take(np.arange(3)).tree is None
 
 

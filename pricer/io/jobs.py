@@ -5,7 +5,8 @@
                            (optional: rank 0 writes `path` from these first, unless it already holds
                            exactly this generated portfolio: pricer.tools.generate)
     [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson,
-                           invalid, stall_timeout
+                           invalid, stall_timeout, task ("price", or "implied-vol": solve for
+                           the volatilities of a book with market prices)
     [output]               path, overwrite
 
 Unknown tables and keys are refused by name here; the values' types and ranges are checked by
@@ -24,7 +25,7 @@ KEYS = {
     "portfolio": {"path", "generate"},
     "portfolio.generate": {"dist", "count", "seed", "steps", "exercise", "min_steps", "max_steps"},
     "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
-                "richardson", "invalid", "stall_timeout"},
+                "richardson", "invalid", "stall_timeout", "task"},
     "output": {"path", "overwrite"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))
@@ -35,7 +36,7 @@ JOB_KEYS = {"input": ("portfolio", "path"), "output": ("output", "path"),
             "overwrite": ("output", "overwrite"),
             **{key: ("pricing", key) for key in ("backend", "tree", "partition", "distribute",
                                                  "threads", "t1", "t2", "greeks", "richardson",
-                                                 "invalid", "stall_timeout")}}
+                                                 "invalid", "stall_timeout", "task")}}
 
 
 def load_job(path: str) -> dict:

@@ -31,11 +31,16 @@ FLAG_COLUMNS = ("call", "american")
 TREE_COLUMN = "tree"
 _COLUMN_TYPES = {"steps": np.int64, "call": bool, "american": bool}   # the others: float64
 MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
+# An implied-volatility run's matrix (pricer implied-vol) has the market price before the tree.
+MARKET_COLUMN = "market_price"
+IMPLIED_MATRIX_COLUMNS = MATRIX_COLUMNS[:-1] + (MARKET_COLUMN, TREE_COLUMN)
 MATRIX_BLOCK_ROWS = 1 << 15   # 2.6 MB of the (n, 10) matrix: a block to_matrix fills in cache
 OPTIONAL_DEFAULTS = {"dividend": 0.0}
-# Optional columns: dividend (default 0) and tree (absent: every option takes the run's --tree).
-OPTIONAL_COLUMNS = ("dividend", TREE_COLUMN)
-ALL_COLUMNS = ("id",) + MATRIX_COLUMNS
+# Optional columns: dividend (default 0), tree (absent: every option takes the run's --tree) and
+# market_price (what `pricer implied-vol` solves for; a book with it may leave volatility out, a
+# start where given: NaN where not).
+OPTIONAL_COLUMNS = ("dividend", TREE_COLUMN, MARKET_COLUMN)
+ALL_COLUMNS = ("id",) + MATRIX_COLUMNS + (MARKET_COLUMN,)
 # The tree code in the matrix of an option that takes the run's tree (no tree column, no default).
 RUN_TREE = -1
 
@@ -56,6 +61,7 @@ class Portfolio:
     call: np.ndarray
     american: np.ndarray
     tree: np.ndarray | None = None   # tree names (str), or None: the column is absent
+    market_price: np.ndarray | None = None   # None: the column is absent
 
     def __len__(self) -> int:
         return int(self.id.shape[0])
@@ -74,18 +80,21 @@ class Portfolio:
         return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
 
     def to_matrix(self, default_tree: str | None = None, unknown: int | None = None, *,
-                  codes: np.ndarray | None = None, each_block=None) -> np.ndarray:
-        """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI; the
-        tree column holds tree codes (see tree_codes; `codes`: those codes, where the caller has
-        them). `each_block(rows, cols)`, if given, sees each block of rows (a slice) as its rows
-        are filled, with their columns (block_columns) while they are in the CPU's cache."""
+                  codes: np.ndarray | None = None, each_block=None,
+                  implied: bool = False) -> np.ndarray:
+        """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI (an
+        (n, 11) one with the market prices, `implied`: matrix_columns); the tree column holds
+        tree codes (see tree_codes; `codes`: those codes, where the caller has them).
+        `each_block(rows, cols)`, if given, sees each block of rows (a slice) as its rows are
+        filled, with their columns (block_columns) while they are in the CPU's cache."""
         # column by column into one matrix, a block of rows at a time: each block's rows stay in
         # the CPU's cache while its columns are written, where whole strided columns would read
         # and write every cache line of the matrix once per column
-        matrix = np.empty((len(self), len(MATRIX_COLUMNS)))
+        names = matrix_columns(implied)
+        matrix = np.empty((len(self), len(names)))
         if codes is None:
             codes = self.tree_codes(default_tree, unknown)
-        columns = [getattr(self, name) for name in MATRIX_COLUMNS[:-1]] + [codes]
+        columns = [getattr(self, name) for name in names[:-1]] + [codes]
         for a in range(0, len(self), MATRIX_BLOCK_ROWS):
             rows = slice(a, a + MATRIX_BLOCK_ROWS)
             block = matrix[rows]
@@ -98,8 +107,9 @@ class Portfolio:
     def block_columns(self, rows: slice, codes: np.ndarray) -> dict:
         """Rows `rows` as columns_from_matrix gives them (name -> array; views where a column has
         the engines' type already), with `codes` (tree_codes) as the tree column."""
+        names = matrix_columns(self.market_price is not None)
         cols = {name: np.asarray(getattr(self, name)[rows], dtype=_COLUMN_TYPES.get(name, float))
-                for name in MATRIX_COLUMNS[:-1]}
+                for name in names[:-1]}
         cols[TREE_COLUMN] = np.asarray(codes[rows], dtype=np.int64)
         return cols
 
@@ -111,9 +121,16 @@ class Portfolio:
         return int(lattice_nodes(self.steps).sum())
 
 
+def matrix_columns(implied: bool = False) -> tuple:
+    """The columns of the portfolio matrix, in order: an implied-volatility run's has the market
+    prices too."""
+    return IMPLIED_MATRIX_COLUMNS if implied else MATRIX_COLUMNS
+
+
 def columns_from_matrix(matrix: np.ndarray) -> dict:
     """The worker-side view of a portfolio slice: column name -> array (ids are not needed there)."""
-    cols = {name: matrix[:, j] for j, name in enumerate(MATRIX_COLUMNS)}
+    names = matrix_columns(matrix.shape[1] == len(IMPLIED_MATRIX_COLUMNS))
+    cols = {name: matrix[:, j] for j, name in enumerate(names)}
     cols["steps"] = cols["steps"].astype(np.int64)
     cols["call"] = cols["call"] != 0.0
     cols["american"] = cols["american"] != 0.0
@@ -139,10 +156,15 @@ def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) 
             g.attrs.update(attrs or {})
             g.create_dataset("id", data=portfolio.id.astype(np.int64))
             for c in FLOAT_COLUMNS:
+                if c == "volatility" and portfolio.market_price is not None \
+                        and np.isnan(portfolio.volatility).all():
+                    continue          # a book of market prices without volatilities
                 g.create_dataset(c, data=getattr(portfolio, c).astype(np.float64))
             g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
             for c in FLAG_COLUMNS:
                 g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
+            if portfolio.market_price is not None:
+                g.create_dataset(MARKET_COLUMN, data=portfolio.market_price.astype(np.float64))
             if portfolio.tree is not None:
                 g.create_dataset(TREE_COLUMN, data=np.asarray(portfolio.tree, dtype=object),
                                  dtype=h5py.string_dtype("utf-8"))
@@ -189,7 +211,7 @@ def portfolio_from_columns(book, source: str = "book", values: bool = True) -> P
     if unknown:
         raise InputError(f"{source}: unknown column(s) {', '.join(unknown)}; known columns are "
                          f"{', '.join(ALL_COLUMNS)}", column=unknown[0])
-    missing = [c for c in ALL_COLUMNS if c not in names and c not in OPTIONAL_COLUMNS]
+    missing = _missing(names)
     if missing:
         raise InputError(f"{source}: missing column(s) {', '.join(missing)}", column=missing[0])
     raw, length = {}, None
@@ -206,8 +228,7 @@ def portfolio_from_columns(book, source: str = "book", values: bool = True) -> P
         raw[name] = _typed_column(source, name, data, None)
     if length == 0:
         raise InputError(f"{source}: the portfolio is empty (0 options)")
-    for name, default in OPTIONAL_DEFAULTS.items():
-        raw.setdefault(name, np.full(length, default))
+    _defaults(raw, length)
     portfolio = Portfolio(**raw)
     validate(portfolio, source, values)
     return portfolio
@@ -294,7 +315,7 @@ def _checked_group(path: str, f: h5py.File):
     if unknown:
         raise InputError(f"{path}: /{GROUP} has unknown column(s) {', '.join(unknown)}; "
                          f"known columns are {', '.join(ALL_COLUMNS)}")
-    missing = [c for c in ALL_COLUMNS if c not in g and c not in OPTIONAL_COLUMNS]
+    missing = _missing(g)
     if missing:
         raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
     length = None
@@ -318,11 +339,23 @@ def _read_columns(path: str, f: h5py.File, rows: np.ndarray | None, known=()) ->
     """The columns at `rows`, typed and checked, but for the `known` ones (the caller has them)."""
     g, names = _checked_group(path, f)
     raw = {name: _typed_column(path, name, g[name], rows) for name in names if name not in known}
-    count = g["id"].shape[0] if rows is None else rows.size
-    for name, default in OPTIONAL_DEFAULTS.items():
-        if name not in raw:
-            raw[name] = np.full(count, default)
+    _defaults(raw, g["id"].shape[0] if rows is None else rows.size)
     return raw
+
+
+def _missing(names) -> list:
+    """The required columns not in `names`: all but the optional ones, and volatility where the
+    market price is given (it is then only a start for the implied volatility)."""
+    return [c for c in ALL_COLUMNS if c not in names and c not in OPTIONAL_COLUMNS
+            and not (c == "volatility" and MARKET_COLUMN in names)]
+
+
+def _defaults(raw: dict, count: int) -> None:
+    """The optional columns' defaults, where absent; a volatility left out (a book of market
+    prices) is NaN, no start."""
+    for name, default in OPTIONAL_DEFAULTS.items():
+        raw.setdefault(name, np.full(count, default))
+    raw.setdefault("volatility", np.full(count, np.nan))
 
 
 def _rows_of(ds, rows: np.ndarray | None, text: bool = False) -> np.ndarray:
@@ -396,12 +429,21 @@ def validate(p: Portfolio, source: str = "portfolio", values: bool = True,
         _check_unique(ids, source)
     if not values:
         return
-    for name in FLOAT_COLUMNS:
+    implied = p.market_price is not None
+    for name in FLOAT_COLUMNS + ((MARKET_COLUMN,) if implied else ()):
         values = getattr(p, name)
-        bad = ~np.isfinite(values)
+        # a book of market prices may leave a volatility (a start) out: NaN
+        bad = np.isinf(values) if implied and name == "volatility" else ~np.isfinite(values)
         if bad.any():
             raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
                              f"{first_ids(ids, bad)}", column=name, ids=ids[bad])
+    if implied:
+        bad = p.market_price < 0.0
+        if bad.any():
+            raise InputError(f"{source}: column market_price must be >= 0; it is not for option "
+                             f"id(s) {first_ids(ids, bad)} (first value "
+                             f"{float(p.market_price[bad][0])!r})", column=MARKET_COLUMN,
+                             ids=ids[bad])
     for name in ("spot", "strike", "maturity", "volatility"):
         bad = getattr(p, name) <= 0.0
         if bad.any():

@@ -70,7 +70,10 @@ UNITS = {
     "theta": "currency per year",
     "vega": "currency per 1.00 of volatility (0.01 = one point)",
     "rho": "currency per 1.00 of rate (0.01 = one point)",
-    "status": "code: 0 priced, else the reason in the status_reasons attribute",
+    "status": "code: 0 priced (implied volatilities: converged), else the reason in the "
+              "status_reasons attribute",
+    "implied_volatility": "per year, as the volatility column (NaN where status is not 0)",
+    "iterations": "lattices priced in the search",
 }
 
 

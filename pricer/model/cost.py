@@ -30,5 +30,6 @@ def option_cost(steps) -> np.ndarray:
 
 def nodes_priced(steps, analytics) -> float:
     """Lattice nodes the options of `steps` really cost under `analytics`: every lattice it
-    prices per option (Analytics.lattices)."""
-    return float(sum(count * lattice_nodes(s).sum() for s, count in analytics.lattices(steps)))
+    prices per option (Analytics.lattices), each Analytics.rounds times."""
+    return float(analytics.rounds * sum(count * lattice_nodes(s).sum()
+                                        for s, count in analytics.lattices(steps)))

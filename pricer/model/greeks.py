@@ -72,6 +72,16 @@ class Analytics:
         return kinds
 
     @property
+    def implied(self) -> bool:
+        """Whether the run solves for the volatility (pricer.model.implied) rather than prices."""
+        return False
+
+    @property
+    def rounds(self) -> int:
+        """Times each of the lattices is priced per option, as the cost model counts them."""
+        return 1
+
+    @property
     def lattice_count(self) -> int:
         """Lattices priced per option."""
         return 1 + (len(BUMPS) if self.greeks else 0) + int(self.richardson)

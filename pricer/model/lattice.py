@@ -8,12 +8,8 @@ Node (t, i) (t steps taken, i of them up) has asset price S0 * exp(t*log_down + 
 Backward step: V(t, i) = pu * V(t+1, i+1) + pd * V(t+1, i), with pu = disc*p, pd = disc*(1-p);
 American options take max(hold, exercise) at every node, t = 0 included.
 
-A tree has a `name`, a `min_steps` and `probabilities(cols) -> (dt, log_up, log_down, p)`, arrays
-over the options in `cols`, with disc = exp(-r*dt) per level. `crr` is the textbook
-Cox–Ross–Rubinstein tree (the default). The others are the trees of
-QuantLib 1.44's BinomialVanillaEngine, defined exactly as QuantLib defines them
-(ql/methods/lattices/binomialtree.{hpp,cpp}, bsmlattice.hpp, pricingengines/vanilla/binomialengine.hpp;
-docs/numerics.md says where QuantLib differs from the textbook and how it is reproduced here).
+The trees themselves (`crr`, the textbook Cox–Ross–Rubinstein tree and the default, and QuantLib's)
+are in pricer/model/trees.py.
 """
 
 from __future__ import annotations
@@ -24,6 +20,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pricer.errors import InputError, first_ids
+# the trees live in trees.py; their registry is named here too, where the parameters are built
+from pricer.model.trees import TREE_NAMES, TREES, tree_codes, tree_named  # noqa: F401
 
 
 @dataclass
@@ -95,217 +93,16 @@ def packed_views(packed: np.ndarray) -> dict:
     return views
 
 
-class CoxRossRubinstein:
-    """The textbook CRR tree: u = exp(sigma*sqrt(dt)), d = 1/u, p = (exp((r-q)dt) - d)/(u - d)."""
-
-    name = "crr"
-    min_steps = 1
-
-    def probabilities(self, cols: dict):
-        dt = cols["maturity"] / cols["steps"]
-        log_up = cols["volatility"] * np.sqrt(dt)
-        log_down = -log_up
-        growth = np.exp((cols["rate"] - cols["dividend"]) * dt)
-        up, down = np.exp(log_up), np.exp(log_down)
-        p = (growth - down) / (up - down)
-        return dt, log_up, log_down, p
-
-
-# ------------------------------------------------------------------------------ QuantLib's trees
-
-class QuantLibTree:
-    """QuantLib's BinomialTree<T> as BinomialVanillaEngine<T> uses it (binomialtree.hpp, class
-    BinomialTree): a tree of `tree_steps` steps over the maturity T, with x0 = S0, dt = T/tree_steps
-    and driftPerStep = (r - q - sigma^2/2) * dt (GeneralizedBlackScholesProcess::drift on flat
-    curves); the per-step variance is sigma^2 * dt (process->variance(0, x0, dt), i.e.
-    BlackConstantVol's blackVariance). The engine rolls back N = `steps` levels of it on
-    TimeGrid(T, N), discounting each by exp(-r * T/N) (bsmlattice.hpp, BlackScholesLattice), so the
-    discount step is always T/N; only lr and joshi4 build the tree with another step count."""
-
-    min_steps = 1
-
-    def tree_steps(self, steps: np.ndarray) -> np.ndarray:
-        return steps
-
-    def probabilities(self, cols: dict):
-        steps = cols["steps"]
-        n = self.tree_steps(steps)
-        dt = cols["maturity"] / n
-        vol = cols["volatility"]
-        drift = (cols["rate"] - cols["dividend"] - 0.5 * vol * vol) * dt   # driftPerStep_
-        variance = vol * vol * dt                                          # variance(0, x0, dt_)
-        with np.errstate(all="ignore"):
-            log_up, log_down, p = self.factors(cols, n, dt, drift, variance)
-        return cols["maturity"] / steps, log_up, log_down, p
-
-    def factors(self, cols, n, dt, drift, variance):
-        raise NotImplementedError
-
-
-class QuantLibCRR(QuantLibTree):
-    """QuantLib's CoxRossRubinstein (an EqualJumpsBinomialTree): dx = sqrt(sigma^2 dt), node price
-    x0*exp(j*dx), pu = 1/2 + driftPerStep/(2 dx) — the first-order probability, not the textbook
-    (e^{(r-q)dt} - d)/(u - d)."""
-
-    name = "ql-crr"
-
-    def factors(self, cols, n, dt, drift, variance):
-        dx = np.sqrt(variance)
-        return dx, -dx, 0.5 + 0.5 * drift / dx
-
-
-class JarrowRudd(QuantLibTree):
-    """QuantLib's JarrowRudd (an EqualProbabilitiesBinomialTree): up = sqrt(sigma^2 dt), node
-    (i, index) at x0*exp(i*driftPerStep + (2 index - i)*up), p = 1/2."""
-
-    name = "jr"
-
-    def factors(self, cols, n, dt, drift, variance):
-        up = np.sqrt(variance)
-        return drift + up, drift - up, np.full(np.shape(up), 0.5)
-
-
-class AdditiveEQP(QuantLibTree):
-    """QuantLib's AdditiveEQPBinomialTree: up = -driftPerStep/2 + sqrt(4 sigma^2 dt -
-    3 driftPerStep^2)/2, nodes as for jr, p = 1/2."""
-
-    name = "eqp"
-
-    def factors(self, cols, n, dt, drift, variance):
-        up = -0.5 * drift + 0.5 * np.sqrt(4.0 * variance - 3.0 * drift * drift)
-        return drift + up, drift - up, np.full(np.shape(up), 0.5)
-
-
-class Trigeorgis(QuantLibTree):
-    """QuantLib's Trigeorgis (an EqualJumpsBinomialTree): dx = sqrt(sigma^2 dt + driftPerStep^2),
-    node price x0*exp(j*dx), pu = 1/2 + driftPerStep/(2 dx)."""
-
-    name = "trigeorgis"
-
-    def factors(self, cols, n, dt, drift, variance):
-        dx = np.sqrt(variance + drift * drift)
-        return dx, -dx, 0.5 + 0.5 * drift / dx
-
-
-class Tian(QuantLibTree):
-    """QuantLib's Tian (third-moment matching): q = exp(sigma^2 dt), r = exp(driftPerStep)*sqrt(q)
-    (= e^{(r-q)dt}), up/down = r q (q + 1 ± sqrt(q^2 + 2q - 3))/2, pu = (r - down)/(up - down)."""
-
-    name = "tian"
-
-    def factors(self, cols, n, dt, drift, variance):
-        q = np.exp(variance)
-        r = np.exp(drift) * np.sqrt(q)
-        root = np.sqrt(q * q + 2 * q - 3)
-        up = 0.5 * r * q * (q + 1 + root)
-        down = 0.5 * r * q * (q + 1 - root)
-        return np.log(up), np.log(down), (r - down) / (up - down)
-
-
-def _odd(steps: np.ndarray) -> np.ndarray:
-    return np.where(steps % 2 == 1, steps, steps + 1)
-
-
-class _StrikeCentred(QuantLibTree):
-    """Leisen–Reimer and Joshi's trees (binomialtree.cpp): built for the odd step count
-    n = N (N odd) or N + 1 (N even) and centred on the strike. With V = sigma^2 T,
-    ermqdt = exp(driftPerStep + V/(2n)), d2 = (ln(x0/K) + n*driftPerStep)/sqrt(V),
-    pu = h(d2), p' = h(d2 + sqrt(V)), up = ermqdt p'/pu, down = (ermqdt - pu up)/(1 - pu).
-    The engine still rolls back N levels with the discount exp(-r T/N) (docs/numerics.md)."""
-
-    def tree_steps(self, steps):
-        return _odd(steps)
-
-    def factors(self, cols, n, dt, drift, variance):
-        total = cols["volatility"] * cols["volatility"] * cols["maturity"]  # variance(0, x0, end)
-        nf = n.astype(np.float64)
-        ermqdt = np.exp(drift + 0.5 * total / nf)
-        d2 = (np.log(cols["spot"] / cols["strike"]) + drift * nf) / np.sqrt(total)
-        pu = self.inversion(d2, nf)
-        pdash = self.inversion(d2 + np.sqrt(total), nf)
-        up = ermqdt * pdash / pu
-        down = (ermqdt - pu * up) / (1.0 - pu)
-        return np.log(up), np.log(down), pu
-
-
-class LeisenReimer(_StrikeCentred):
-    """h = PeizerPrattMethod2Inversion (ql/math/distributions/binomialdistribution.hpp):
-    h(z, n) = 1/2 ± sqrt(1/4 - exp(-(z/(n + 1/3 + 0.1/(n+1)))^2 (n + 1/6))/4), sign of z."""
-
-    name = "lr"
-
-    @staticmethod
-    def inversion(z, n):
-        result = z / (n + 1.0 / 3.0 + 0.1 / (n + 1.0))
-        result = result * result
-        # the C library's exp, as QuantLib's: near the strike 1 - exp(-x) cancels (x ~ 1e-10), and
-        # numpy's own exp, one ulp away there, moved p by 1e-12 and a price by 1.2e-9
-        result = np.fromiter(map(math.exp, -result * (n + 1.0 / 6.0)), np.float64, count=result.size)
-        return 0.5 + np.where(z > 0, 1.0, -1.0) * np.sqrt(0.25 * (1.0 - result))
-
-
-class Joshi4(_StrikeCentred):
-    """h = Joshi4::computeUpProb((n - 1)/2, z): with a = z/sqrt(8) and k = (n - 1)/2,
-    p = 1/2 + a/k^0.5 + b/k^1.5 + c/k^2.5 + e/k^3.5, b = -3a/8 - a^3,
-    c = 5a^5/6 + 13a^3/12 + 25a/128, e = -0.1025a - 0.9285a^3 - 1.43a^5 - 0.5a^7.
-    Undefined at N = 1 (k = 0), so it needs N >= 2."""
-
-    name = "joshi4"
-    min_steps = 2
-
-    @staticmethod
-    def inversion(z, n):
-        k = (n - 1.0) / 2.0
-        alpha = z / np.sqrt(8.0)
-        alpha2 = alpha * alpha
-        alpha3 = alpha * alpha2
-        alpha5 = alpha3 * alpha2
-        alpha7 = alpha5 * alpha2
-        beta = -0.375 * alpha - alpha3
-        gamma = (5.0 / 6.0) * alpha5 + (13.0 / 12.0) * alpha3 + (25.0 / 128.0) * alpha
-        delta = -0.1025 * alpha - 0.9285 * alpha3 - 1.43 * alpha5 - 0.5 * alpha7
-        rootk = np.sqrt(k)
-        p = 0.5 + alpha / rootk
-        p = p + beta / (k * rootk)
-        p = p + gamma / (k * k * rootk)
-        p = p + delta / (k * k * k * rootk)
-        return p
-
-
-TREES = {tree.name: tree for tree in (CoxRossRubinstein(), QuantLibCRR(), JarrowRudd(),
-                                      AdditiveEQP(), Trigeorgis(), Tian(), LeisenReimer(), Joshi4())}
-# A tree's code (its position here) is how a portfolio's `tree` column travels between MPI ranks.
-TREE_NAMES = tuple(TREES)
-
-
-def tree_named(name: str):
-    try:
-        return TREES[name]
-    except (KeyError, TypeError):
-        raise InputError(f"unknown tree {name!r}; known trees: {', '.join(TREES)}") from None
-
-
-def tree_codes(names: np.ndarray, unknown: int | None = None) -> np.ndarray:
-    """Tree names -> int64 codes, their positions in TREE_NAMES (portfolio.validate has checked
-    that every name is known; else `unknown`, where given, is the code of a name that is not)."""
-    names = np.asarray(names, dtype=str)
-    codes = np.full(names.shape, -1, dtype=np.int64)
-    for code, name in enumerate(TREE_NAMES):
-        codes[names == name] = code
-    if unknown is not None:
-        codes[codes < 0] = unknown
-    if (codes < 0).any() and unknown is None:
-        raise InputError(f"unknown tree {str(names[codes < 0][0])!r}; known trees: {', '.join(TREES)}")
-    return codes
-
-
 def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = None) -> LatticeParams:
     """Per-option parameters; options whose p is not in (0, 1) are rejected by id, never priced.
 
     `tree` is the run's tree; where `cols` has a "tree" column (codes into TREE_NAMES, from a
     portfolio's tree column), each option with a code >= 0 uses that tree instead."""
-    dt, log_up, log_down, p = _tree_parameters(cols, tree, ids)
-    disc = np.exp(-cols["rate"] * dt)
+    return _built(cols, *_tree_parameters(cols, tree, ids))
+
+
+def _built(cols: dict, dt, log_up, log_down, p) -> LatticeParams:
+    disc = np.exp(-np.asarray(cols["rate"]) * dt)
     return LatticeParams(
         spot=np.ascontiguousarray(cols["spot"], dtype=np.float64),
         strike=np.ascontiguousarray(cols["strike"], dtype=np.float64),
@@ -319,6 +116,40 @@ def lattice_parameters(cols: dict, tree: str = "crr", ids: np.ndarray | None = N
     )
 
 
+def lattice_parameters_where(cols: dict, tree: str = "crr"):
+    """(params, exists): lattice_parameters of the options whose lattice exists (no fault that
+    lattice_parameters refuses), and whether each one's does. An option's parameters are those
+    lattice_parameters gives it."""
+    (dt, log_up, log_down, p), exists = _by_tree(cols, tree)
+    if not exists.all():
+        cols = {key: np.asarray(value)[exists] for key, value in cols.items()}
+        dt, log_up, log_down, p = dt[exists], log_up[exists], log_down[exists], p[exists]
+    return _built(cols, dt, log_up, log_down, p), exists
+
+
+def _by_tree(cols: dict, tree: str):
+    """Every option's (dt, log_up, log_down, p) by its tree, and whether its lattice exists."""
+    n = int(np.shape(cols["steps"])[0])
+    codes = _codes(cols, tree)
+    dt, log_up, log_down, p = (np.empty(n) for _ in range(4))
+    exists = np.ones(n, dtype=bool)
+    for code in np.unique(codes):
+        rows = slice(None) if (codes == code).all() else np.flatnonzero(codes == code)
+        sub = cols if isinstance(rows, slice) else {k: np.asarray(v)[rows] for k, v in cols.items()}
+        (dt[rows], log_up[rows], log_down[rows], p[rows]), faults = \
+            _conditions(sub, TREE_NAMES[int(code)])
+        exists[rows] = ~np.logical_or.reduce(faults)
+    return (dt, log_up, log_down, p), exists
+
+
+def _codes(cols: dict, tree: str) -> np.ndarray:
+    """Each option's tree code: its tree column's, else (absent or < 0) the run's `tree`."""
+    n = int(np.shape(cols["steps"])[0])
+    default = TREE_NAMES.index(tree_named(tree).name)
+    codes = np.asarray(cols["tree"], dtype=np.int64) if "tree" in cols else np.full(n, default)
+    return np.where(codes < 0, default, codes)
+
+
 def check_lattices(cols: dict, tree: str = "crr", ids: np.ndarray | None = None) -> None:
     """lattice_parameters' refusals (InputError by id), without building the parameters."""
     _tree_parameters(cols, tree, ids)
@@ -328,11 +159,10 @@ def _tree_parameters(cols: dict, tree: str, ids: np.ndarray | None):
     """(dt, log_up, log_down, p) of every option, each by its tree, checked."""
     n = int(np.shape(cols["steps"])[0])
     ids = ids if ids is not None else np.arange(n)
-    default = TREE_NAMES.index(tree_named(tree).name)
-    codes = np.asarray(cols["tree"], dtype=np.int64) if "tree" in cols else np.full(n, default)
-    codes = np.where(codes < 0, default, codes)
+    codes = _codes(cols, tree)
     if n == 0 or (codes == codes[0]).all():
-        dt, log_up, log_down, p = _parameters(cols, TREE_NAMES[int(codes[0]) if n else default], ids)
+        name = TREE_NAMES[int(codes[0])] if n else tree_named(tree).name
+        dt, log_up, log_down, p = _parameters(cols, name, ids)
     else:
         present = np.unique(codes)
         dt, log_up, log_down, p = (np.empty(n) for _ in range(4))
@@ -348,17 +178,7 @@ def lattice_faults(cols: dict, tree: str = "crr") -> np.ndarray:
     """Per option, whether its lattice cannot be priced — the faults lattice_parameters refuses:
     too few steps for its tree, p outside (0, 1), d >= u, node prices beyond FP64's range.
     (Columns that are NaN or out of range come out as faults too.)"""
-    n = int(np.shape(cols["steps"])[0])
-    default = TREE_NAMES.index(tree_named(tree).name)
-    codes = np.asarray(cols.get("tree", np.full(n, -1)), dtype=np.int64)
-    codes = np.where(codes < 0, default, codes)
-    faulty = np.zeros(n, dtype=bool)
-    for code in np.unique(codes):
-        rows = np.flatnonzero(codes == code)
-        sub = {key: np.asarray(value)[rows] for key, value in cols.items()}
-        _, masks = _conditions(sub, TREE_NAMES[int(code)])
-        faulty[rows] = np.logical_or.reduce(masks)
-    return faulty
+    return ~_by_tree(cols, tree)[1]
 
 
 def _conditions(cols: dict, name: str):

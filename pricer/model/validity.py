@@ -13,18 +13,20 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.model.greeks import Analytics, unsupported
-from pricer.model.lattice import lattice_faults
+from pricer.model.lattice import TREE_NAMES, TREES, lattice_faults, tree_named
 
 PRICED = 0
 NOT_FINITE, NOT_POSITIVE, BAD_STEPS, UNKNOWN_TREE, NO_LATTICE, NO_ANALYTICS = range(1, 7)
 REASONS = {
     PRICED: "priced",
-    NOT_FINITE: "a value is NaN or infinite (spot, strike, maturity, rate, dividend, volatility)",
-    NOT_POSITIVE: "spot, strike, maturity or volatility is not > 0",
+    NOT_FINITE: "a value is NaN or infinite (spot, strike, maturity, rate, dividend, volatility; "
+                "for implied volatilities market_price, and volatility may be NaN)",
+    NOT_POSITIVE: "spot, strike, maturity or volatility is not > 0 (or market_price < 0)",
     BAD_STEPS: "steps < 1, or more steps than this machine's memory can price",
     UNKNOWN_TREE: "the tree column names no known tree",
     NO_LATTICE: "its lattice cannot be priced: p outside (0, 1), d >= u, fewer steps than its "
-                "tree needs, or node prices beyond FP64's range where its paths carry weight",
+                "tree needs, or node prices beyond FP64's range where its paths carry weight "
+                "(for implied volatilities: fewer steps than its tree needs)",
     NO_ANALYTICS: "--greeks or --richardson cannot be computed for it: too few steps, a "
                   "volatility not above the bump, or a bumped or coarse lattice that cannot be "
                   "priced",
@@ -42,16 +44,27 @@ def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.
     def mark(code: int, mask: np.ndarray) -> None:
         status[(status == PRICED) & mask] = code
 
-    mark(NOT_FINITE, np.logical_or.reduce([~np.isfinite(cols[name]) for name in FLOATS]))
-    with np.errstate(invalid="ignore"):
-        mark(NOT_POSITIVE, np.logical_or.reduce(
-            [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity", "volatility")]))
+    if analytics.implied:     # the volatility only a start (NaN: none), the market price >= 0
+        mark(NOT_FINITE, np.logical_or.reduce(
+            [~np.isfinite(cols[name]) for name in FLOATS[:-1] + ("market_price",)]
+            + [np.isinf(cols["volatility"])]))
+        with np.errstate(invalid="ignore"):
+            mark(NOT_POSITIVE, np.logical_or.reduce(
+                [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity")]
+                + [cols["volatility"] <= 0.0, cols["market_price"] < 0.0]))
+    else:
+        mark(NOT_FINITE, np.logical_or.reduce([~np.isfinite(cols[name]) for name in FLOATS]))
+        with np.errstate(invalid="ignore"):
+            mark(NOT_POSITIVE, np.logical_or.reduce(
+                [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity", "volatility")]))
     steps = np.asarray(cols["steps"])
     mark(BAD_STEPS, (steps < 1) | (steps > max_steps))
     if "tree" in cols:
         mark(UNKNOWN_TREE, np.asarray(cols["tree"]) == UNKNOWN_TREE_CODE)
     rows = np.flatnonzero(status == PRICED)     # the later checks only where the values are sane
-    if rows.size:
+    if rows.size and analytics.implied:   # a lattice exists at some volatility: steps enough
+        mark(NO_LATTICE, steps < min_steps(cols, tree))
+    elif rows.size:
         part = {key: np.asarray(value)[rows] for key, value in cols.items()}
         no_lattice = lattice_faults(part, tree)
         status[rows[no_lattice]] = NO_LATTICE
@@ -60,6 +73,15 @@ def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.
         if rows.size and (analytics.greeks or analytics.richardson):
             status[rows[analytics_faults(part, tree, analytics)]] = NO_ANALYTICS
     return status
+
+
+def min_steps(cols: dict, tree: str) -> np.ndarray:
+    """Per option, the fewest steps its tree takes (the tree column's, else the run's `tree`)."""
+    n = int(np.shape(cols["steps"])[0])
+    least = np.array([TREES[name].min_steps for name in TREE_NAMES])
+    default = TREE_NAMES.index(tree_named(tree).name)
+    codes = np.asarray(cols.get("tree", np.full(n, -1)), dtype=np.int64)
+    return least[np.where(codes < 0, default, codes)]
 
 
 def analytics_faults(cols: dict, tree: str, analytics: Analytics) -> np.ndarray:

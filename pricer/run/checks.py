@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pricer.errors import InputError
+from pricer.errors import InputError, first_ids
 from pricer.files import check_input_file
 from pricer.io.formats import HDF5, input_format, read_book
 from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix,
@@ -18,7 +18,7 @@ from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_beside
 from pricer.model.greeks import check
 from pricer.model.lattice import TREE_NAMES, check_lattices as lattice_check
-from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped
+from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped, min_steps
 from pricer.run import memory
 from pricer.run.config import RunConfig
 from pricer.run.memory import size_text
@@ -72,9 +72,10 @@ def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
     id), each block of rows checked as to_matrix fills it, while its columns are in the CPU's
     cache; with --invalid skip, the rows that cannot be priced marked as skipped instead."""
     skip = cfg.invalid == "skip"
+    check_task_columns(cfg, portfolio, skip)
     codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
     if skip:
-        matrix = portfolio.to_matrix(codes=codes)
+        matrix = portfolio.to_matrix(codes=codes, implied=cfg.implied)
         status = skip_invalid(cfg, matrix)
         return CheckedRows(matrix, status, _tree_bits(matrix[:, -1]))
 
@@ -89,10 +90,26 @@ def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
                 exc = more
             raise exc.prefixed(f"{cfg.input}: ") from None
 
-    matrix = portfolio.to_matrix(codes=codes, each_block=check)
+    matrix = portfolio.to_matrix(codes=codes, each_block=check, implied=cfg.implied)
     if portfolio.tree is None:         # one tree for every row
         return CheckedRows(matrix, None, 1 << int(codes[0]) if codes.size else 0)
     return CheckedRows(matrix, None, _tree_bits(codes))
+
+
+def check_task_columns(cfg: RunConfig, portfolio, skip: bool) -> None:
+    """The columns the run's task needs: an implied-volatility run the market prices; a pricing run
+    every volatility, which a book of market prices may leave out (NaN; --invalid skip skips
+    those options)."""
+    if cfg.implied and portfolio.market_price is None:
+        raise InputError(f"{cfg.input}: implied volatilities need a market_price column (the "
+                         f"prices to solve for)", column="market_price")
+    if not cfg.implied and not skip:
+        bad = np.isnan(portfolio.volatility)
+        if bad.any():
+            raise InputError(f"{cfg.input}: column volatility is NaN or absent for option id(s) "
+                             f"{first_ids(portfolio.id, bad)}: pricing needs it (`pricer "
+                             f"implied-vol` solves for it from market_price)",
+                             column="volatility", ids=portfolio.id[bad])
 
 
 def _tree_bits(codes: np.ndarray) -> int:
@@ -135,7 +152,16 @@ MESSAGE_ROWS = 1 << 20
 
 
 def _check_block(cfg: RunConfig, cols: dict, ids: np.ndarray) -> None:
-    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add."""
+    """Every option's lattice exists (p in (0, 1)), also those that --greeks/--richardson add; for
+    implied volatilities, whose lattices are built at volatilities the search picks, each option
+    has the steps its tree needs."""
+    if cfg.implied:
+        few = np.asarray(cols["steps"]) < min_steps(cols, cfg.tree)
+        if few.any():
+            raise InputError(f"option id(s) {first_ids(ids, few)} have fewer steps than their "
+                             f"tree needs (first value {int(np.asarray(cols['steps'])[few][0])})",
+                             column="steps", ids=np.asarray(ids)[few])
+        return
     lattice_check(cols, cfg.tree, ids=ids)
     check_analytics(cols, cfg, ids)
 

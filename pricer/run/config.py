@@ -23,6 +23,7 @@ from pricer.model.partition import PARTITIONERS
 from pricer.run.watchdog import MINIMUM
 
 DISTRIBUTIONS = ("scatter", "bcast", "read")
+TASKS = ("price", "implied-vol")   # pricer price / run, pricer implied-vol
 INVALID = ("refuse", "skip")
 
 
@@ -49,18 +50,29 @@ class RunConfig:
     stall_timeout: float | None = None  # seconds a rank may go without progress (None: by
                                         # each chunk's size, pricer/run/watchdog.py)
     progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
+    task: str = "price"       # price, or implied-vol: solve for each option's volatility from its
+                              # market price (pricer.model.implied)
 
     # ---- derived settings
     def engine_overrides(self) -> dict:
         return {key: value for key, value in (("t1", self.t1), ("t2", self.t2)) if value is not None}
 
+    @property
+    def implied(self) -> bool:
+        return self.task == "implied-vol"
+
     def analytics(self) -> Analytics:
+        if self.implied:
+            from pricer.model.implied import ImpliedVolatility
+            return ImpliedVolatility()
         return Analytics(greeks=self.greeks, richardson=self.richardson)
 
     def outputs(self) -> tuple:
         """What a run computes per option, as the columns of its values: price and the Greeks,
-        then, with --invalid skip, each option's status."""
-        return self.analytics().outputs + (("status",) if self.invalid == "skip" else ())
+        then, with --invalid skip, each option's status; an implied-volatility run's outputs
+        (pricer.model.implied.OUTPUTS), then always the status."""
+        status = self.invalid == "skip" or self.implied
+        return self.analytics().outputs + (("status",) if status else ())
 
     def chunk_shape(self) -> tuple[float, int]:
         """(nodes, rows) per chunk. Each chunk is one engine call: a GPU call pays a launch tail as
@@ -68,7 +80,7 @@ class RunConfig:
         second of one GPU's work, ~4000x the CPU's."""
         gpu = resolve_backend(self.backend) in ("gpu", "hybrid", "batch")
         nodes = self.chunk_nodes if self.chunk_nodes is not None else (
-            GPU_CHUNK_NODES if gpu else CHUNK_NODES)
+            GPU_CHUNK_NODES if gpu else CHUNK_NODES) / self.analytics().rounds
         return nodes, GPU_CHUNK_ROWS if gpu else CHUNK_ROWS
 
     def expand_placeholders(self) -> "RunConfig":
@@ -89,7 +101,8 @@ class RunConfig:
             _require(isinstance(getattr(self, key), str) and getattr(self, key), name(key),
                      getattr(self, key), "a file name")
         for key, allowed in (("backend", backends()), ("partition", PARTITIONERS),
-                             ("distribute", DISTRIBUTIONS), ("invalid", INVALID)):
+                             ("distribute", DISTRIBUTIONS), ("invalid", INVALID),
+                             ("task", TASKS)):
             value = getattr(self, key)
             if not isinstance(value, str) or value not in allowed:
                 raise InputError(f"{name(key)} must be one of {', '.join(allowed)}, got "
@@ -114,6 +127,9 @@ class RunConfig:
                                                 and not isinstance(self.stall_timeout, bool)
                                                 and MINIMUM <= self.stall_timeout < math.inf),
                  name("stall_timeout"), self.stall_timeout, f"a number of seconds >= {MINIMUM:g}")
+        if self.implied and (self.greeks or self.richardson):
+            raise InputError("implied volatilities are solved on the option's own lattice: "
+                             "--greeks and --richardson are for pricing runs")
         if self.resume and not self.checkpoint:
             raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume; "
                              "a run given --checkpoint DIR resumes by itself)")

@@ -25,10 +25,10 @@ from mpi4py import MPI
 from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import OutputError
 from pricer.io.checkpoint import Checkpoint
-from pricer.io.portfolio import MATRIX_COLUMNS
+from pricer.io.portfolio import MATRIX_COLUMNS, matrix_columns
 from pricer.io.results import utc_now, write_results
 from pricer.run.provenance import provenance
-from pricer.model.cost import nodes_priced
+from pricer.model.cost import lattice_nodes, nodes_priced
 from pricer.model.greeks import Analytics
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
@@ -39,7 +39,7 @@ from pricer.run.config import RunConfig
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults, polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
-from pricer.run.pricing import price_chunk
+from pricer.run.pricing import run_chunks
 from pricer.run.progress import Progress
 from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
@@ -68,7 +68,8 @@ class RunSummary:
         extras = f" with {' and '.join(extras)}" if extras else ""
         if self.reused:
             extras += f" ({self.reused} of them from the checkpoint)"
-        lines = [f"priced {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
+        what = "solved the implied volatilities of" if self.analytics.implied else "priced"
+        lines = [f"{what} {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
                  f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
                  f"stages: {stages}"]
         if self.read_parts:
@@ -151,7 +152,11 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
         lock.release()
     stages["write"] = time.perf_counter() - t
     notes = plan.notes + agreed.notes
-    if cfg.invalid == "skip":
+    if cfg.implied:
+        status = values[:, -1].astype(np.int8)
+        from pricer.model.implied import statuses_text
+        notes.append(f"statuses: {statuses_text(status)}")
+    elif cfg.invalid == "skip":
         status = values[:, -1].astype(np.int8)
         skipped = int((status != PRICED).sum())
         notes.append(f"--invalid skip: {skipped} of {len(status)} options not priced"
@@ -245,7 +250,7 @@ def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray
     rank = comm.Get_rank()
     plan = agreed.plan
     local = distribute(comm, plan.matrix if rank == ROOT else None, agreed.bounds, cfg.distribute,
-                       len(MATRIX_COLUMNS))
+                       len(matrix_columns(cfg.implied)))
     lo, hi = int(agreed.bounds[rank]), int(agreed.bounds[rank + 1])
     return local, plan.ids[lo:hi] if rank == ROOT else np.arange(lo, hi, dtype=np.int64)
 
@@ -264,19 +269,31 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": input_sha256,
              "input_path": os.path.abspath(cfg.input), "greeks": bool(cfg.greeks),
-             "richardson": bool(cfg.richardson), "invalid": cfg.invalid}
-    if cfg.invalid == "skip":
-        attrs["status_reasons"] = json.dumps({str(code): text for code, text in REASONS.items()})
+             "richardson": bool(cfg.richardson), "invalid": cfg.invalid, "task": cfg.task}
+    if cfg.invalid == "skip" or cfg.implied:
+        attrs["status_reasons"] = json.dumps({str(code): text
+                                              for code, text in status_reasons(cfg).items()})
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
     extra = {name: full[:, j] for j, name in enumerate(cfg.outputs()) if name != "price"}
     if "status" in extra:
         extra["status"] = extra["status"].astype(np.int8)
+    if "iterations" in extra:
+        extra["iterations"] = np.nan_to_num(extra["iterations"]).astype(np.int64)   # 0 skipped
     try:
         write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
         raise OutputError(f"{cfg.output}: the results could not be written "
                           f"({exc.strerror or exc}); {_kept(cfg)}") from None
+
+
+def status_reasons(cfg: RunConfig) -> dict:
+    """What each status code of the run's results means."""
+    if not cfg.implied:
+        return REASONS
+    from pricer.model.implied import REASONS as SEARCH
+
+    return {**REASONS, 0: "converged", **SEARCH}
 
 
 def _kept(cfg: RunConfig) -> str:
@@ -349,6 +366,8 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     # price, then the Greeks, then with --invalid skip each option's status (model/validity.py)
     values = np.empty((local.shape[0], len(cfg.outputs())))
     priced = np.ones(local.shape[0], dtype=bool)
+    if cfg.implied:         # the solver writes each solved row's status
+        values[:, -1] = PRICED
     if cfg.invalid == "skip":
         values[:, -1] = status_of(local)
         priced = values[:, -1] == PRICED
@@ -367,20 +386,21 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             engine.prepare(steps if priced.all() else steps[priced], levels=cfg.greeks)
         setup = time.perf_counter() - t
         progress.start()
-        for (a, b, chunk), limit, chunk_nodes in zip(chunks, limits, nodes):
-            inject(faults, rank, done)
-            watch.poll()
-            if done:
-                stall.begin(limit)
-            price_chunk(engine, local, priced, a, b, cfg.tree, ids, analytics, values)
+        inject(faults, rank, done)
+        watch.poll()
+        for k in run_chunks(engine, local, priced, chunks, cfg.tree, ids, analytics, values):
+            a, b, chunk = chunks[k]
             if checkpoint is not None:
                 checkpoint.save(chunk, values[a:b])
             done += 1
             stall.done(chunk)
             if progress.enabled:
-                progress.chunk_done(chunk_nodes)
+                progress.chunk_done(nodes[k])
             chunk_delay()
-        inject(faults, rank, done)
+            inject(faults, rank, done)
+            if done < len(chunks):
+                watch.poll()
+                stall.begin(limits[done])
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         try:
             watch.failed(done, exc)
@@ -393,4 +413,7 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     watch.barrier(idle=progress.poll)
     stall.stop()
     progress.finish()
+    if cfg.implied:      # the lattices the searches priced, not the cost model's estimate
+        iterations = values[:, analytics.outputs.index("iterations")]
+        return values, engine_name, setup, float(np.nansum(iterations * lattice_nodes(steps)))
     return values, engine_name, setup, float(sum(nodes))

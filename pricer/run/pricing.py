@@ -1,6 +1,7 @@
 """One chunk of a book priced, the step a run's ranks (driver.compute) and pricer.price share; and
 a whole checked book priced in one process, chunk by chunk as a run cuts it (pricer.price,
-pricer warm)."""
+pricer warm). An implied-volatility run (pricer.model.implied) takes its chunks' options through
+one pool of searches instead (solve_chunks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from pricer.io.checkpoint import chunk_grid
 from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
+from pricer.model.cost import lattice_nodes
 from pricer.model.greeks import Analytics, price_with_analytics
 from pricer.model.validity import PRICED
 
@@ -28,10 +30,67 @@ def price_chunk(engine, matrix: np.ndarray, priced: np.ndarray, a: int, b: int, 
         values[rows, j] = outputs[name]
 
 
+def run_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tree: str,
+               ids: np.ndarray, analytics: Analytics, values: np.ndarray):
+    """Rows chunks[k] = (a, b, ...) of the portfolio matrix computed into `values` (price_chunk's
+    contract; an implied-volatility run's outputs, then each row's status in its last column):
+    yields each k once its rows are done, in the order they finish."""
+    if not analytics.implied:
+        for k, (a, b, *_) in enumerate(chunks):
+            price_chunk(engine, matrix, priced, a, b, tree, ids, analytics, values)
+            yield k
+        return
+    yield from solve_chunks(engine, matrix, priced, chunks, tree, values)
+
+
+def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tree: str,
+                 values: np.ndarray):
+    """The implied volatilities of the `priced` rows of `chunks` (contiguous, in order), through
+    one pool of searches as large as the largest chunk (in rows and in lattice nodes): the next
+    chunk's options take the places of those that finish. A chunk is yielded once all of its rows
+    are, its values written: OUTPUTS, then the status (CONVERGED or why not) in the last column."""
+    from pricer.model.implied import OUTPUTS, Solver
+
+    if not chunks:
+        return
+    first, last = chunks[0][0], chunks[-1][1]
+    rows = np.flatnonzero(priced[first:last]) + first
+    steps = matrix[:, MATRIX_COLUMNS.index("steps")]
+    pool_rows = max(b - a for a, b, *_ in chunks)
+    pool_nodes = max(float(lattice_nodes(steps[a:b]).sum()) for a, b, *_ in chunks)
+    cols = columns_from_matrix(matrix[rows])
+    solver = Solver(engine, cols, cols["market_price"], tree, cols["volatility"], pool_rows,
+                    pool_nodes)
+    ends = np.array([b for _, b, *_ in chunks])
+    starts = np.searchsorted(rows, [a for a, *_ in chunks])    # each chunk's first of `rows`
+    yielded = 0
+
+    def finished_chunks(count: int) -> int:   # the first `count` of `rows` are finished
+        if count >= rows.size:
+            return len(chunks)
+        return int(np.searchsorted(ends, rows[count], side="right"))
+
+    for count in solver.rounds():
+        ready = finished_chunks(count)
+        if ready > yielded:
+            results = solver.results()
+            for k in range(yielded, ready):
+                lo = starts[k]
+                hi = starts[k + 1] if k + 1 < len(chunks) else rows.size
+                mine = rows[lo:hi]
+                for j, name in enumerate(OUTPUTS):
+                    values[mine, j] = results[name][lo:hi]
+                values[mine, -1] = results["status"][lo:hi]
+                yield k
+            yielded = ready
+    for k in range(yielded, len(chunks)):     # chunks with no row to solve
+        yield k
+
+
 def price_checked(engine, cfg, checked, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A checked book's (checks.checked_matrix) (n, outputs) values (cfg.analytics().outputs; NaN
-    where --invalid skip skipped a row) and each row's status (0: priced), by `engine` in this
-    process, in the chunks a run would cut (chunk_grid bounds the working arrays)."""
+    """A checked book's (checks.checked_matrix) (n, outputs) values (cfg.outputs(); NaN where
+    --invalid skip skipped a row) and each row's status (0: priced, or solved), by `engine` in
+    this process, in the chunks a run would cut (chunk_grid bounds the working arrays)."""
     matrix = checked.matrix
     status = checked.status if checked.status is not None \
         else np.zeros(len(matrix), dtype=np.int8)
@@ -40,8 +99,12 @@ def price_checked(engine, cfg, checked, ids: np.ndarray) -> tuple[np.ndarray, np
     steps = matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)   # 0 where skipped
     if priced.any():
         engine.prepare(steps[priced], levels=cfg.greeks)
-    values = np.full((len(matrix), len(analytics.outputs)), np.nan)
+    outputs = cfg.outputs()
+    values = np.full((len(matrix), len(outputs)), np.nan)
+    if "status" in outputs:
+        values[:, -1] = status
     cuts = chunk_grid(steps, *cfg.chunk_shape())
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        price_chunk(engine, matrix, priced, a, b, cfg.tree, ids, analytics, values)
-    return values, status
+    chunks = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+    for _ in run_chunks(engine, matrix, priced, chunks, cfg.tree, ids, analytics, values):
+        pass
+    return values, values[:, -1].astype(np.int8) if analytics.implied else status

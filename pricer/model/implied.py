@@ -1,0 +1,358 @@
+"""Implied volatilities on the lattice: per option, the volatility at which its lattice price (its
+tree, its N) is its market price. docs/numerics.md, "Implied volatility", derives the method:
+
+- Bounds, without a lattice: a market price at or below what every lattice of the option is
+  worth at least (0; an American option's payoff now) has no time value to explain
+  (NO_TIME_VALUE), and one at or above what it is worth at most (a call S0; a put K, or K e^{-rT}
+  if European) has no volatility (ABOVE_BOUND). Tighter continuous-time bounds (a European
+  option's discounted forward payoff) are not used: QuantLib's trees are not exact martingales,
+  and their lattice prices cross those bounds by up to ~1e-3 relative, so the search decides.
+- Start: the volatility column where the book gives one, else the Black–Scholes implied volatility
+  of the market price as if the option were European.
+- Iteration on f(sigma) = V(sigma) - market, one lattice per option per round: a secant step
+  (the first a Newton step with the closed form's vega), kept inside the bracket of the points
+  known below and above the root, bisection where a step leaves it. A tree's lattice exists for
+  an interval of volatilities (p in (0, 1), node prices within FP64's range): a sigma without one
+  narrows the bracket from its side of the priced points, so the search stays where it exists.
+- Converged: |f| <= PRICE_TOLERANCE max(market, 1e-8 K) and the sigma error |f| / slope estimated
+  below SIGMA_TOLERANCE (or the bracket narrower than it). A market price below the lattice's
+  price at its smallest volatility, or above it at SIGMA_HIGH, has no answer in the search range.
+- Options take a round each in a pool of a chunk's size: one engine call per round prices every
+  option still searching, and an option that is done leaves it for the next of the queue, so the
+  engine's calls stay full while options converge at their own speeds.
+
+An option's rounds depend on its own values only, so its answer does not depend on the pool it
+shared, the chunks or the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from pricer.model.greeks import Analytics
+from pricer.model.lattice import lattice_parameters_where
+
+# Statuses beside pricer/model/validity.py's (1-6: the option could not be solved for at all).
+CONVERGED = 0
+NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED = 20, 21, 22
+REASONS = {
+    NO_TIME_VALUE: "the market price is at or below 0 or, for an American option, its payoff now, "
+                   "or below its lattice price at the smallest volatility the search tries "
+                   "(or the tree takes): no volatility gives it",
+    ABOVE_BOUND: "the market price is at or above the no-arbitrage upper bound (a call: S0; a "
+                 "put: K, K e^-rT if European), or above its lattice price at the largest "
+                 f"volatility the search tries ({10.0:g}, or the tree takes)",
+    NOT_CONVERGED: "the search did not converge in its rounds",
+}
+
+NAMES = {CONVERGED: "converged", NO_TIME_VALUE: "no time value", ABOVE_BOUND: "above the bound",
+         NOT_CONVERGED: "not converged"}
+
+
+def statuses_text(status: np.ndarray) -> str:
+    """'980 converged, 20 no time value (status 20), 3 skipped (status 2)': a run's statuses."""
+    codes, counts = np.unique(status, return_counts=True)
+    return ", ".join(f"{count} {NAMES.get(int(code), 'skipped')}"
+                     + (f" (status {int(code)})" if code else "")
+                     for code, count in zip(codes, counts))
+
+
+SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
+PRICE_TOLERANCE = 1e-10              # |V(sigma) - market| <= this * max(market, 1e-8 K)
+PRICE_FLOOR = 1e-8                   # ... relative to K, for market prices near 0
+SIGMA_TOLERANCE = 1e-11              # estimated |sigma - root| at convergence ...
+FLAT_VEGA = 1e-4                     # ... where dV/dsigma >= this * K
+MAX_ROUNDS = 100                     # bisection alone narrows [SIGMA_LOW, SIGMA_HIGH] below
+                                     # 1e-15 relative in ~70 rounds
+PROBE = 0.25                         # where a search whose start has no lattice looks next
+GROWTH = 4.0                         # the most sigma moves a round toward an end not yet priced
+EXPECTED_ROUNDS = 6                  # the cost model's lattices per option (measured 4-7)
+OUTPUTS = ("price", "implied_volatility", "iterations")
+
+
+@dataclass(frozen=True)
+class ImpliedVolatility(Analytics):
+    """A run that solves for the volatility: its outputs per option (the lattice price at the
+    answer, the answer, the rounds it took; the status follows them, RunConfig.outputs), and its
+    lattices: one per option per round, EXPECTED_ROUNDS of them in the cost model."""
+
+    @property
+    def outputs(self) -> tuple:
+        return OUTPUTS
+
+    @property
+    def implied(self) -> bool:
+        return True
+
+    @property
+    def rounds(self) -> int:
+        return EXPECTED_ROUNDS
+
+    def described_lattices(self, cols: dict) -> list:
+        return [("the option's own lattice", cols)]
+
+
+# ---------------------------------------------------------------- bounds and the European start
+
+def bounds_status(cols: dict, market: np.ndarray) -> np.ndarray:
+    """NO_TIME_VALUE or ABOVE_BOUND where the market price is outside the bounds every lattice of
+    the option keeps (the module doc), else CONVERGED (to be solved)."""
+    spot, strike = cols["spot"], cols["strike"]
+    call, american = np.asarray(cols["call"], bool), np.asarray(cols["american"], bool)
+    payoff_now = np.where(call, spot - strike, strike - spot)
+    floor = np.where(american, np.maximum(payoff_now, 0.0), 0.0)
+    ceiling = np.where(call, spot, np.where(american, strike,
+                                            strike * np.exp(-cols["rate"] * cols["maturity"])))
+    status = np.full(market.shape, CONVERGED, dtype=np.int8)
+    status[market <= floor] = NO_TIME_VALUE
+    status[market >= ceiling] = ABOVE_BOUND
+    return status
+
+
+@numba.njit(cache=True)
+def _normal_cdf(x):
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+@numba.njit(cache=True)
+def _black_scholes(spot, strike, maturity, rate, dividend, sigma, call):
+    """(price, vega) of a European option."""
+    root = sigma * math.sqrt(maturity)
+    forward = spot * math.exp(-dividend * maturity)
+    discounted = strike * math.exp(-rate * maturity)
+    d1 = (math.log(forward / discounted) + 0.5 * root * root) / root
+    d2 = d1 - root
+    vega = forward * math.exp(-0.5 * d1 * d1) / math.sqrt(2.0 * math.pi) * math.sqrt(maturity)
+    if call:
+        return forward * _normal_cdf(d1) - discounted * _normal_cdf(d2), vega
+    return discounted * _normal_cdf(-d2) - forward * _normal_cdf(-d1), vega
+
+
+@numba.njit(cache=True)
+def _european_start(spot, strike, maturity, rate, dividend, call, market, low, high):
+    """Per option, the Black–Scholes implied volatility of `market` (Newton kept in a bisection
+    bracket, in [low, high]): a start, so a few correct digits are enough."""
+    n = spot.shape[0]
+    out = np.empty(n)
+    for i in range(n):
+        lo, hi = low, high
+        x = 0.3
+        for _ in range(40):
+            value, vega = _black_scholes(spot[i], strike[i], maturity[i], rate[i], dividend[i],
+                                         x, call[i])
+            diff = value - market[i]
+            if diff > 0.0:
+                hi = x
+            else:
+                lo = x
+            if abs(diff) <= 1e-6 * market[i]:
+                break
+            step = x - diff / vega if vega > 0.0 else -1.0
+            x = step if lo < step < hi else 0.5 * (lo + hi)
+        out[i] = x
+    return out
+
+
+def european_start(cols: dict, market: np.ndarray) -> np.ndarray:
+    """The Black–Scholes implied volatility of each market price, as if European, in
+    [SIGMA_LOW, SIGMA_HIGH] (the search's start)."""
+    f = lambda name: np.ascontiguousarray(cols[name], dtype=np.float64)  # noqa: E731
+    return _european_start(f("spot"), f("strike"), f("maturity"), f("rate"), f("dividend"),
+                           np.ascontiguousarray(cols["call"], dtype=np.bool_),
+                           np.ascontiguousarray(market, dtype=np.float64), SIGMA_LOW, SIGMA_HIGH)
+
+
+@numba.njit(cache=True)
+def _vegas(spot, strike, maturity, rate, dividend, sigma, call):
+    out = np.empty(spot.shape[0])
+    for i in range(spot.shape[0]):
+        out[i] = _black_scholes(spot[i], strike[i], maturity[i], rate[i], dividend[i], sigma[i],
+                                call[i])[1]
+    return out
+
+
+# -------------------------------------------------------------------------------- the search
+
+# how a bracket's end is known: the search range's end (not priced), a priced point, a sigma whose
+# lattice does not exist
+EDGE, PRICED, NO_LATTICE = 0, 1, 2
+
+
+class Search:
+    """The searches of a pool of options, a row per option (struct of arrays). `cols` are the
+    options' columns (pricer.io.portfolio.columns_from_matrix), `market` their market prices,
+    `start` their first volatility."""
+
+    def __init__(self, cols: dict, market: np.ndarray, start: np.ndarray):
+        n = market.shape[0]
+        self.cols, self.market = cols, market
+        self.tolerance = PRICE_TOLERANCE * np.maximum(market, PRICE_FLOOR * cols["strike"])
+        self.x = np.clip(start, SIGMA_LOW, SIGMA_HIGH)
+        self.lo, self.hi = np.full(n, SIGMA_LOW), np.full(n, SIGMA_HIGH)
+        self.lo_kind, self.hi_kind = np.full(n, EDGE, np.int8), np.full(n, EDGE, np.int8)
+        self.xp, self.fp = np.full(n, np.nan), np.full(n, np.nan)   # the last priced point
+        self.rounds = np.zeros(n, dtype=np.int64)
+        self.status = np.full(n, -1, dtype=np.int8)                 # -1: searching
+        self.price = np.full(n, np.nan)
+
+    def step(self, rows: np.ndarray, values: np.ndarray, exists: np.ndarray):
+        """One round of the options `rows` (searching), priced at self.x[rows]: `values` their
+        lattice prices (NaN where no lattice), `exists` where there was one. Sets the next x, or
+        a status."""
+        x, f = self.x[rows], values - self.market[rows]
+        tol = self.tolerance[rows]
+        self.rounds[rows] += 1
+        lo, hi = self.lo[rows], self.hi[rows]
+        lo_kind, hi_kind = self.lo_kind[rows], self.hi_kind[rows]
+        priced = exists
+        xp, fp = self.xp[rows], self.fp[rows]
+        # a tree's lattice exists for the volatilities of an interval: a sigma without one is
+        # beyond the interval's end on its side of a priced point (neither its fault nor sigma
+        # says which: QuantLib's trees lose p in (0, 1) at large volatilities too, lr's nodes
+        # leave FP64's range at tiny ones); before any point is priced, the search probes
+        seen = np.isfinite(xp)
+        probe = ~priced & ~seen
+        high = ~priced & seen & (x > xp)
+        low = ~priced & seen & (x < xp)
+        # the slope of f near x: the secant through the last two priced points, else the
+        # closed form's vega (the lattice's is close to it)
+        with np.errstate(all="ignore"):
+            secant = (f - fp) / (x - xp)
+            slope = np.where(np.isfinite(secant) & (secant > 0.0), secant, self._vega(rows, x))
+            close = priced & (np.abs(f) <= tol)
+            # sigma is pinned where the slope is; where it is below FLAT_VEGA K, a band of sigmas
+            # prices within the tolerance, and the price is what the answer promises
+            flat = slope < FLAT_VEGA * self.cols["strike"][rows]
+            done = close & ((np.abs(f) <= SIGMA_TOLERANCE * slope) | flat
+                            | (hi - lo <= SIGMA_TOLERANCE) | (self.rounds[rows] >= MAX_ROUNDS))
+        status = np.full(rows.shape, -1, np.int8)
+        status[done] = CONVERGED
+        # the bracket: a priced point below the root raises lo, above lowers hi; a sigma with no
+        # lattice moves the end on its side
+        below = priced & (f < 0.0) & ~done
+        above = priced & (f > 0.0) & ~done
+        lo = np.where(below | low, x, lo)
+        lo_kind = np.where(below, PRICED, np.where(low, NO_LATTICE, lo_kind))
+        hi = np.where(above | high, x, hi)
+        hi_kind = np.where(above, PRICED, np.where(high, NO_LATTICE, hi_kind))
+        # the ends of the range priced and still beyond the root: no volatility in the range
+        status[above & (x <= SIGMA_LOW)] = NO_TIME_VALUE
+        status[below & (x >= SIGMA_HIGH)] = ABOVE_BOUND
+        # ... or the bracket closed on the edge of the lattice's existence, the root beyond it
+        closed = hi - lo <= SIGMA_TOLERANCE * np.maximum(hi, 1.0)
+        status[(status < 0) & closed & (lo_kind == NO_LATTICE)] = NO_TIME_VALUE
+        status[(status < 0) & closed & (hi_kind == NO_LATTICE)] = ABOVE_BOUND
+        status[(status < 0) & (self.rounds[rows] >= MAX_ROUNDS)] = NOT_CONVERGED
+        # the next x: a secant (or Newton) step where it stays inside the bracket, else bisection;
+        # toward an end of the range not yet priced, at most a factor GROWTH a round (the range's
+        # end at most): a lattice price need not rise with sigma far from the root (QuantLib's
+        # trees' fall again at volatilities of several hundred per cent)
+        with np.errstate(all="ignore"):
+            step = x - f / slope
+            inside = priced & np.isfinite(step) & (step > lo) & (step < hi)
+            wide = hi > 4.0 * lo
+            middle = np.where(wide, np.sqrt(lo * hi), 0.5 * (lo + hi))
+            nxt = np.where(inside, step, middle)
+            want = np.where(np.isfinite(step), step, middle)
+            to_low = priced & (want <= x) & (lo_kind == EDGE) & (hi_kind != EDGE)
+            to_high = priced & (want >= x) & (hi_kind == EDGE) & (lo_kind != EDGE)
+        nxt = np.where(to_low, np.maximum(np.maximum(want, x / GROWTH), SIGMA_LOW), nxt)
+        nxt = np.where(to_high, np.minimum(np.minimum(want, x * GROWTH), SIGMA_HIGH), nxt)
+        # a secant that keeps landing on one side shrinks the bracket slowly: every third round
+        # of a search bisects
+        slow = (self.rounds[rows] % 3 == 0) & (lo_kind == PRICED) & (hi_kind == PRICED)
+        nxt = np.where(slow, middle, nxt)
+        nxt = np.where(probe, np.where(x < PROBE, PROBE, x / GROWTH), nxt)
+        self.lo[rows], self.hi[rows] = lo, hi
+        self.lo_kind[rows], self.hi_kind[rows] = lo_kind, hi_kind
+        self.xp[rows] = np.where(priced, x, xp)
+        self.fp[rows] = np.where(priced, f, fp)
+        self.price[rows] = np.where(done, values, np.nan)
+        self.x[rows] = np.where(status < 0, nxt, x)
+        self.status[rows] = status
+
+    def _vega(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        c = self.cols
+        f = lambda name: np.ascontiguousarray(c[name][rows], dtype=np.float64)  # noqa: E731
+        return _vegas(f("spot"), f("strike"), f("maturity"), f("rate"), f("dividend"),
+                      np.ascontiguousarray(x), np.ascontiguousarray(c["call"][rows], np.bool_))
+
+
+class Solver:
+    """The implied volatilities of the options in `cols` (columns_from_matrix's, tree codes in
+    "tree") at market prices `market`, priced by `engine` on `tree`. `guess`: a start per option
+    (NaN: none, the European implied volatility is taken). Options enter a pool of at most
+    `pool_rows` options and `pool_nodes` lattice nodes, in order, as others leave it.
+    rounds() runs the search; results() is its outcome."""
+
+    def __init__(self, engine, cols: dict, market: np.ndarray, tree: str,
+                 guess: np.ndarray | None = None, pool_rows: int | None = None,
+                 pool_nodes: float | None = None):
+        from pricer.model.cost import lattice_nodes
+
+        market = np.asarray(market, dtype=np.float64)
+        self.engine, self.cols, self.tree = engine, cols, tree
+        status = bounds_status(cols, market)
+        start = european_start(cols, market)
+        if guess is not None:
+            start = np.where(np.isfinite(guess) & (guess > 0.0), guess, start)
+        self.search = Search(cols, market, start)
+        self.search.status[status != CONVERGED] = status[status != CONVERGED]
+        self.pool_rows = market.shape[0] if pool_rows is None else max(1, int(pool_rows))
+        self.pool_nodes = math.inf if pool_nodes is None else float(pool_nodes)
+        self.nodes = lattice_nodes(cols["steps"])
+
+    def rounds(self):
+        """Round after round until every search has ended: after each, yields how many of the
+        first options are finished (every one before the first still searching)."""
+        search, nodes = self.search, self.nodes
+        queue = np.flatnonzero(search.status < 0)       # in order
+        head, active = 0, np.empty(0, dtype=np.int64)
+        n = search.status.shape[0]
+        while head < queue.size or active.size:
+            # refill: the queue's next options while the pool has room (one option at least)
+            if head < queue.size and active.size < self.pool_rows:
+                take = queue[head:head + self.pool_rows - active.size]
+                room = self.pool_nodes - float(nodes[active].sum())
+                count = int(np.searchsorted(np.cumsum(nodes[take]), room, side="right"))
+                count = max(count, 0 if active.size else 1)
+                active = np.concatenate([active, take[:count]])
+                head += count
+            _price_round(self.engine, search, active, self.cols, self.tree)
+            active = active[search.status[active] < 0]
+            waiting = [int(queue[head])] if head < queue.size else []
+            if active.size:
+                waiting.append(int(active.min()))
+            yield min(waiting) if waiting else n
+
+    def results(self) -> dict:
+        """implied_volatility (NaN where there is none), price (the lattice price at it),
+        iterations (lattices priced), status (CONVERGED or a reason, REASONS)."""
+        search = self.search
+        return dict(implied_volatility=np.where(search.status == CONVERGED, search.x, np.nan),
+                    price=search.price, iterations=search.rounds.astype(np.float64),
+                    status=search.status)
+
+
+def solve(engine, cols: dict, market: np.ndarray, tree: str, guess: np.ndarray | None = None,
+          pool_rows: int | None = None, pool_nodes: float | None = None) -> dict:
+    """Solver's results, searched to the end."""
+    solver = Solver(engine, cols, market, tree, guess, pool_rows, pool_nodes)
+    for _ in solver.rounds():
+        pass
+    return solver.results()
+
+
+def _price_round(engine, search: Search, rows: np.ndarray, cols: dict, tree: str) -> None:
+    """Every option of `rows` priced once at its x, by one engine call, and its search stepped."""
+    part = {key: value[rows] for key, value in cols.items()}
+    part["volatility"] = search.x[rows]
+    params, exists = lattice_parameters_where(part, tree)
+    values = np.full(rows.size, np.nan)
+    if exists.any():
+        values[exists] = engine.price(params)
+    search.step(rows, values, exists)
