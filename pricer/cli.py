@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("batch", help="the batch backend on U/R/S portfolios and NVIDIA's sample workload")
     from pricer.tools.bench_batch import add_arguments as batch_arguments
     batch_arguments(b)
+    b = which.add_parser("implied-vol", help="American implied volatilities per second beside "
+                                              "QuantLib's Brent on its binomial engine")
+    from pricer.tools.bench_implied import add_arguments as implied_arguments
+    implied_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
     from pricer.tools.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
@@ -259,6 +263,10 @@ def _bench(args) -> int:
         from pricer.tools.bench_batch import bench_batch
         bench_batch(quick=args.quick, repeats=args.repeats, out=args.out,
                     min_seconds=args.min_seconds)
+        return 0
+    if args.what == "implied-vol":
+        from pricer.tools.bench_implied import bench_implied
+        bench_implied(args)
         return 0
     if args.what == "accuracy":
         from pricer.tools.bench_accuracy import run as bench_accuracy

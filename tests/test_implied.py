@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pricer
+from gpu_cases import needs_gpu
 from helpers import run_pricer
 from pricer.engines.cpu.parallel import CpuEngine
 from pricer.io.portfolio import Portfolio, write_portfolio
@@ -198,6 +199,41 @@ def test_agrees_with_quantlib_brent_on_the_same_tree(rng, tree):
     assert ok[firm].all()
     difference = np.abs(ours["implied_volatility"].to_numpy() - theirs)[firm]
     assert (difference <= 1e-8).all(), difference.max()
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["batch", "gpu", "hybrid"])
+def test_every_gpu_backend_solves_as_the_cpu_does(rng, backend):
+    book = random_book(rng, 400, TREES, steps=(16, 700))
+    given = market_book(book)
+    got = pricer.implied_volatility(given, backend=backend)
+    check_accuracy(given | {"volatility": book["volatility"]}, got)
+    cpu = pricer.implied_volatility(given, backend="cpu")
+    both = (got["status"].to_numpy() == CONVERGED) & (cpu["status"].to_numpy() == CONVERGED)
+    firm = lattice_vega(book) > 1e-4 * book["strike"]
+    gap = np.abs(got["implied_volatility"].to_numpy() - cpu["implied_volatility"].to_numpy())
+    assert (gap[both & firm] <= 1e-9).all(), gap[both & firm].max()
+    # the price at the answer is the backend's own lattice price there, bitwise
+    ok = got["status"].to_numpy() == CONVERGED
+    again = pricer.price(dict(book, volatility=np.where(ok, got["implied_volatility"], 0.2)),
+                         backend=backend)
+    assert np.array_equal(again["price"].to_numpy()[ok], got["price"].to_numpy()[ok])
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_command_on_the_gpu_under_mpiexec_matches_the_api(tmp_path, rng):
+    book = market_book(random_book(rng, 500, TREES, steps=(16, 700)))
+    write_book(tmp_path / "book.h5", book)
+    expected = pricer.implied_volatility(book, backend="batch")
+    out = tmp_path / "out.h5"
+    done = run_pricer(["implied-vol", str(tmp_path / "book.h5"), "-o", str(out), "--backend",
+                       "batch"], ranks=2)
+    assert done.returncode == 0, done.stderr
+    got = read_results(str(out))
+    for name in ("implied_volatility", "price", "status", "iterations"):
+        assert np.array_equal(got[name], expected[name].to_numpy(), equal_nan=True), name
 
 
 # ---------------------------------------------------------------------------------- the command

@@ -28,6 +28,7 @@ shared, the chunks or the ranks.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -113,12 +114,12 @@ def bounds_status(cols: dict, market: np.ndarray) -> np.ndarray:
     return status
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _normal_cdf(x):
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model="numpy")
 def _black_scholes(spot, strike, maturity, rate, dividend, sigma, call):
     """(price, vega) of a European option."""
     root = sigma * math.sqrt(maturity)
@@ -132,13 +133,13 @@ def _black_scholes(spot, strike, maturity, rate, dividend, sigma, call):
     return discounted * _normal_cdf(-d2) - forward * _normal_cdf(-d1), vega
 
 
-@numba.njit(cache=True)
+@numba.njit(parallel=True, cache=True, error_model="numpy")
 def _european_start(spot, strike, maturity, rate, dividend, call, market, low, high):
     """Per option, the Black–Scholes implied volatility of `market` (Newton kept in a bisection
     bracket, in [low, high]): a start, so a few correct digits are enough."""
     n = spot.shape[0]
     out = np.empty(n)
-    for i in range(n):
+    for i in numba.prange(n):
         lo, hi = low, high
         x = 0.3
         for _ in range(40):
@@ -164,15 +165,6 @@ def european_start(cols: dict, market: np.ndarray) -> np.ndarray:
     return _european_start(f("spot"), f("strike"), f("maturity"), f("rate"), f("dividend"),
                            np.ascontiguousarray(cols["call"], dtype=np.bool_),
                            np.ascontiguousarray(market, dtype=np.float64), SIGMA_LOW, SIGMA_HIGH)
-
-
-@numba.njit(cache=True)
-def _vegas(spot, strike, maturity, rate, dividend, sigma, call):
-    out = np.empty(spot.shape[0])
-    for i in range(spot.shape[0]):
-        out[i] = _black_scholes(spot[i], strike[i], maturity[i], rate[i], dividend[i], sigma[i],
-                                call[i])[1]
-    return out
 
 
 # -------------------------------------------------------------------------------- the search
@@ -202,84 +194,105 @@ class Search:
     def step(self, rows: np.ndarray, values: np.ndarray, exists: np.ndarray):
         """One round of the options `rows` (searching), priced at self.x[rows]: `values` their
         lattice prices (NaN where no lattice), `exists` where there was one. Sets the next x, or
-        a status."""
-        x, f = self.x[rows], values - self.market[rows]
-        tol = self.tolerance[rows]
-        self.rounds[rows] += 1
-        lo, hi = self.lo[rows], self.hi[rows]
-        lo_kind, hi_kind = self.lo_kind[rows], self.hi_kind[rows]
-        priced = exists
-        xp, fp = self.xp[rows], self.fp[rows]
-        # a tree's lattice exists for the volatilities of an interval: a sigma without one is
-        # beyond the interval's end on its side of a priced point (neither its fault nor sigma
-        # says which: QuantLib's trees lose p in (0, 1) at large volatilities too, lr's nodes
-        # leave FP64's range at tiny ones); before any point is priced, the search probes
-        seen = np.isfinite(xp)
-        probe = ~priced & ~seen
-        high = ~priced & seen & (x > xp)
-        low = ~priced & seen & (x < xp)
-        # the slope of f near x: the secant through the last two priced points, else the
-        # closed form's vega (the lattice's is close to it)
-        with np.errstate(all="ignore"):
-            secant = (f - fp) / (x - xp)
-            slope = np.where(np.isfinite(secant) & (secant > 0.0), secant, self._vega(rows, x))
-            close = priced & (np.abs(f) <= tol)
-            # sigma is pinned where the slope is; where it is below FLAT_VEGA K, a band of sigmas
-            # prices within the tolerance, and the price is what the answer promises
-            flat = slope < FLAT_VEGA * self.cols["strike"][rows]
-            done = close & ((np.abs(f) <= SIGMA_TOLERANCE * slope) | flat
-                            | (hi - lo <= SIGMA_TOLERANCE) | (self.rounds[rows] >= MAX_ROUNDS))
-        status = np.full(rows.shape, -1, np.int8)
-        status[done] = CONVERGED
-        # the bracket: a priced point below the root raises lo, above lowers hi; a sigma with no
-        # lattice moves the end on its side
-        below = priced & (f < 0.0) & ~done
-        above = priced & (f > 0.0) & ~done
-        lo = np.where(below | low, x, lo)
-        lo_kind = np.where(below, PRICED, np.where(low, NO_LATTICE, lo_kind))
-        hi = np.where(above | high, x, hi)
-        hi_kind = np.where(above, PRICED, np.where(high, NO_LATTICE, hi_kind))
-        # the ends of the range priced and still beyond the root: no volatility in the range
-        status[above & (x <= SIGMA_LOW)] = NO_TIME_VALUE
-        status[below & (x >= SIGMA_HIGH)] = ABOVE_BOUND
-        # ... or the bracket closed on the edge of the lattice's existence, the root beyond it
-        closed = hi - lo <= SIGMA_TOLERANCE * np.maximum(hi, 1.0)
-        status[(status < 0) & closed & (lo_kind == NO_LATTICE)] = NO_TIME_VALUE
-        status[(status < 0) & closed & (hi_kind == NO_LATTICE)] = ABOVE_BOUND
-        status[(status < 0) & (self.rounds[rows] >= MAX_ROUNDS)] = NOT_CONVERGED
-        # the next x: a secant (or Newton) step where it stays inside the bracket, else bisection;
-        # toward an end of the range not yet priced, at most a factor GROWTH a round (the range's
-        # end at most): a lattice price need not rise with sigma far from the root (QuantLib's
-        # trees' fall again at volatilities of several hundred per cent)
-        with np.errstate(all="ignore"):
-            step = x - f / slope
-            inside = priced & np.isfinite(step) & (step > lo) & (step < hi)
-            wide = hi > 4.0 * lo
-            middle = np.where(wide, np.sqrt(lo * hi), 0.5 * (lo + hi))
-            nxt = np.where(inside, step, middle)
-            want = np.where(np.isfinite(step), step, middle)
-            to_low = priced & (want <= x) & (lo_kind == EDGE) & (hi_kind != EDGE)
-            to_high = priced & (want >= x) & (hi_kind == EDGE) & (lo_kind != EDGE)
-        nxt = np.where(to_low, np.maximum(np.maximum(want, x / GROWTH), SIGMA_LOW), nxt)
-        nxt = np.where(to_high, np.minimum(np.minimum(want, x * GROWTH), SIGMA_HIGH), nxt)
-        # a secant that keeps landing on one side shrinks the bracket slowly: every third round
-        # of a search bisects
-        slow = (self.rounds[rows] % 3 == 0) & (lo_kind == PRICED) & (hi_kind == PRICED)
-        nxt = np.where(slow, middle, nxt)
-        nxt = np.where(probe, np.where(x < PROBE, PROBE, x / GROWTH), nxt)
-        self.lo[rows], self.hi[rows] = lo, hi
-        self.lo_kind[rows], self.hi_kind[rows] = lo_kind, hi_kind
-        self.xp[rows] = np.where(priced, x, xp)
-        self.fp[rows] = np.where(priced, f, fp)
-        self.price[rows] = np.where(done, values, np.nan)
-        self.x[rows] = np.where(status < 0, nxt, x)
-        self.status[rows] = status
-
-    def _vega(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        a status (_step)."""
         c = self.cols
-        f = lambda name: np.ascontiguousarray(c[name][rows], dtype=np.float64)  # noqa: E731
-        return _vegas(f("spot"), f("strike"), f("maturity"), f("rate"), f("dividend"),
-                      np.ascontiguousarray(x), np.ascontiguousarray(c["call"][rows], np.bool_))
+        _step(rows, values, exists, self.x, self.market, self.tolerance, self.lo, self.hi,
+              self.lo_kind, self.hi_kind, self.xp, self.fp, self.rounds, self.status, self.price,
+              c["spot"], c["strike"], c["maturity"], c["rate"], c["dividend"], c["call"])
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _step(rows, values, exists, x, market, tolerance, lo, hi, lo_kind, hi_kind, xp, fp, rounds,
+          status, price, spot, strike, maturity, rate, dividend, call):
+    """Search.step, option by option (the searches are independent: one pass in parallel). A
+    division by zero gives inf or NaN (error_model "numpy"), which the steps' guards send to
+    bisection."""
+    for k in numba.prange(rows.shape[0]):
+        i = rows[k]
+        xi = x[i]
+        rounds[i] += 1
+        last = rounds[i] >= MAX_ROUNDS
+        seen = math.isfinite(xp[i])
+        if not exists[k]:
+            # a tree's lattice exists for the volatilities of an interval: a sigma without one
+            # is beyond the interval's end on its side of a priced point (neither its fault nor
+            # sigma says which: QuantLib's trees lose p in (0, 1) at large volatilities too, lr's
+            # nodes leave FP64's range at tiny ones); before any point is priced, it probes
+            if not seen:
+                if last:
+                    status[i] = NOT_CONVERGED
+                x[i] = PROBE if xi < PROBE else xi / GROWTH
+                continue
+            if xi > xp[i]:
+                hi[i], hi_kind[i] = xi, NO_LATTICE
+            else:
+                lo[i], lo_kind[i] = xi, NO_LATTICE
+            f = slope = math.nan
+        else:
+            f = values[k] - market[i]
+            # the slope of f near x: the secant through the last two priced points, else the
+            # closed form's vega (the lattice's is close to it)
+            secant = (f - fp[i]) / (xi - xp[i]) if seen and xi != xp[i] else math.nan
+            slope = secant
+            if not (math.isfinite(secant) and secant > 0.0):
+                slope = _black_scholes(spot[i], strike[i], maturity[i], rate[i], dividend[i], xi,
+                                       call[i])[1]
+            # sigma is pinned where the slope is; below FLAT_VEGA K, a band of sigmas prices
+            # within the tolerance, and the price is what the answer promises
+            if abs(f) <= tolerance[i] and (abs(f) <= SIGMA_TOLERANCE * slope
+                                           or slope < FLAT_VEGA * strike[i]
+                                           or hi[i] - lo[i] <= SIGMA_TOLERANCE or last):
+                status[i], price[i] = CONVERGED, values[k]
+                continue
+            # the bracket; the range's ends priced and still beyond the root: no answer in it
+            if f < 0.0:
+                lo[i], lo_kind[i] = xi, PRICED
+                if xi >= SIGMA_HIGH:
+                    status[i] = ABOVE_BOUND
+                    continue
+            else:
+                hi[i], hi_kind[i] = xi, PRICED
+                if xi <= SIGMA_LOW:
+                    status[i] = NO_TIME_VALUE
+                    continue
+            xp[i], fp[i] = xi, f
+        # ... or the bracket closed on the edge of the lattice's existence, the root beyond it
+        if hi[i] - lo[i] <= SIGMA_TOLERANCE * max(hi[i], 1.0):
+            if lo_kind[i] == NO_LATTICE:
+                status[i] = NO_TIME_VALUE
+                continue
+            if hi_kind[i] == NO_LATTICE:
+                status[i] = ABOVE_BOUND
+                continue
+        if last:
+            status[i] = NOT_CONVERGED
+            continue
+        # where two priced points show f flat (a deep out-of-the-money lattice worth 0 over a
+        # range of sigmas) or falling, a Newton step with the closed form's vega would crawl:
+        # bisect (or grow toward an end not yet priced) instead
+        if seen and not (secant > 0.0):
+            slope = math.nan
+        x[i] = _next(xi, f, slope, lo[i], hi[i], lo_kind[i], hi_kind[i], rounds[i])
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _next(x, f, slope, lo, hi, lo_kind, hi_kind, rounds):
+    """The next sigma: a secant (or Newton) step where it stays inside the bracket, else
+    bisection (geometric while the bracket is wide); toward an end of the range not yet priced,
+    at most a factor GROWTH a round (the range's end at most): a lattice price need not rise with
+    sigma far from the root (QuantLib's trees' fall again at volatilities of several hundred per
+    cent). A secant that keeps landing on one side shrinks the bracket slowly: every third round
+    of a bracketed search bisects."""
+    middle = math.sqrt(lo * hi) if hi > 4.0 * lo else 0.5 * (lo + hi)
+    if rounds % 3 == 0 and lo_kind == PRICED and hi_kind == PRICED:
+        return middle
+    step = x - f / slope
+    want = step if math.isfinite(step) else middle
+    if math.isfinite(f) and want <= x and lo_kind == EDGE and hi_kind != EDGE:
+        return max(want, x / GROWTH, SIGMA_LOW)
+    if math.isfinite(f) and want >= x and hi_kind == EDGE and lo_kind != EDGE:
+        return min(want, x * GROWTH, SIGMA_HIGH)
+    return step if math.isfinite(step) and lo < step < hi else middle
 
 
 class Solver:
@@ -295,6 +308,11 @@ class Solver:
         from pricer.model.cost import lattice_nodes
 
         market = np.asarray(market, dtype=np.float64)
+        # the columns a lattice needs, one contiguous row each (a round gathers its options'
+        # from them in parallel: _take); the volatility is the search's
+        self.table = np.stack([np.asarray(cols.get(name, np.full(market.shape, -1)), np.float64)
+                               for name in TABLE])
+        cols = {name: self.table[j] for j, name in enumerate(TABLE)}
         self.engine, self.cols, self.tree = engine, cols, tree
         status = bounds_status(cols, market)
         start = european_start(cols, market)
@@ -322,12 +340,48 @@ class Solver:
                 count = max(count, 0 if active.size else 1)
                 active = np.concatenate([active, take[:count]])
                 head += count
-            _price_round(self.engine, search, active, self.cols, self.tree)
+            self._round(active)
             active = active[search.status[active] < 0]
             waiting = [int(queue[head])] if head < queue.size else []
             if active.size:
                 waiting.append(int(active.min()))
             yield min(waiting) if waiting else n
+
+    def _round(self, rows: np.ndarray) -> None:
+        """Every option of `rows` priced once at its x and its search stepped: in slices of
+        SLICE_ROWS, each slice's lattice parameters built on a thread of the pool while the
+        engine prices the slice before it (numpy and numba let the GIL go), so that the host's
+        work of a round runs on several cores and beside the engine's. An option's price does
+        not depend on the call that prices it."""
+        slices = np.array_split(rows, max(1, min(SLICES, rows.size // SLICE_ROWS)))
+        if len(slices) == 1:
+            self._price(rows, *self._lattices(rows))
+            return
+        with ThreadPoolExecutor(max_workers=len(slices)) as pool:
+            built = [pool.submit(self._lattices, part) for part in slices]
+            for part, lattices in zip(slices, built):
+                self._price(part, *lattices.result())
+
+    def _lattices(self, rows: np.ndarray):
+        """lattice_parameters_where of options `rows` at their x."""
+        part = self.part(rows)
+        part["volatility"] = self.search.x[rows]
+        return lattice_parameters_where(part, self.tree)
+
+    def _price(self, rows: np.ndarray, params, exists: np.ndarray) -> None:
+        values = np.full(rows.size, np.nan)
+        if exists.any():
+            values[exists] = self.engine.price(params)
+        self.search.step(rows, values, exists)
+
+    def part(self, rows: np.ndarray) -> dict:
+        """The columns of options `rows`, typed as columns_from_matrix types them."""
+        table = _take(self.table, rows)
+        part = {name: table[j] for j, name in enumerate(TABLE)}
+        for name, kind in (("steps", np.int64), ("tree", np.int64), ("call", np.bool_),
+                           ("american", np.bool_)):
+            part[name] = part[name].astype(kind)
+        return part
 
     def results(self) -> dict:
         """implied_volatility (NaN where there is none), price (the lattice price at it),
@@ -347,12 +401,17 @@ def solve(engine, cols: dict, market: np.ndarray, tree: str, guess: np.ndarray |
     return solver.results()
 
 
-def _price_round(engine, search: Search, rows: np.ndarray, cols: dict, tree: str) -> None:
-    """Every option of `rows` priced once at its x, by one engine call, and its search stepped."""
-    part = {key: value[rows] for key, value in cols.items()}
-    part["volatility"] = search.x[rows]
-    params, exists = lattice_parameters_where(part, tree)
-    values = np.full(rows.size, np.nan)
-    if exists.any():
-        values[exists] = engine.price(params)
-    search.step(rows, values, exists)
+SLICES, SLICE_ROWS = 8, 1 << 16   # a round of many options goes to the engine in slices
+
+TABLE = ("spot", "strike", "maturity", "rate", "dividend", "steps", "call", "american", "tree")
+
+
+@numba.njit(nogil=True, cache=True)
+def _take(table, rows):
+    """table[:, rows] (serial: it runs on the threads of Solver._round, and numba's default
+    threading layer takes parallel kernels from one thread at a time)."""
+    out = np.empty((table.shape[0], rows.shape[0]))
+    for k in range(rows.shape[0]):
+        for j in range(table.shape[0]):
+            out[j, k] = table[j, rows[k]]
+    return out

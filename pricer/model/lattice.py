@@ -133,8 +133,9 @@ def _by_tree(cols: dict, tree: str):
     codes = _codes(cols, tree)
     dt, log_up, log_down, p = (np.empty(n) for _ in range(4))
     exists = np.ones(n, dtype=bool)
-    for code in np.unique(codes):
-        rows = slice(None) if (codes == code).all() else np.flatnonzero(codes == code)
+    one = n == 0 or bool((codes == codes[0]).all())
+    for code in codes[:1] if one else np.unique(codes):
+        rows = slice(None) if one else np.flatnonzero(codes == code)
         sub = cols if isinstance(rows, slice) else {k: np.asarray(v)[rows] for k, v in cols.items()}
         (dt[rows], log_up[rows], log_down[rows], p[rows]), faults = \
             _conditions(sub, TREE_NAMES[int(code)])
