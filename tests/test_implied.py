@@ -100,8 +100,8 @@ def test_no_time_value_and_above_bound(rng):
     spot, strike, call = book["spot"], book["strike"], book["call"]
     american = book["american"]
     intrinsic = np.maximum(np.where(call, spot - strike, strike - spot), 0.0)
-    bound = np.where(call, spot, np.where(american, strike,
-                                          strike * np.exp(-book["rate"] * book["maturity"])))
+    grows = np.exp(-np.where(call, book["dividend"], book["rate"]) * book["maturity"])
+    bound = np.where(call, spot, strike) * np.where(call | american, np.maximum(grows, 1), grows)
     kind = np.arange(n) % 3
     price = np.where(kind == 0, np.where(american, intrinsic, 0.0) * 0.999,
                      np.where(kind == 1, bound * 1.0001, market))
@@ -119,6 +119,63 @@ def test_no_time_value_and_above_bound(rng):
                call=np.array([True]), american=np.array([False]), steps=np.array([64]),
                rate=np.array([0.0]), dividend=np.array([0.0]), market_price=np.array([99.99]))
     assert pricer.implied_volatility(one, backend="cpu")["status"][0] == ABOVE_BOUND
+
+
+def test_books_the_bounds_settle_alone_get_their_statuses(tmp_path):
+    """No option left to search: every row still gets its status and NaN, on any rank count."""
+    book = dict(id=np.array([1, 2, 3, 4]), spot=np.array([100.0, 100.0, 100.0, 100.0]),
+                strike=np.array([80.0, 120.0, 80.0, 120.0]), maturity=np.ones(4),
+                rate=np.full(4, 0.03), dividend=np.zeros(4), steps=np.full(4, 100),
+                call=np.array([True, False, True, False]), american=np.ones(4, bool),
+                tree=np.array(["crr"] * 4), market_price=np.array([20.0, 20.0, 100.0, 120.0]))
+    want = [NO_TIME_VALUE, NO_TIME_VALUE, ABOVE_BOUND, ABOVE_BOUND]
+    result = pricer.implied_volatility(book, backend="cpu")
+    assert result["status"].tolist() == want
+    assert result[["implied_volatility", "price"]].isna().all().all()
+    write_book(tmp_path / "book.h5", book)
+    for ranks in (1, 3):
+        out = tmp_path / f"o{ranks}.h5"
+        done = run_pricer(["implied-vol", str(tmp_path / "book.h5"), "-o", str(out), "--backend",
+                           "cpu", "--partition", "count"], ranks=ranks)
+        assert done.returncode == 0, done.stderr
+        got = read_results(str(out))
+        assert got["status"].tolist() == want and np.isnan(got["implied_volatility"]).all()
+        assert np.isnan(got["price"]).all() and (got["iterations"] == 0).all()
+
+
+def test_bounds_with_negative_rates_and_dividends():
+    """An American put's value may pass K where r < 0 (and a call's S0 where q < 0): K e^-rT."""
+    book = dict(id=np.array([1, 2, 3]), spot=np.array([10.0, 100.0, 10.0]),
+                strike=np.array([100.0, 10.0, 100.0]), maturity=np.full(3, 5.0),
+                rate=np.array([-0.05, 0.0, -0.05]), dividend=np.array([0.0, -0.05, 0.0]),
+                volatility=np.full(3, 0.6), steps=np.full(3, 200),
+                call=np.array([False, True, False]), american=np.array([True, True, False]),
+                tree=np.array(["crr"] * 3))
+    given = market_book(book)
+    assert (given["market_price"] > np.minimum(book["spot"], book["strike"]) * 10).all()
+    result = pricer.implied_volatility(given, backend="cpu")
+    assert (result["status"] == CONVERGED).all()
+    assert np.allclose(result["implied_volatility"], 0.6, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("guess", [np.nan, 0.01, 10.0, 1e6, 1e-300])
+def test_hard_starts_find_the_lattice(guess):
+    """Lattices that exist only at large sigma (joshi4 at N = 4 and 7), and QuantLib's trees,
+    whose prices fall again at volatilities of several hundred per cent, from any start."""
+    rows = [("jr", 3, True, True, 95.65, 110.6, 1.407, 0.228, 0.021, 0.1478),
+            ("jr", 2, True, False, 170.8, 130.8, 0.3364, 0.049, 0.00662, 0.5173),
+            ("ql-crr", 267, True, False, 159.1, 126.6, 3.532, 0.0848, 0.0134, 2.109),
+            ("joshi4", 7, True, True, 119.3, 127.3, 0.0004509, 0.0246, 0.0417, 7.467),
+            ("joshi4", 4, True, True, 111.4, 64.37, 5.345, 0.296, 0.0121, 0.5609)]
+    c = list(zip(*rows))
+    book = dict(id=np.arange(1, 6), tree=np.array(c[0]), steps=np.array(c[1]),
+                call=np.array(c[2]), american=np.array(c[3]), spot=np.array(c[4]),
+                strike=np.array(c[5]), maturity=np.array(c[6]), rate=np.array(c[7]),
+                dividend=np.array(c[8]), volatility=np.array(c[9]))
+    given = dict(market_book(book), volatility=np.full(5, guess))
+    result = pricer.implied_volatility(given, backend="cpu")
+    assert (result["status"] == CONVERGED).all(), result
+    assert np.allclose(result["implied_volatility"], book["volatility"], rtol=0, atol=1e-8)
 
 
 def test_pool_size_and_order_do_not_change_an_answer(rng):
@@ -269,6 +326,9 @@ def test_checkpoint_resumes_an_implied_vol_run(tmp_path, rng):
     first = run_pricer(args + ["-o", str(tmp_path / "a.h5")],
                        extra_env={"PRICER_FAULT": "raise:0:3"})
     assert first.returncode != 0 and not (tmp_path / "a.h5").exists()
+    priced = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "p.h5"),
+                         "--backend", "cpu", "--checkpoint", str(tmp_path / "ck")])
+    assert priced.returncode == 2 and "checkpoint" in priced.stderr   # not a pricing run's
     second = run_pricer(args + ["-o", str(tmp_path / "a.h5")])
     assert second.returncode == 0, second.stderr
     assert "of them from the checkpoint" in second.stdout

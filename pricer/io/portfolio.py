@@ -213,7 +213,7 @@ def portfolio_from_columns(book, source: str = "book", values: bool = True) -> P
                          f"{', '.join(ALL_COLUMNS)}", column=unknown[0])
     missing = _missing(names)
     if missing:
-        raise InputError(f"{source}: missing column(s) {', '.join(missing)}", column=missing[0])
+        raise InputError(f"{source}: missing column(s) {_named(missing)}", column=missing[0])
     raw, length = {}, None
     for name in (c for c in ALL_COLUMNS if c in names):
         data = np.asarray(column(name))
@@ -317,7 +317,7 @@ def _checked_group(path: str, f: h5py.File):
                          f"known columns are {', '.join(ALL_COLUMNS)}")
     missing = _missing(g)
     if missing:
-        raise InputError(f"{path}: /{GROUP} is missing column(s) {', '.join(missing)}")
+        raise InputError(f"{path}: /{GROUP} is missing column(s) {_named(missing)}")
     length = None
     names = [name for name in ALL_COLUMNS if name in g]
     for name in names:
@@ -348,6 +348,13 @@ def _missing(names) -> list:
     market price is given (it is then only a start for the implied volatility)."""
     return [c for c in ALL_COLUMNS if c not in names and c not in OPTIONAL_COLUMNS
             and not (c == "volatility" and MARKET_COLUMN in names)]
+
+
+def _named(missing: list) -> str:
+    """The missing columns, as a message names them."""
+    names = ", ".join(missing)
+    return names + (" (or market_price, whose volatilities `pricer implied-vol` solves for)"
+                    if "volatility" in missing else "")
 
 
 def _defaults(raw: dict, count: int) -> None:

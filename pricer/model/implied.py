@@ -3,8 +3,8 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
 
 - Bounds, without a lattice: a market price at or below what every lattice of the option is
   worth at least (0; an American option's payoff now) has no time value to explain
-  (NO_TIME_VALUE), and one at or above what it is worth at most (a call S0; a put K, or K e^{-rT}
-  if European) has no volatility (ABOVE_BOUND). Tighter continuous-time bounds (a European
+  (NO_TIME_VALUE), and one at or above what it is worth at most (a call S0 max(1, e^{-qT}); a put
+  K max(1, e^{-rT}), or K e^{-rT} if European) has no volatility (ABOVE_BOUND). Tighter continuous-time bounds (a European
   option's discounted forward payoff) are not used: QuantLib's trees are not exact martingales,
   and their lattice prices cross those bounds by up to ~1e-3 relative, so the search decides.
 - Start: the volatility column where the book gives one, else the Black–Scholes implied volatility
@@ -43,9 +43,10 @@ NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED = 20, 21, 22
 REASONS = {
     NO_TIME_VALUE: "the market price is at or below 0 or, for an American option, its payoff now, "
                    "or below its lattice price at the smallest volatility the search tries "
-                   "(or the tree takes): no volatility gives it",
-    ABOVE_BOUND: "the market price is at or above the no-arbitrage upper bound (a call: S0; a "
-                 "put: K, K e^-rT if European), or above its lattice price at the largest "
+                   "(or the tree takes; the search takes the price to rise with volatility)",
+    ABOVE_BOUND: "the market price is at or above the no-arbitrage upper bound (a call: "
+                 "S0 max(1, e^-qT); a put: K max(1, e^-rT), K e^-rT if European), or above its "
+                 "lattice price at the largest "
                  f"volatility the search tries ({10.0:g}, or the tree takes)",
     NOT_CONVERGED: "the search did not converge in its rounds",
 }
@@ -69,7 +70,11 @@ SIGMA_TOLERANCE = 1e-11              # estimated |sigma - root| at convergence .
 FLAT_VEGA = 1e-4                     # ... where dV/dsigma >= this * K
 MAX_ROUNDS = 100                     # bisection alone narrows [SIGMA_LOW, SIGMA_HIGH] below
                                      # 1e-15 relative in ~70 rounds
-PROBE = 0.25                         # where a search whose start has no lattice looks next
+START_HIGH = 1.0                     # the highest start: higher volatilities are reached by
+                                     # GROWTH steps, past the lattice prices' rise (a start at
+                                     # SIGMA_HIGH would see QuantLib's trees' fall beyond it)
+PROBES = (0.25, 1.0, 0.05, 4.0, 0.01, SIGMA_HIGH, 0.002, SIGMA_LOW)   # where a search looks for
+                                     # a lattice while none of its sigmas has had one
 GROWTH = 4.0                         # the most sigma moves a round toward an end not yet priced
 EXPECTED_ROUNDS = 6                  # the cost model's lattices per option (measured 4-7)
 OUTPUTS = ("price", "implied_volatility", "iterations")
@@ -106,8 +111,9 @@ def bounds_status(cols: dict, market: np.ndarray) -> np.ndarray:
     call, american = np.asarray(cols["call"], bool), np.asarray(cols["american"], bool)
     payoff_now = np.where(call, spot - strike, strike - spot)
     floor = np.where(american, np.maximum(payoff_now, 0.0), 0.0)
-    ceiling = np.where(call, spot, np.where(american, strike,
-                                            strike * np.exp(-cols["rate"] * cols["maturity"])))
+    growth = np.exp(-np.where(call, cols["dividend"], cols["rate"]) * cols["maturity"])
+    ceiling = np.where(call, spot, strike) * np.where(american | call, np.maximum(growth, 1.0),
+                                                      growth)
     status = np.full(market.shape, CONVERGED, dtype=np.int8)
     status[market <= floor] = NO_TIME_VALUE
     status[market >= ceiling] = ABOVE_BOUND
@@ -183,7 +189,7 @@ class Search:
         n = market.shape[0]
         self.cols, self.market = cols, market
         self.tolerance = PRICE_TOLERANCE * np.maximum(market, PRICE_FLOOR * cols["strike"])
-        self.x = np.clip(start, SIGMA_LOW, SIGMA_HIGH)
+        self.x = np.clip(start, SIGMA_LOW, START_HIGH)
         self.lo, self.hi = np.full(n, SIGMA_LOW), np.full(n, SIGMA_HIGH)
         self.lo_kind, self.hi_kind = np.full(n, EDGE, np.int8), np.full(n, EDGE, np.int8)
         self.xp, self.fp = np.full(n, np.nan), np.full(n, np.nan)   # the last priced point
@@ -219,9 +225,10 @@ def _step(rows, values, exists, x, market, tolerance, lo, hi, lo_kind, hi_kind, 
             # sigma says which: QuantLib's trees lose p in (0, 1) at large volatilities too, lr's
             # nodes leave FP64's range at tiny ones); before any point is priced, it probes
             if not seen:
-                if last:
+                if last or rounds[i] > len(PROBES):
                     status[i] = NOT_CONVERGED
-                x[i] = PROBE if xi < PROBE else xi / GROWTH
+                else:
+                    x[i] = PROBES[rounds[i] - 1]
                 continue
             if xi > xp[i]:
                 hi[i], hi_kind[i] = xi, NO_LATTICE

@@ -300,7 +300,7 @@ def _kept(cfg: RunConfig) -> str:
     """What a run that cannot write its results keeps of its prices."""
     if cfg.checkpoint:
         return (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
-                f"price {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
+                f"{cfg.task} {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
                 f"run's other settings) writes them elsewhere without pricing again")
     return ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
             "are priced, so that a run that cannot write its results can be finished")

@@ -210,4 +210,5 @@ def checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
             "greeks": cfg.greeks,
             "richardson": cfg.richardson, "chunk_nodes": float(nodes),
             "chunk_rows": rows, "chunks": len(grid) - 1,
-            **({"invalid": "skip"} if cfg.invalid == "skip" else {})}  # its chunks hold statuses
+            **({"invalid": "skip"} if cfg.invalid == "skip" else {}),  # its chunks hold statuses
+            **({"task": cfg.task} if cfg.implied else {})}

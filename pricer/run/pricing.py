@@ -83,7 +83,14 @@ def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, t
                 values[mine, -1] = results["status"][lo:hi]
                 yield k
             yielded = ready
-    for k in range(yielded, len(chunks)):     # chunks with no row to solve
+    results = solver.results()      # the chunks left: their rows settled by the bounds alone
+    for k in range(yielded, len(chunks)):
+        lo = starts[k]
+        hi = starts[k + 1] if k + 1 < len(chunks) else rows.size
+        mine = rows[lo:hi]
+        for j, name in enumerate(OUTPUTS):
+            values[mine, j] = results[name][lo:hi]
+        values[mine, -1] = results["status"][lo:hi]
         yield k
 
 
