@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=4096, help="largest N for random (default 4096)")
     p.add_argument("--exercise", choices=EXERCISE, default="mixed",
                    help="american, european or a random mix (default; scenarios are American puts)")
+    p.add_argument("--market-prices", action="store_true",
+                   help="a book for `pricer implied-vol`: market prices (each option's crr lattice "
+                        "price at its drawn volatility, priced here on the CPU) instead of the "
+                        "volatility column")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
 

@@ -34,6 +34,8 @@ with event.install_recorder("numba:compile") as rec:
         pricer.price({k: v[:1] for k, v in cols.items()}, backend=backend, tree="crr")
         pricer.price(cols, backend=backend, richardson=True, invalid="skip")
         pricer.price(warm_books()[3][1], backend=backend)
+        market = dict(cols, market_price=prices["price"].fillna(1.0).to_numpy())
+        pricer.implied_volatility(market, backend=backend, invalid="skip")
         print(backend, np.isfinite(prices["price"]).sum())
 compiled = sorted({ev.data["dispatcher"].py_func.__qualname__ for _, ev in rec.buffer})
 print("compiled:", ",".join(compiled))

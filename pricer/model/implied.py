@@ -107,16 +107,24 @@ class ImpliedVolatility(Analytics):
 def bounds_status(cols: dict, market: np.ndarray) -> np.ndarray:
     """NO_TIME_VALUE or ABOVE_BOUND where the market price is outside the bounds every lattice of
     the option keeps (the module doc), else CONVERGED (to be solved)."""
-    spot, strike = cols["spot"], cols["strike"]
-    call, american = np.asarray(cols["call"], bool), np.asarray(cols["american"], bool)
-    payoff_now = np.where(call, spot - strike, strike - spot)
-    floor = np.where(american, np.maximum(payoff_now, 0.0), 0.0)
-    growth = np.exp(-np.where(call, cols["dividend"], cols["rate"]) * cols["maturity"])
-    ceiling = np.where(call, spot, strike) * np.where(american | call, np.maximum(growth, 1.0),
-                                                      growth)
-    status = np.full(market.shape, CONVERGED, dtype=np.int8)
-    status[market <= floor] = NO_TIME_VALUE
-    status[market >= ceiling] = ABOVE_BOUND
+    f = lambda name: np.ascontiguousarray(cols[name], dtype=np.float64)  # noqa: E731
+    return _bounds(f("spot"), f("strike"), f("maturity"), f("rate"), f("dividend"),
+                   np.ascontiguousarray(cols["call"], dtype=np.bool_),
+                   np.ascontiguousarray(cols["american"], dtype=np.bool_),
+                   np.ascontiguousarray(market, dtype=np.float64))
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _bounds(spot, strike, maturity, rate, dividend, call, american, market):
+    status = np.empty(spot.shape[0], dtype=np.int8)
+    for i in numba.prange(spot.shape[0]):
+        payoff = spot[i] - strike[i] if call[i] else strike[i] - spot[i]
+        floor = max(payoff, 0.0) if american[i] else 0.0
+        growth = math.exp(-(dividend[i] if call[i] else rate[i]) * maturity[i])
+        ceiling = (spot[i] if call[i] else strike[i]) * \
+            (max(growth, 1.0) if american[i] or call[i] else growth)
+        status[i] = NO_TIME_VALUE if market[i] <= floor else \
+            ABOVE_BOUND if market[i] >= ceiling else CONVERGED
     return status
 
 

@@ -58,7 +58,8 @@ def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, t
     steps = matrix[:, MATRIX_COLUMNS.index("steps")]
     pool_rows = max(b - a for a, b, *_ in chunks)
     pool_nodes = max(float(lattice_nodes(steps[a:b]).sum()) for a, b, *_ in chunks)
-    cols = columns_from_matrix(matrix[rows])
+    every = rows.size == last - first          # no row skipped: a view, not a copy
+    cols = columns_from_matrix(matrix[first:last] if every else matrix[rows])
     solver = Solver(engine, cols, cols["market_price"], tree, cols["volatility"], pool_rows,
                     pool_nodes)
     ends = np.array([b for _, b, *_ in chunks])

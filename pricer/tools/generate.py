@@ -140,6 +140,18 @@ def write_book(path: str, fmt: str, portfolio: Portfolio, attrs: dict) -> None:
     atomic_write(path, table_bytes(fmt, columns, {"schema": SCHEMA, **attrs}, {}))
 
 
+def with_market_prices(portfolio: Portfolio) -> None:
+    """A book for `pricer implied-vol`: each option's market price its crr lattice price at the
+    drawn volatility (the cpu backend), the volatility column then left out (NaN), so that the
+    implied volatilities should give the drawn ones back."""
+    from pricer.api import price
+
+    columns = {f.name: getattr(portfolio, f.name) for f in fields(portfolio)
+               if getattr(portfolio, f.name) is not None}
+    portfolio.market_price = price(columns, backend="cpu")["price"].to_numpy()
+    portfolio.volatility = np.full(len(portfolio), np.nan)
+
+
 def write_generated(args) -> None:
     """`pricer generate`: the book of args, checked before any work (output path, memory), then
     written; prints what it wrote."""
@@ -156,6 +168,9 @@ def write_generated(args) -> None:
                          max_steps=args.max_steps)
     spec = {"dist": args.dist, "count": args.count, "seed": args.seed, "steps": args.steps,
             "exercise": args.exercise, "min_steps": args.min_steps, "max_steps": args.max_steps}
+    if getattr(args, "market_prices", False):
+        with_market_prices(portfolio)
+        spec["market_prices"] = True
     # the arguments that decide the book, not the command line: the same book is the same bytes
     # under any name
     # (generate_args, not a job's generated_by: a job replaces only the books it made itself)

@@ -64,6 +64,8 @@ def _describe_portfolio(path: str, fmt: str) -> list[str]:
              f"{len(p)} options, {p.nodes():.4g} lattice nodes",
              _range("id", p.id), _range("steps N", p.steps)]
     lines += [_range(name, getattr(p, name)) for name in FLOAT_COLUMNS]
+    if p.market_price is not None:
+        lines.append(_range("market_price", p.market_price))
     lines.append(f"  calls {int(p.call.sum())}, puts {int((~p.call).sum())}; "
                  f"american {int(p.american.sum())}, european {int((~p.american).sum())}")
     if p.tree is None:

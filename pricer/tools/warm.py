@@ -1,14 +1,14 @@
 """`pricer warm`: every kernel a backend may run, compiled into the caches before the first run.
 
-A run compiles what its book needs at its start (numba's CPU kernels, the GPU's cubins) and
-caches it (NUMBA_CACHE_DIR, PRICER_CUDA_CACHE; docs/gpu.md): the first run on a fresh machine
-spends tens of seconds there, and a cluster's jobs spend them once per node and user unless the
-caches are shared. `pricer warm` prices a few small books on each backend, chosen so that together
-they take every path a book can: lattices of 16 to 2 048 steps in pairs and alone, American and
-European calls and puts, with and without the Greeks; one option alone; lattices whose node tables
-are centred or clamped (kernels.node_tables); and one wide enough to share its levels among the
-threads. Run it once per machine type, at install time or before a job, pointed at the caches the
-runs will use.
+A run compiles what its book needs at its start (numba's CPU kernels, the GPU's cubins) and caches
+it (NUMBA_CACHE_DIR, PRICER_CUDA_CACHE; docs/gpu.md): the first run on a fresh machine spends tens
+of seconds there, and a cluster's jobs spend them once per node and user unless the caches are
+shared. `pricer warm` prices a few small books on each backend, chosen so that together they take
+every path a book can: lattices of 16 to 2 048 steps in pairs and alone, American and European
+calls and puts, with and without the Greeks; one option alone; lattices whose node tables are
+centred or clamped (kernels.node_tables); one wide enough to share its levels among the threads;
+and the implied volatilities of the first book (pricer.model.implied's kernels). Run it once per
+machine type, at install time or before a job, pointed at the caches the runs will use.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _columns(**values) -> dict:
 
 
 def warm_books() -> list[tuple[str, dict, bool]]:
-    """(what, book, greeks): the books `pricer warm` prices on each backend."""
+    """(what, book, greeks): the books `pricer warm` prices on each backend (greeks None: solves
+    for the implied volatilities of its market prices)."""
     mixed = generate("random", 64, seed=1, min_steps=16, max_steps=2048)
     book = {name: getattr(mixed, name) for name in ("id", "spot", "strike", "maturity", "rate",
                                                     "dividend", "volatility", "steps", "call",
@@ -46,9 +47,11 @@ def warm_books() -> list[tuple[str, dict, bool]]:
                            american=False)
     shared = _columns(spot=100.0, strike=100.0, maturity=1.0, rate=0.02, volatility=0.2,
                       steps=[LEVEL_PARALLEL_MIN_STEPS, 16], call=False, american=True)
+    implied = dict(book, market_price=np.maximum(book["spot"] - book["strike"], 0.0) + 5.0)
     return [("64 options, N 16-2048", book, False), ("the same, with Greeks", book, True),
             ("one option", one, False), ("centred and clamped tables", wide_tables, False),
-            ("one option sharing its levels", shared, False)]
+            ("one option sharing its levels", shared, False),
+            ("implied volatilities", implied, None)]
 
 
 def default_backends() -> list[str]:
@@ -77,7 +80,8 @@ def warm(names: list[str], report=print) -> list[tuple[str, float]]:
         engine.warm_up()
         for what, book, greeks in warm_books():
             cfg = RunConfig(input=f"pricer warm ({what})", output="-", backend=name,
-                            greeks=greeks).check()
+                            greeks=bool(greeks),
+                            task="implied-vol" if greeks is None else "price").check()
             portfolio = portfolio_from_columns(book, cfg.input)
             price_checked(engine, cfg, checked_matrix(cfg, portfolio), portfolio.id)
         spent.append((name, time.perf_counter() - start))
