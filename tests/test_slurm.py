@@ -372,6 +372,35 @@ def test_cpu_script_mpiexec_and_flag_overrides(cluster, job_dirs, reference):
     assert np.array_equal(_prices(job / "counted.h5"), reference)
 
 
+def test_implied_vol_job_under_srun(cluster, tmp_path):
+    """pricing.task = "implied-vol": the job's implied volatilities are the Python API's, bitwise."""
+    import pricer
+    from pricer.io.portfolio import write_portfolio
+    from pricer.io.results import read_results
+    from pricer.tools.generate import generate, with_market_prices
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "submit").mkdir()
+    book = generate("random", 300, seed=12, min_steps=16, max_steps=400)
+    with_market_prices(book)
+    write_portfolio(str(tmp_path / "job" / "book.h5"), book)
+    (tmp_path / "job" / "job.toml").write_text(
+        '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\ntask = "implied-vol"\n\n'
+        '[output]\npath = "iv.h5"\n')
+    jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
+                         extra_env=_venv_env())
+    text = _finished(cluster, jid, tmp_path / "submit")
+    assert "solved the implied volatilities of 300 options" in text and "on 2 rank(s)" in text
+    got = read_results(str(tmp_path / "job" / "iv.h5"))
+    columns = {name: getattr(book, name) for name in ("id", "spot", "strike", "maturity", "rate",
+                                                      "dividend", "steps", "call", "american",
+                                                      "market_price")}
+    want = pricer.implied_volatility(columns, backend="cpu")
+    assert np.array_equal(got["implied_volatility"], want["implied_volatility"].to_numpy(),
+                          equal_nan=True)
+    assert (got["status"] == 0).sum() > 280
+
+
 def test_cpu_script_bad_job_exits_2(cluster, job_dirs):
     """A job spec pricer refuses fails the Slurm job with pricer's exit code 2 and its message."""
     job, submit = job_dirs
