@@ -71,6 +71,7 @@ def _add_pricing_options(p: argparse.ArgumentParser, job: bool, implied: bool = 
                    help="hybrid/batch: CPU tail below N nodes (default: calibrated, else 500)")
     if not implied:
         _add_analytics_options(p, job)
+        _add_scenario_options(p)
     _add_run_options(p)
 
 
@@ -88,6 +89,18 @@ def _add_analytics_options(p: argparse.ArgumentParser, job: bool) -> None:
                         "lattice M ~ N/2 of N's parity (2 V(N) - V(N/2) where 4 divides N); the "
                         "Greeks stay those of the N-step lattice; needs steps >= 3; default: "
                         f"{from_job.format('richardson')}")
+
+
+def _add_scenario_options(p: argparse.ArgumentParser) -> None:
+    for axis, what in (("spot", "relative spot shifts (-0.2: S0 x 0.8)"),
+                       ("volatility", "absolute volatility shifts (0.05: sigma + 0.05)"),
+                       ("rate", "absolute rate shifts"),
+                       ("days", "days passed (T - days / 365)")):
+        p.add_argument(f"--scenario-{axis}", default=None, metavar="FIRST:LAST:COUNT|x,y,...",
+                       help=f"scenario grid axis: {what}; every option is also priced under "
+                            f"every combination of the axes given, into /results/scenarios "
+                            f"(docs/formats.md); a first value below 0 after '=': "
+                            f"--scenario-{axis}=-0.2:0.2:9")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,8 @@
                            invalid, stall_timeout, task ("price", or "implied-vol": solve for
                            the volatilities of a book with market prices)
     [output]               path, overwrite
+    [scenarios]            spot, volatility, rate, days: each "FIRST:LAST:COUNT", "x,y,z" or an
+                           array of numbers (pricer.model.scenarios)
 
 Unknown tables and keys are refused by name here; the values' types and ranges are checked by
 pricer.run.config.RunConfig (the one place they live), naming the key; command-line flags override
@@ -27,6 +29,7 @@ KEYS = {
     "pricing": {"backend", "tree", "partition", "distribute", "threads", "t1", "t2", "greeks",
                 "richardson", "invalid", "stall_timeout", "task"},
     "output": {"path", "overwrite"},
+    "scenarios": {"spot", "volatility", "rate", "days"},
 }
 REQUIRED = (("portfolio", "path"), ("output", "path"))
 GENERATE_TYPES = {"dist": str, "count": int, "seed": int, "steps": int, "exercise": str,
@@ -63,10 +66,12 @@ def load_job(path: str) -> dict:
 
 
 def _check_keys(path: str, job: dict) -> None:
-    unknown = sorted(set(job) - {"portfolio", "pricing", "output"})
+    tables = ("portfolio", "pricing", "output", "scenarios")
+    unknown = sorted(set(job) - set(tables))
     if unknown:
-        raise InputError(f"{path}: unknown table(s) {', '.join(unknown)}; known: portfolio, pricing, output")
-    for table in ("portfolio", "pricing", "output"):
+        raise InputError(f"{path}: unknown table(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(tables)}")
+    for table in tables:
         section = job.get(table, {})
         if not isinstance(section, dict):
             raise InputError(f"{path}: {table} must be a table")

@@ -78,13 +78,14 @@ UNITS = {
 
 
 def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, run: dict,
-                  extra: dict | None = None) -> None:
+                  extra: dict | None = None, scenarios: tuple | None = None) -> None:
     """Write the results (id, price in input order, provenance attributes, and the `extra`
     float64 datasets such as the Greeks, in the same order) and the per-rank stats to `path`,
     atomically, in the format its extension names (formats.py): HDF5's /results and /run, or a
     CSV or Parquet table. The file is built in memory and then written as plain bytes: a disk
     that fills during the write then raises OSError (and leaves nothing) where HDF5 writing to
-    the disk itself failed its own clean-up."""
+    the disk itself failed its own clean-up. `scenarios`: (ScenarioGrid, (options, scenarios)
+    prices), written as /results/scenarios (HDF5 only: RunConfig.check refuses the others)."""
     columns = {"id": np.asarray(ids, dtype=np.int64),
                "price": np.asarray(prices, dtype=np.float64)}
     for name, values in (extra or {}).items():   # floats as float64; codes as they are
@@ -104,12 +105,35 @@ def write_results(path: str, ids: np.ndarray, prices: np.ndarray, attrs: dict, r
             g[name].attrs["unit"] = UNITS.get(name, "")
         for key, value in attrs.items():
             g.attrs[key] = value
+        if scenarios is not None:
+            _write_scenarios(g.create_group("scenarios"), *scenarios)
         r = f.create_group("run")
         for key, value in run.items():
             r.create_dataset(key, data=value)
         f.flush()
         image = f.id.get_file_image()
     atomic_write(path, image)
+
+
+def _write_scenarios(g, grid, prices: np.ndarray) -> None:
+    """price (options, scenarios); each scenario's shift per axis (scenarios,); each axis's own
+    values under axes/ (the grid is their Cartesian product, the last axis fastest)."""
+    from pricer.model.scenarios import AXES
+
+    g.create_dataset("price", data=np.ascontiguousarray(prices, dtype=np.float64))
+    g["price"].attrs["unit"] = UNITS["price"]
+    shifts = grid.shifts()
+    axes = g.create_group("axes")
+    for j, axis in enumerate(AXES):
+        g.create_dataset(axis, data=shifts[:, j])
+        axes.create_dataset(axis, data=np.asarray(getattr(grid, axis), dtype=np.float64))
+        g[axis].attrs["unit"] = axes[axis].attrs["unit"] = SCENARIO_UNITS[axis]
+    g.attrs["shape"] = np.asarray(grid.shape, dtype=np.int64)
+
+
+SCENARIO_UNITS = {"spot": "relative shift of spot (S0 x (1 + shift))",
+                  "volatility": "absolute shift of volatility", "rate": "absolute shift of rate",
+                  "days": "days passed (maturity - days / 365)"}
 
 
 def read_results(path: str) -> dict:
@@ -119,10 +143,15 @@ def read_results(path: str) -> dict:
     if fmt == HDF5:
         with h5py.File(path, "r") as f:
             g = f["results"]
+            columns = [k for k in g if isinstance(g[k], h5py.Dataset)]
             out = {"attrs": dict(g.attrs), "run": {k: f["run"][k][()] for k in f["run"]},
-                   "units": {k: g[k].attrs.get("unit", "") for k in g}}
-            for key in g:
+                   "units": {k: g[k].attrs.get("unit", "") for k in columns}}
+            for key in columns:
                 out[key] = g[key][()]
+            if "scenarios" in g:
+                s = g["scenarios"]
+                out["scenarios"] = {k: s[k][()] for k in s if isinstance(s[k], h5py.Dataset)}
+                out["scenarios"]["axes"] = {k: s["axes"][k][()] for k in s["axes"]}
         return out
     frame = read_table(path, fmt)
     attrs = table_attributes(path, fmt)

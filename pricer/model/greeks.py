@@ -31,6 +31,7 @@ from pricer.model.lattice import LatticeParams, lattice_parameters
 
 BUMP = 1e-4
 GREEKS = ("delta", "gamma", "theta", "vega", "rho")
+SCENARIO = "scenario:"   # a scenario's price among the outputs: SCENARIO + its number
 # --greeks' bumped copies of every option, in the engine call's order after the option itself
 BUMPS = (("volatility", 1.0), ("volatility", -1.0), ("rate", 1.0), ("rate", -1.0))
 
@@ -39,14 +40,19 @@ BUMPS = (("volatility", 1.0), ("volatility", -1.0), ("rate", 1.0), ("rate", -1.0
 class Analytics:
     """What to compute besides the price, and so which lattices a run prices per option: the
     option's own, with --greeks its BUMPS copies (N steps each), with --richardson the coarse
-    lattice of richardson_steps(N). lattice_columns and lattices say it, once, for pricing
+    lattice of richardson_steps(N), with a scenario grid one lattice per scenario
+    (pricer.model.scenarios, N steps each). lattice_columns and lattices say it, once, for pricing
     (price_with_analytics), checks, memory sizing and node counts (pricer.model.cost)."""
     greeks: bool = False
     richardson: bool = False
+    scenarios: object = None     # a ScenarioGrid, or None
 
     @property
     def outputs(self) -> tuple:
-        return ("price",) + (GREEKS if self.greeks else ())
+        """The values per option: the price, the Greeks, each scenario's price (SCENARIO + k)."""
+        count = self.scenarios.count if self.scenarios is not None else 0
+        return ("price",) + (GREEKS if self.greeks else ()) + \
+            tuple(f"{SCENARIO}{k}" for k in range(count))
 
     def lattice_columns(self, cols: dict) -> list[dict]:
         """The columns of every lattice priced per option, in the engine call's order."""
@@ -61,12 +67,16 @@ class Analytics:
         if self.richardson:
             parts.append(("--richardson also prices each option on M ~ N/2 steps",
                           dict(cols, steps=richardson_steps(cols["steps"]))))
+        if self.scenarios is not None:
+            parts += [(self.scenarios.describe(k), part)
+                      for k, part in enumerate(self.scenarios.columns(cols))]
         return parts
 
     def lattices(self, steps) -> list:
         """[(steps, count)]: the lattices priced per option of `steps`, as lattice_columns."""
         steps = np.asarray(steps, dtype=np.int64)
-        kinds = [(steps, 1 + (len(BUMPS) if self.greeks else 0))]
+        kinds = [(steps, 1 + (len(BUMPS) if self.greeks else 0)
+                  + (self.scenarios.count if self.scenarios is not None else 0))]
         if self.richardson:
             kinds.append((richardson_steps(steps), 1))
         return kinds
@@ -84,7 +94,8 @@ class Analytics:
     @property
     def lattice_count(self) -> int:
         """Lattices priced per option."""
-        return 1 + (len(BUMPS) if self.greeks else 0) + int(self.richardson)
+        return 1 + (len(BUMPS) if self.greeks else 0) + int(self.richardson) + \
+            (self.scenarios.count if self.scenarios is not None else 0)
 
 
 def node_prices(params: LatticeParams, level: int) -> np.ndarray:
@@ -138,6 +149,18 @@ def unsupported(cols: dict, analytics: Analytics) -> list[tuple[np.ndarray, str,
         rules.append((np.asarray(cols["volatility"]) <= BUMP, "volatility",
                       f"--greeks bumps the volatility by {BUMP}: option id(s) {{ids}} have "
                       f"volatility <= {BUMP}"))
+    grid = analytics.scenarios
+    if grid is not None:     # a scenario's option must be an option: S0, sigma, T > 0
+        for column, shifted, shift in (
+                ("spot", np.asarray(cols["spot"]) * (1.0 + min(grid.spot)), min(grid.spot)),
+                ("volatility", np.asarray(cols["volatility"]) + min(grid.volatility),
+                 min(grid.volatility)),
+                ("maturity", np.asarray(cols["maturity"]) - max(grid.days) / 365.0,
+                 max(grid.days))):
+            what = "days passed" if column == "maturity" else f"{column} shift"
+            rules.append((~(shifted > 0.0), column,
+                          f"the scenarios' {what} {shift:g} leaves {column} <= 0 for option "
+                          f"id(s) {{ids}}"))
     return rules
 
 
@@ -164,10 +187,14 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
     prices = engine.price(params, levels) if levels is not None else engine.price(params)
     base = prices[:n]
     out = {"price": base.copy()}
+    after = 1 + (len(BUMPS) if analytics.greeks else 0)     # lattice_columns' order
     if analytics.richardson:
         fine = np.asarray(cols["steps"], dtype=np.float64)
         coarse = richardson_steps(cols["steps"]).astype(np.float64)
-        out["price"] = (fine * base - coarse * prices[-n:]) / (fine - coarse)
+        out["price"] = (fine * base - coarse * prices[after * n:(after + 1) * n]) / (fine - coarse)
+        after += 1
+    for k, name in enumerate(analytics.outputs[1 + (len(GREEKS) if analytics.greeks else 0):]):
+        out[name] = prices[(after + k) * n:(after + k + 1) * n]
     if analytics.greeks:
         first = params.take(np.arange(n))
         out["delta"], out["gamma"], out["theta"] = lattice_greeks(first, base, levels[:n], cols)

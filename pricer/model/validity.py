@@ -27,9 +27,9 @@ REASONS = {
     NO_LATTICE: "its lattice cannot be priced: p outside (0, 1), d >= u, fewer steps than its "
                 "tree needs, or node prices beyond FP64's range where its paths carry weight "
                 "(for implied volatilities: fewer steps than its tree needs)",
-    NO_ANALYTICS: "--greeks or --richardson cannot be computed for it: too few steps, a "
-                  "volatility not above the bump, or a bumped or coarse lattice that cannot be "
-                  "priced",
+    NO_ANALYTICS: "--greeks, --richardson or a scenario cannot be computed for it: too few steps, "
+                  "a volatility not above the bump, or a bumped, coarse or scenario lattice that "
+                  "cannot be priced",
 }
 # the tree code (portfolio matrix) of an option whose tree column names no known tree
 UNKNOWN_TREE_CODE = -2
@@ -70,7 +70,7 @@ def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.
         status[rows[no_lattice]] = NO_LATTICE
         keep = ~no_lattice
         rows, part = rows[keep], {key: value[keep] for key, value in part.items()}
-        if rows.size and (analytics.greeks or analytics.richardson):
+        if rows.size and (analytics.greeks or analytics.richardson or analytics.scenarios):
             status[rows[analytics_faults(part, tree, analytics)]] = NO_ANALYTICS
     return status
 

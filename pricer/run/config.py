@@ -52,6 +52,8 @@ class RunConfig:
     progress: bool = True     # rank 0 shows the ranks' progress on stderr (--quiet: off)
     task: str = "price"       # price, or implied-vol: solve for each option's volatility from its
                               # market price (pricer.model.implied)
+    scenarios: dict | None = None  # axis -> shifts (pricer.model.scenarios): every option also
+                                   # priced under every combination
 
     # ---- derived settings
     def engine_overrides(self) -> dict:
@@ -65,7 +67,9 @@ class RunConfig:
         if self.implied:
             from pricer.model.implied import ImpliedVolatility
             return ImpliedVolatility()
-        return Analytics(greeks=self.greeks, richardson=self.richardson)
+        from pricer.model.scenarios import grid_of
+        return Analytics(greeks=self.greeks, richardson=self.richardson,
+                         scenarios=grid_of(self.scenarios))
 
     def outputs(self) -> tuple:
         """What a run computes per option, as the columns of its values: price and the Greeks,
@@ -127,9 +131,16 @@ class RunConfig:
                                                 and not isinstance(self.stall_timeout, bool)
                                                 and MINIMUM <= self.stall_timeout < math.inf),
                  name("stall_timeout"), self.stall_timeout, f"a number of seconds >= {MINIMUM:g}")
-        if self.implied and (self.greeks or self.richardson):
+        if self.implied and (self.greeks or self.richardson or self.scenarios):
             raise InputError("implied volatilities are solved on the option's own lattice: "
-                             "--greeks and --richardson are for pricing runs")
+                             "--greeks, --richardson and scenarios are for pricing runs")
+        if self.scenarios:
+            from pricer.model.scenarios import grid_of
+            grid_of(self.scenarios)             # the axes, by name
+            if extension_format(self.output) not in (None, HDF5):
+                raise InputError(f"{self.output}: scenario prices are an (options, scenarios) "
+                                 f"dataset, written to HDF5 results only: give the output an "
+                                 f".h5 extension")
         if self.resume and not self.checkpoint:
             raise InputError("--resume needs --checkpoint DIR (the folder of the run to resume; "
                              "a run given --checkpoint DIR resumes by itself)")
@@ -155,6 +166,11 @@ class RunConfig:
                 settings[f.name] = value
         if getattr(args, "quiet", False):
             settings["progress"] = False
+        given = {axis: getattr(args, f"scenario_{axis}") for axis in ("spot", "volatility",
+                                                                       "rate", "days")
+                 if getattr(args, f"scenario_{axis}", None) is not None}
+        if given:        # flags override the job file's [scenarios] axis by axis
+            settings["scenarios"] = {**(settings.get("scenarios") or {}), **given}
         return cls(**settings)
 
     @classmethod
@@ -166,6 +182,8 @@ class RunConfig:
         job = load_job(path)
         given = {field: job[table][key] for field, (table, key) in JOB_KEYS.items()
                  if key in job.get(table, {})}
+        if job.get("scenarios"):
+            given["scenarios"] = dict(job["scenarios"])
         config = cls.from_args(args, **given)
         return config.check({field: f"{path}: {table}.{key}" for field, (table, key)
                              in JOB_KEYS.items() if key in job.get(table, {})

@@ -29,7 +29,7 @@ from pricer.io.portfolio import MATRIX_COLUMNS, matrix_columns
 from pricer.io.results import utc_now, write_results
 from pricer.run.provenance import provenance
 from pricer.model.cost import lattice_nodes, nodes_priced
-from pricer.model.greeks import Analytics
+from pricer.model.greeks import SCENARIO, Analytics
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
@@ -63,8 +63,10 @@ class RunSummary:
     def lines(self) -> list[str]:
         rate = self.nodes / self.wall if self.wall > 0 else float("nan")
         stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.stages.items())
+        grid = self.analytics.scenarios
         extras = [what for what, on in (("Greeks", self.analytics.greeks),
-                                        ("Richardson extrapolation", self.analytics.richardson)) if on]
+                                        ("Richardson extrapolation", self.analytics.richardson),
+                                        (f"{grid.count if grid else 0} scenarios", grid)) if on]
         extras = f" with {' and '.join(extras)}" if extras else ""
         if self.reused:
             extras += f" ({self.reused} of them from the checkpoint)"
@@ -275,13 +277,20 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
                                               for code, text in status_reasons(cfg).items()})
     run_stats = {"seconds": all_stats[:, 0], "options": all_stats[:, 1].astype(np.int64),
                  "nodes": all_stats[:, 2], "threads": all_stats[:, 3].astype(np.int64)}
-    extra = {name: full[:, j] for j, name in enumerate(cfg.outputs()) if name != "price"}
+    outputs = cfg.outputs()
+    scenario = np.array([name.startswith(SCENARIO) for name in outputs])
+    extra = {name: full[:, j] for j, name in enumerate(outputs)
+             if name != "price" and not scenario[j]}
+    scenarios = (cfg.analytics().scenarios, full[:, scenario]) if scenario.any() else None
+    if scenarios is not None:
+        attrs["scenarios"] = json.dumps(scenarios[0].settings())
     if "status" in extra:
         extra["status"] = extra["status"].astype(np.int8)
     if "iterations" in extra:
         extra["iterations"] = np.nan_to_num(extra["iterations"]).astype(np.int64)   # 0 skipped
     try:
-        write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra)
+        write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra,
+                      scenarios=scenarios)
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
         raise OutputError(f"{cfg.output}: the results could not be written "
                           f"({exc.strerror or exc}); {_kept(cfg)}") from None

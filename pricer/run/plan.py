@@ -211,4 +211,5 @@ def checkpoint_settings(cfg: RunConfig, grid: np.ndarray) -> dict:
             "richardson": cfg.richardson, "chunk_nodes": float(nodes),
             "chunk_rows": rows, "chunks": len(grid) - 1,
             **({"invalid": "skip"} if cfg.invalid == "skip" else {}),  # its chunks hold statuses
-            **({"task": cfg.task} if cfg.implied else {})}
+            **({"task": cfg.task} if cfg.implied else {}),
+            **({"scenarios": cfg.analytics().scenarios.settings()} if cfg.scenarios else {})}

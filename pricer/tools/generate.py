@@ -144,11 +144,14 @@ def with_market_prices(portfolio: Portfolio) -> None:
     """A book for `pricer implied-vol`: each option's market price its crr lattice price at the
     drawn volatility (the cpu backend), the volatility column then left out (NaN), so that the
     implied volatilities should give the drawn ones back."""
-    from pricer.api import price
+    from pricer.engines import get_engine
+    from pricer.run.checks import checked_matrix
+    from pricer.run.config import RunConfig
+    from pricer.run.pricing import price_checked
 
-    columns = {f.name: getattr(portfolio, f.name) for f in fields(portfolio)
-               if getattr(portfolio, f.name) is not None}
-    portfolio.market_price = price(columns, backend="cpu")["price"].to_numpy()
+    cfg = RunConfig(input="pricer generate --market-prices", output="-", backend="cpu").check()
+    values, _ = price_checked(get_engine("cpu"), cfg, checked_matrix(cfg, portfolio), portfolio.id)
+    portfolio.market_price = values[:, 0]
     portfolio.volatility = np.full(len(portfolio), np.nan)
 
 

@@ -14,6 +14,7 @@ from pricer.io.formats import HDF5, input_format, read_book, read_table, table_a
 from pricer.io.portfolio import FLOAT_COLUMNS, GROUP, SCHEMA
 from pricer.io.results import SCHEMA as RESULTS_SCHEMA, read_results
 from pricer.model.greeks import GREEKS
+from pricer.model.scenarios import AXES
 
 # attributes shown in full on their own lines, the rest after them
 _LONG = ("command", "libraries", "hosts", "gpus", "status_reasons", "generated_by",
@@ -86,7 +87,8 @@ def _describe_results(path: str) -> list[str]:
     r = read_results(path)
     attrs, units = dict(r["attrs"]), r.get("units", {})
     order = ("price",) + GREEKS + ("status",)
-    columns = sorted((name for name in r if name not in ("attrs", "run", "units", "id")),
+    columns = sorted((name for name in r if name not in ("attrs", "run", "units", "id",
+                                                          "scenarios")),
                      key=lambda name: order.index(name) if name in order else len(order))
     lines = [f"{path}: results ({attrs.pop('schema', '?')}), {r['price'].size} options"]
     for name in columns:
@@ -99,6 +101,11 @@ def _describe_results(path: str) -> list[str]:
                 for code, count in zip(codes, counts)))
         else:
             lines.append(_range(name, r[name]) + unit)
+    if "scenarios" in r:
+        s = r["scenarios"]
+        lines.append(f"  scenarios: {s['price'].shape[1]} ("
+                     + " x ".join(f"{axis} {s['axes'][axis].size}" for axis in AXES)
+                     + ")" + _range(" price", s["price"].ravel())[len("   price"):])
     lines += _attributes(attrs)
     run = r.get("run", {})
     if len(run.get("seconds", ())):

@@ -1,0 +1,153 @@
+"""Scenario grids (pricer/model/scenarios.py): every option priced under every combination of
+spot, volatility, rate and time shifts, bitwise the explicitly expanded book's prices, under MPI,
+from job files, with the Greeks, --invalid skip and checkpoints; hostile grids refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import pricer
+from gpu_cases import needs_gpu
+from helpers import run_pricer
+from pricer.io.portfolio import Portfolio, write_portfolio
+from pricer.io.results import read_results
+
+AXES = {"spot": [-0.1, 0.0, 0.1], "volatility": [-0.05, 0.1], "rate": [0.0, 0.01],
+        "days": [0.0, 10.0]}
+FLAGS = ["--scenario-spot=-0.1:0.1:3", "--scenario-volatility=-0.05,0.1",
+         "--scenario-rate", "0,0.01", "--scenario-days", "0,10"]
+
+
+def book(rng, n: int) -> dict:
+    strike = rng.uniform(80.0, 120.0, n)
+    return dict(id=np.arange(n) * 2 + 5, spot=strike * rng.uniform(0.8, 1.25, n), strike=strike,
+                maturity=rng.uniform(0.2, 2.0, n), rate=rng.uniform(0.0, 0.06, n),
+                dividend=rng.uniform(0.0, 0.03, n), volatility=rng.uniform(0.1, 0.5, n),
+                steps=rng.integers(16, 300, n), call=rng.random(n) < 0.5,
+                american=rng.random(n) < 0.6,
+                tree=np.array(["crr", "lr", "jr", "tian"])[rng.integers(0, 4, n)])
+
+
+def expanded_prices(cols: dict, backend: str) -> np.ndarray:
+    """(options, scenarios): each scenario's shifted book priced as a book of its own."""
+    out = []
+    for spot, vol, rate, days in itertools.product(*AXES.values()):
+        shifted = dict(cols, spot=cols["spot"] * (1.0 + spot), volatility=cols["volatility"] + vol,
+                       rate=cols["rate"] + rate, maturity=cols["maturity"] - days / 365.0)
+        out.append(pricer.price(shifted, backend=backend)["price"].to_numpy())
+    return np.stack(out, axis=1)
+
+
+def write(path, cols: dict) -> None:
+    write_portfolio(str(path), Portfolio(**cols))
+
+
+def test_scenarios_are_the_expanded_books_prices_under_mpiexec(tmp_path, rng):
+    cols = book(rng, 120)
+    write(tmp_path / "book.h5", cols)
+    want = expanded_prices(cols, "cpu")
+    base = pricer.price(cols, backend="cpu", greeks=True)
+    for ranks, distribute in ((1, "scatter"), (3, "read")):
+        out = tmp_path / f"o{ranks}.h5"
+        done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(out), "--backend", "cpu",
+                           "--greeks", "--distribute", distribute, *FLAGS], ranks=ranks)
+        assert done.returncode == 0, done.stderr
+        assert "with Greeks and 24 scenarios" in done.stdout
+        got = read_results(str(out))
+        assert got["scenarios"]["price"].shape == (120, 24)
+        assert np.array_equal(got["scenarios"]["price"], want)
+        for name in ("price", "delta", "gamma", "theta", "vega", "rho"):
+            assert np.array_equal(got[name], base[name].to_numpy()), name
+        shifts = np.array(list(itertools.product(*AXES.values())))
+        for j, axis in enumerate(AXES):
+            assert np.array_equal(got["scenarios"][axis], shifts[:, j])
+            assert np.array_equal(got["scenarios"]["axes"][axis], AXES[axis])
+
+
+def test_job_file_table_and_flags_override_it(tmp_path, rng):
+    cols = book(rng, 40)
+    write(tmp_path / "book.h5", cols)
+    (tmp_path / "job.toml").write_text(
+        '[portfolio]\npath = "book.h5"\n[pricing]\nbackend = "cpu"\n[output]\npath = "o.h5"\n'
+        '[scenarios]\nspot = "-0.1:0.1:3"\nvolatility = [-0.05, 0.1]\nrate = "0,0.01"\n'
+        'days = [0, 10]\n')
+    done = run_pricer(["run", "job.toml"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(read_results(str(tmp_path / "o.h5"))["scenarios"]["price"],
+                          expanded_prices(cols, "cpu"))
+    done = run_pricer(["run", "job.toml", "-o", "p.h5", "--scenario-days", "5"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = read_results(str(tmp_path / "p.h5"))["scenarios"]
+    assert got["price"].shape == (40, 12) and set(got["days"]) == {5.0}
+
+
+def test_a_scenario_without_a_lattice_is_refused_or_skipped(tmp_path, rng):
+    cols = book(rng, 30)
+    cols["volatility"][[4, 7]] = 0.04        # volatility - 0.05 < 0 in a scenario
+    write(tmp_path / "book.h5", cols)
+    out = tmp_path / "o.h5"
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(out), "--backend", "cpu",
+                       *FLAGS], ranks=2)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "option id(s) 13, 19" in done.stderr and "scenario" in done.stderr, done.stderr
+    assert not out.exists()
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(out), "--backend", "cpu",
+                       "--invalid", "skip", *FLAGS], ranks=2)
+    assert done.returncode == 0, done.stderr
+    got = read_results(str(out))
+    assert list(np.flatnonzero(got["status"])) == [4, 7] and set(got["status"][[4, 7]]) == {6}
+    assert np.isnan(got["scenarios"]["price"][[4, 7]]).all()
+    assert np.isfinite(got["scenarios"]["price"][np.arange(30) % 30 > 7]).all()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--scenario-spot", "a:b:c"], "scenarios: spot must be FIRST:LAST:COUNT"),
+    (["--scenario-days", "0:10:0"], "scenarios: days must be FIRST:LAST:COUNT"),
+    (["--scenario-rate", "nan"], "scenarios: rate has a value that is not finite"),
+    (["--scenario-spot=-0.5:0.5:101", "--scenario-volatility=-0.1:0.1:101"],
+     "10201 scenarios (101 x 101 x 1 x 1); at most 10000"),
+])
+def test_hostile_grids_exit_2(tmp_path, rng, flags, message):
+    write(tmp_path / "book.h5", book(rng, 5))
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "o.h5"),
+                       "--backend", "cpu", *flags])
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "o.h5").exists()
+
+
+def test_csv_results_and_implied_vol_refuse_scenarios(tmp_path, rng):
+    write(tmp_path / "book.h5", book(rng, 5))
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "o.csv"),
+                       "--backend", "cpu", "--scenario-spot", "0.1"])
+    assert done.returncode == 2 and "written to HDF5 results only" in done.stderr
+    (tmp_path / "job.toml").write_text(
+        '[portfolio]\npath = "book.h5"\n[pricing]\ntask = "implied-vol"\n[output]\npath = "o.h5"\n'
+        '[scenarios]\nspot = [0.1]\n')
+    done = run_pricer(["run", "job.toml"], cwd=tmp_path)
+    assert done.returncode == 2 and "scenarios are for pricing runs" in done.stderr
+
+
+def test_checkpoint_of_another_grid_is_refused(tmp_path, rng):
+    write(tmp_path / "book.h5", book(rng, 50))
+    base = ["price", str(tmp_path / "book.h5"), "--backend", "cpu", "--checkpoint",
+            str(tmp_path / "ck"), "--overwrite"]
+    done = run_pricer(base + ["-o", str(tmp_path / "a.h5"), *FLAGS])
+    assert done.returncode == 0, done.stderr
+    again = run_pricer(base + ["-o", str(tmp_path / "b.h5"), "--scenario-spot", "0.2"])
+    assert again.returncode == 2 and "checkpoint" in again.stderr
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_scenarios_are_the_expanded_books_prices(tmp_path, rng):
+    cols = book(rng, 200)
+    write(tmp_path / "book.h5", cols)
+    out = tmp_path / "o.h5"
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(out), "--backend", "batch",
+                       *FLAGS], ranks=2)
+    assert done.returncode == 0, done.stderr
+    assert np.array_equal(read_results(str(out))["scenarios"]["price"],
+                          expanded_prices(cols, "batch"))
