@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "QuantLib's Brent on its binomial engine")
     from pricer.tools.bench_implied import add_arguments as implied_arguments
     implied_arguments(b)
+    b = which.add_parser("scenarios", help="a scenario grid's nodes/s against the expanded book's")
+    from pricer.tools.bench_scenarios import add_arguments as scenario_arguments
+    scenario_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
     from pricer.tools.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
@@ -284,6 +287,10 @@ def _bench(args) -> int:
     if args.what == "implied-vol":
         from pricer.tools.bench_implied import bench_implied
         bench_implied(args)
+        return 0
+    if args.what == "scenarios":
+        from pricer.tools.bench_scenarios import bench_scenarios
+        bench_scenarios(args)
         return 0
     if args.what == "accuracy":
         from pricer.tools.bench_accuracy import run as bench_accuracy

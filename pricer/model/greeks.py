@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,6 +175,29 @@ def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
                              column=column, ids=np.asarray(ids)[mask])
 
 
+# a scenario grid's lattices go to the engine in calls of at least this many (whole scenarios),
+# each call's lattice parameters built on a thread while the engine prices the one before
+SCENARIO_CALL_ROWS = 1 << 16
+SCENARIO_THREADS = 8
+
+
+def _scenario_prices(engine, parts: list[dict], tree: str, ids: np.ndarray) -> np.ndarray:
+    """The prices of every scenario's options (parts, in order), concatenated."""
+    n = len(ids)
+    per_call = max(1, SCENARIO_CALL_ROWS // max(n, 1))
+    groups = [parts[k:k + per_call] for k in range(0, len(parts), per_call)]
+
+    def build(group):
+        return lattice_parameters(concatenate(group) if len(group) > 1 else group[0], tree,
+                                  ids=np.tile(ids, len(group)))
+
+    if len(groups) == 1:
+        return engine.price(build(groups[0]))
+    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(groups))) as pool:
+        built = [pool.submit(build, group) for group in groups]
+        return np.concatenate([engine.price(params.result()) for params in built])
+
+
 def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
                          analytics: Analytics = Analytics()) -> dict:
     """Prices (and Greeks) of the options in `cols` with `engine`, as a dict of float64 arrays
@@ -181,10 +205,13 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
     n = len(cols["spot"])
     check(cols, analytics, ids)
     parts = analytics.lattice_columns(cols)
-    every = concatenate(parts) if len(parts) > 1 else cols
-    params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
+    head = len(parts) - (analytics.scenarios.count if analytics.scenarios is not None else 0)
+    every = concatenate(parts[:head]) if head > 1 else cols
+    params = lattice_parameters(every, tree, ids=np.tile(ids, head))
     levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
     prices = engine.price(params, levels) if levels is not None else engine.price(params)
+    if head < len(parts):
+        prices = np.concatenate([prices, _scenario_prices(engine, parts[head:], tree, ids)])
     base = prices[:n]
     out = {"price": base.copy()}
     after = 1 + (len(BUMPS) if analytics.greeks else 0)     # lattice_columns' order
