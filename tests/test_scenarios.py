@@ -21,14 +21,14 @@ FLAGS = ["--scenario-spot=-0.1:0.1:3", "--scenario-volatility=-0.05,0.1",
          "--scenario-rate", "0,0.01", "--scenario-days", "0,10"]
 
 
-def book(rng, n: int) -> dict:
+def book(rng, n: int, trees=("crr", "lr", "jr", "tian")) -> dict:
     strike = rng.uniform(80.0, 120.0, n)
     return dict(id=np.arange(n) * 2 + 5, spot=strike * rng.uniform(0.8, 1.25, n), strike=strike,
                 maturity=rng.uniform(0.2, 2.0, n), rate=rng.uniform(0.0, 0.06, n),
                 dividend=rng.uniform(0.0, 0.03, n), volatility=rng.uniform(0.1, 0.5, n),
                 steps=rng.integers(16, 300, n), call=rng.random(n) < 0.5,
                 american=rng.random(n) < 0.6,
-                tree=np.array(["crr", "lr", "jr", "tian"])[rng.integers(0, 4, n)])
+                tree=np.array(trees)[rng.integers(0, len(trees), n)])
 
 
 def expanded_prices(cols: dict, backend: str) -> np.ndarray:
@@ -45,8 +45,11 @@ def write(path, cols: dict) -> None:
     write_portfolio(str(path), Portfolio(**cols))
 
 
-def test_scenarios_are_the_expanded_books_prices_under_mpiexec(tmp_path, rng):
-    cols = book(rng, 120)
+# trees that ignore the spot share their numbers among the spot shifts (greeks._scenario_prices);
+# lr is centred on the strike, and a book with it takes every scenario's own numbers
+@pytest.mark.parametrize("trees", [("crr", "jr", "tian", "ql-crr"), ("crr", "lr", "jr", "tian")])
+def test_scenarios_are_the_expanded_books_prices_under_mpiexec(tmp_path, rng, trees):
+    cols = book(rng, 120, trees)
     write(tmp_path / "book.h5", cols)
     want = expanded_prices(cols, "cpu")
     base = pricer.price(cols, backend="cpu", greeks=True)
@@ -142,8 +145,9 @@ def test_checkpoint_of_another_grid_is_refused(tmp_path, rng):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_gpu_scenarios_are_the_expanded_books_prices(tmp_path, rng):
-    cols = book(rng, 200)
+@pytest.mark.parametrize("trees", [("crr", "jr"), ("crr", "lr")])
+def test_gpu_scenarios_are_the_expanded_books_prices(tmp_path, rng, trees):
+    cols = book(rng, 200, trees)
     write(tmp_path / "book.h5", cols)
     out = tmp_path / "o.h5"
     done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(out), "--backend", "batch",

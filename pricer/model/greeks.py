@@ -22,13 +22,13 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pricer.model.lattice import LEVEL_VALUES
 from pricer.errors import InputError, first_ids
-from pricer.model.lattice import LatticeParams, lattice_parameters
+from pricer.model.lattice import (LEVEL_VALUES, PACKED_FIELDS, LatticeParams, lattice_parameters,
+                                  spot_free)
 
 BUMP = 1e-4
 GREEKS = ("delta", "gamma", "theta", "vega", "rho")
@@ -181,20 +181,42 @@ SCENARIO_CALL_ROWS = 1 << 16
 SCENARIO_THREADS = 8
 
 
-def _scenario_prices(engine, parts: list[dict], tree: str, ids: np.ndarray) -> np.ndarray:
-    """The prices of every scenario's options (parts, in order), concatenated."""
+def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np.ndarray:
+    """The prices of the options of `cols` under every scenario of `grid`, scenario after
+    scenario. Where every option's tree ignores the spot (trees.spot_free), the scenarios that
+    differ only in spot share their lattice numbers: they are computed once per volatility, rate
+    and days shift and the spot row is written per scenario, as the shifted row's own lattice
+    parameters would have it (the same expressions: bitwise)."""
     n = len(ids)
     per_call = max(1, SCENARIO_CALL_ROWS // max(n, 1))
-    groups = [parts[k:k + per_call] for k in range(0, len(parts), per_call)]
+    calls = [range(k, min(k + per_call, grid.count)) for k in range(0, grid.count, per_call)]
+    shifts = grid.shifts()
+    parts = grid.columns(cols)
+    shared = spot_free(cols, tree)
+    numbers: dict = {}
 
-    def build(group):
-        return lattice_parameters(concatenate(group) if len(group) > 1 else group[0], tree,
-                                  ids=np.tile(ids, len(group)))
+    def numbers_of(k: int) -> LatticeParams:
+        key = tuple(shifts[k, 1:])          # volatility, rate, days
+        if key not in numbers:
+            numbers[key] = lattice_parameters(parts[k], tree, ids=ids)
+        return numbers[key]
 
-    if len(groups) == 1:
-        return engine.price(build(groups[0]))
-    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(groups))) as pool:
-        built = [pool.submit(build, group) for group in groups]
+    def build(ks):
+        if not shared:
+            return lattice_parameters(concatenate([parts[k] for k in ks]), tree,
+                                      ids=np.tile(ids, len(ks)))
+        shared_numbers = [numbers_of(k) for k in ks]
+        return LatticeParams(**{name: np.concatenate(
+            [parts[k]["spot"] if name == "spot" else getattr(numbers, name)
+             for k, numbers in zip(ks, shared_numbers)]) for name in PACKED_FIELDS})
+
+    if shared:       # each distinct lattice's numbers once, before the threads share them
+        for k in range(grid.count):
+            numbers_of(k)
+    if len(calls) == 1:
+        return engine.price(build(calls[0]))
+    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(calls))) as pool:
+        built = [pool.submit(build, ks) for ks in calls]
         return np.concatenate([engine.price(params.result()) for params in built])
 
 
@@ -204,14 +226,14 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
     named by Analytics.outputs."""
     n = len(cols["spot"])
     check(cols, analytics, ids)
-    parts = analytics.lattice_columns(cols)
-    head = len(parts) - (analytics.scenarios.count if analytics.scenarios is not None else 0)
-    every = concatenate(parts[:head]) if head > 1 else cols
-    params = lattice_parameters(every, tree, ids=np.tile(ids, head))
+    parts = replace(analytics, scenarios=None).lattice_columns(cols)   # scenarios: below
+    every = concatenate(parts) if len(parts) > 1 else cols
+    params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
     levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
     prices = engine.price(params, levels) if levels is not None else engine.price(params)
-    if head < len(parts):
-        prices = np.concatenate([prices, _scenario_prices(engine, parts[head:], tree, ids)])
+    if analytics.scenarios is not None:
+        prices = np.concatenate([prices, _scenario_prices(engine, cols, analytics.scenarios, tree,
+                                                          ids)])
     base = prices[:n]
     out = {"price": base.copy()}
     after = 1 + (len(BUMPS) if analytics.greeks else 0)     # lattice_columns' order

@@ -143,6 +143,11 @@ def _by_tree(cols: dict, tree: str):
     return (dt, log_up, log_down, p), exists
 
 
+def spot_free(cols: dict, tree: str) -> bool:
+    """Whether every option's tree ignores the spot (trees' spot_free)."""
+    return all(TREES[TREE_NAMES[int(code)]].spot_free for code in np.unique(_codes(cols, tree)))
+
+
 def _codes(cols: dict, tree: str) -> np.ndarray:
     """Each option's tree code: its tree column's, else (absent or < 0) the run's `tree`."""
     n = int(np.shape(cols["steps"])[0])

@@ -1,8 +1,9 @@
 """The binomial trees, as small policy objects (as in QuantLib): each turns an option's market data
 and N into its lattice's numbers, log up/down factors and the up probability.
 
-A tree has a `name`, a `min_steps` and `probabilities(cols) -> (dt, log_up, log_down, p)`, arrays
-over the options in `cols`, with disc = exp(-r*dt) per level (pricer/model/lattice.py builds the
+A tree has a `name`, a `min_steps`, `spot_free` (whether its numbers ignore the spot: then
+options that differ only in spot share them) and `probabilities(cols) -> (dt, log_up, log_down, p)`,
+arrays over the options in `cols`, with disc = exp(-r*dt) per level (pricer/model/lattice.py builds the
 engines' parameters from them). `crr` is the textbook Cox–Ross–Rubinstein tree (the default). The
 others are the trees of QuantLib 1.44's BinomialVanillaEngine, defined exactly as QuantLib defines
 them (ql/methods/lattices/binomialtree.{hpp,cpp}, bsmlattice.hpp,
@@ -24,6 +25,7 @@ class CoxRossRubinstein:
 
     name = "crr"
     min_steps = 1
+    spot_free = True
 
     def probabilities(self, cols: dict):
         dt = cols["maturity"] / cols["steps"]
@@ -47,6 +49,7 @@ class QuantLibTree:
     discount step is always T/N; only lr and joshi4 build the tree with another step count."""
 
     min_steps = 1
+    spot_free = True
 
     def tree_steps(self, steps: np.ndarray) -> np.ndarray:
         return steps
@@ -131,6 +134,8 @@ def _odd(steps: np.ndarray) -> np.ndarray:
 
 
 class _StrikeCentred(QuantLibTree):
+    spot_free = False        # centred on the strike: ln(S0/K) is in d2
+
     """Leisen–Reimer and Joshi's trees (binomialtree.cpp): built for the odd step count
     n = N (N odd) or N + 1 (N even) and centred on the strike. With V = sigma^2 T,
     ermqdt = exp(driftPerStep + V/(2n)), d2 = (ln(x0/K) + n*driftPerStep)/sqrt(V),
