@@ -387,3 +387,14 @@ def test_a_book_of_market_prices_is_not_priced_without_volatilities(tmp_path, rn
     assert "column volatility is NaN or absent for option id(s) 1, 4, 7" in done.stderr
     with h5py.File(tmp_path / "book.h5") as f:
         assert "volatility" not in f["portfolio"]
+
+
+def test_pricing_ignores_the_market_price_column(tmp_path, rng):
+    """A book with quotes (one of them NaN) and volatilities prices as it would without them."""
+    book = random_book(rng, 20, ("crr",))
+    quoted = dict(book, market_price=np.where(np.arange(20) == 3, np.nan, 5.0))
+    assert np.array_equal(pricer.price(quoted, backend="cpu")["price"].to_numpy(),
+                          pricer.price(book, backend="cpu")["price"].to_numpy())
+    with pytest.raises(pricer.InputError, match="column market_price is NaN or infinite for "
+                                                "option id\\(s\\) 10"):
+        pricer.implied_volatility(quoted, backend="cpu")

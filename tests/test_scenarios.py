@@ -155,3 +155,19 @@ def test_gpu_scenarios_are_the_expanded_books_prices(tmp_path, rng, trees):
     assert done.returncode == 0, done.stderr
     assert np.array_equal(read_results(str(out))["scenarios"]["price"],
                           expanded_prices(cols, "batch"))
+
+
+def test_richardson_with_scenarios_is_refused_and_many_scenarios_fit_a_small_book(tmp_path, rng):
+    write(tmp_path / "book.h5", book(rng, 50, ("crr",)))
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "o.h5"),
+                       "--backend", "cpu", "--richardson", "--scenario-spot", "0.1"])
+    assert done.returncode == 2 and "--richardson" in done.stderr and "Traceback" not in done.stderr
+    # 861 scenarios of 50 small options: the memory guard counts the book's rows, not a chunk's
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "o.h5"),
+                       "--backend", "cpu", "--scenario-spot=-0.2:0.2:41",
+                       "--scenario-volatility=-0.05:0.1:21"])
+    assert done.returncode == 0, done.stderr
+    assert read_results(str(tmp_path / "o.h5"))["scenarios"]["price"].shape == (50, 861)
+    done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "p.h5"),
+                       "--backend", "cpu", "--scenario-spot=0:1:100000000000"])
+    assert done.returncode == 2 and "at most 10000" in done.stderr and "Traceback" not in done.stderr

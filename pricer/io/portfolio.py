@@ -437,20 +437,14 @@ def validate(p: Portfolio, source: str = "portfolio", values: bool = True,
     if not values:
         return
     implied = p.market_price is not None
-    for name in FLOAT_COLUMNS + ((MARKET_COLUMN,) if implied else ()):
+    for name in FLOAT_COLUMNS:
         values = getattr(p, name)
-        # a book of market prices may leave a volatility (a start) out: NaN
+        # a book of market prices may leave a volatility (a start) out: NaN (the market prices
+        # themselves are checked by the runs that use them: checks.check_task_columns)
         bad = np.isinf(values) if implied and name == "volatility" else ~np.isfinite(values)
         if bad.any():
             raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
                              f"{first_ids(ids, bad)}", column=name, ids=ids[bad])
-    if implied:
-        bad = p.market_price < 0.0
-        if bad.any():
-            raise InputError(f"{source}: column market_price must be >= 0; it is not for option "
-                             f"id(s) {first_ids(ids, bad)} (first value "
-                             f"{float(p.market_price[bad][0])!r})", column=MARKET_COLUMN,
-                             ids=ids[bad])
     for name in ("spot", "strike", "maturity", "volatility"):
         bad = getattr(p, name) <= 0.0
         if bad.any():

@@ -73,7 +73,8 @@ UNITS = {
     "status": "code: 0 priced (implied volatilities: converged), else the reason in the "
               "status_reasons attribute",
     "implied_volatility": "per year, as the volatility column (NaN where status is not 0)",
-    "iterations": "lattices priced in the search",
+    "iterations": "rounds of the search: lattices priced, and sigmas tried where the tree had "
+                  "no lattice",
 }
 
 

@@ -33,6 +33,7 @@ from pricer.model.lattice import (LEVEL_VALUES, PACKED_FIELDS, LatticeParams, la
 BUMP = 1e-4
 GREEKS = ("delta", "gamma", "theta", "vega", "rho")
 SCENARIO = "scenario:"   # a scenario's price among the outputs: SCENARIO + its number
+SCENARIOS = "scenarios"  # price_with_analytics' (options, scenarios) array of them
 # --greeks' bumped copies of every option, in the engine call's order after the option itself
 BUMPS = (("volatility", 1.0), ("volatility", -1.0), ("rate", 1.0), ("rate", -1.0))
 
@@ -215,7 +216,10 @@ def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np
             numbers_of(k)
     if len(calls) == 1:
         return engine.price(build(calls[0]))
-    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(calls))) as pool:
+    import numba      # no more threads than the rank's share of the cores
+
+    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(calls),
+                                            numba.get_num_threads())) as pool:
         built = [pool.submit(build, ks) for ks in calls]
         return np.concatenate([engine.price(params.result()) for params in built])
 
@@ -223,7 +227,8 @@ def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np
 def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
                          analytics: Analytics = Analytics()) -> dict:
     """Prices (and Greeks) of the options in `cols` with `engine`, as a dict of float64 arrays
-    named by Analytics.outputs."""
+    named by Analytics.outputs, but for the scenarios' prices: one (options, scenarios) array,
+    SCENARIOS."""
     n = len(cols["spot"])
     check(cols, analytics, ids)
     parts = replace(analytics, scenarios=None).lattice_columns(cols)   # scenarios: below
@@ -231,9 +236,10 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
     params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
     levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
     prices = engine.price(params, levels) if levels is not None else engine.price(params)
-    if analytics.scenarios is not None:
-        prices = np.concatenate([prices, _scenario_prices(engine, cols, analytics.scenarios, tree,
-                                                          ids)])
+    if analytics.scenarios is not None:     # contiguous columns: the rows are shifted per scenario
+        solid = {key: np.ascontiguousarray(value) for key, value in cols.items()}
+        prices = np.concatenate([prices, _scenario_prices(engine, solid, analytics.scenarios,
+                                                          tree, ids)])
     base = prices[:n]
     out = {"price": base.copy()}
     after = 1 + (len(BUMPS) if analytics.greeks else 0)     # lattice_columns' order
@@ -242,8 +248,8 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
         coarse = richardson_steps(cols["steps"]).astype(np.float64)
         out["price"] = (fine * base - coarse * prices[after * n:(after + 1) * n]) / (fine - coarse)
         after += 1
-    for k, name in enumerate(analytics.outputs[1 + (len(GREEKS) if analytics.greeks else 0):]):
-        out[name] = prices[(after + k) * n:(after + k + 1) * n]
+    if analytics.scenarios is not None:     # (options, scenarios), a view of the engine's order
+        out[SCENARIOS] = prices[after * n:].reshape(-1, n).T
     if analytics.greeks:
         first = params.take(np.arange(n))
         out["delta"], out["gamma"], out["theta"] = lattice_greeks(first, base, levels[:n], cols)

@@ -372,7 +372,8 @@ class Solver:
         if len(slices) == 1:
             self._price(rows, *self._lattices(rows))
             return
-        with ThreadPoolExecutor(max_workers=len(slices)) as pool:
+        # no more threads than the rank's share of the cores (driver.configure_threads)
+        with ThreadPoolExecutor(max_workers=min(len(slices), numba.get_num_threads())) as pool:
             built = [pool.submit(self._lattices, part) for part in slices]
             for part, lattices in zip(slices, built):
                 self._price(part, *lattices.result())

@@ -78,6 +78,9 @@ def parse_axis(value, name: str) -> tuple:
                 count = int(count)
                 if count < 1:
                     raise ValueError
+                if count > MAX_SCENARIOS:
+                    raise InputError(f"scenarios: {name} has {count} points; at most "
+                                     f"{MAX_SCENARIOS} scenarios in all")
                 points = np.linspace(float(first), float(last), count)
             else:
                 points = [float(part) for part in text.split(",")]

@@ -103,6 +103,15 @@ def check_task_columns(cfg: RunConfig, portfolio, skip: bool) -> None:
     if cfg.implied and portfolio.market_price is None:
         raise InputError(f"{cfg.input}: implied volatilities need a market_price column (the "
                          f"prices to solve for)", column="market_price")
+    if cfg.implied and not skip:
+        market, ids = portfolio.market_price, portfolio.id
+        for bad, why in ((~np.isfinite(market), "is NaN or infinite for option id(s) {ids}"),
+                         (market < 0.0, "must be >= 0; it is not for option id(s) {ids} "
+                                        "(first value {value!r})")):
+            if bad.any():
+                raise InputError(f"{cfg.input}: column market_price " + why.format(
+                    ids=first_ids(ids, bad), value=float(market[bad][0])),
+                    column="market_price", ids=ids[bad])
     if not cfg.implied and not skip:
         bad = np.isnan(portfolio.volatility)
         if bad.any():
@@ -136,9 +145,10 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
     """The node's memory holds what every rank of it needs (memory.estimate), or InputError."""
     analytics = cfg.analytics()
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
-    est = memory.estimate(options, len(analytics.outputs), size, node_ranks, cfg.chunk_shape()[1],
+    est = memory.estimate(options, len(cfg.outputs()), size, node_ranks, cfg.chunk_shape()[1],
                           most_steps, analytics.lattice_count,
-                          threads, has_tree, cfg.distribute == "bcast", cfg.distribute == "read")
+                          threads, has_tree, cfg.distribute == "bcast", cfg.distribute == "read",
+                          memory.SEARCH_BYTES_PER_OPTION if cfg.implied else 0.0)
     memory.check(est, cfg.input)
 
 

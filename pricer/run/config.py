@@ -83,9 +83,14 @@ class RunConfig:
         long as its largest option and some set-up, so the GPU backends take chunks of about a
         second of one GPU's work, ~4000x the CPU's."""
         gpu = resolve_backend(self.backend) in ("gpu", "hybrid", "batch")
+        analytics = self.analytics()
+        # a chunk is about the same work whatever the run computes per option (an implied
+        # volatility's rounds and a scenario grid's lattices shrink it), and one engine call of a
+        # scenario grid about the same number of lattices (its rows shrink with the scenarios)
+        lattices = 1 + (analytics.scenarios.count if analytics.scenarios is not None else 0)
         nodes = self.chunk_nodes if self.chunk_nodes is not None else (
-            GPU_CHUNK_NODES if gpu else CHUNK_NODES) / self.analytics().rounds
-        return nodes, GPU_CHUNK_ROWS if gpu else CHUNK_ROWS
+            GPU_CHUNK_NODES if gpu else CHUNK_NODES) / (analytics.rounds * lattices)
+        return nodes, max(1, (GPU_CHUNK_ROWS if gpu else CHUNK_ROWS) // lattices)
 
     def expand_placeholders(self) -> "RunConfig":
         """{array_task} in the input, output and checkpoint paths replaced by the Slurm array task's
@@ -137,6 +142,9 @@ class RunConfig:
         if self.scenarios:
             from pricer.model.scenarios import grid_of
             grid_of(self.scenarios)             # the axes, by name
+            if self.richardson:
+                raise InputError("scenarios are priced on each option's N-step lattice: "
+                                 "--richardson (an extrapolated price) does not take them")
             if extension_format(self.output) not in (None, HDF5):
                 raise InputError(f"{self.output}: scenario prices are an (options, scenarios) "
                                  f"dataset, written to HDF5 results only: give the output an "

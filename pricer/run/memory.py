@@ -36,6 +36,10 @@ from pricer.errors import InputError
 COLUMN_BYTES = 8 * 8 + 2      # id, spot, strike, maturity, rate, dividend, volatility, steps, 2 flags
 TREE_BYTES = 64               # a tree name as read (object + str) and its code
 MATRIX_BYTES = 10 * 8         # one row of the matrix that travels to the ranks
+# An implied-volatility run's searches, per option of a rank's share: the market price's column,
+# the solver's table of the option's columns and its search state (pricer.model.implied), and the
+# results it hands back (measured ~240 bytes an option at N = 16)
+SEARCH_BYTES_PER_OPTION = 8 + 320
 CHUNK_ARRAY_BYTES = 30 * 8    # lattice parameters and engine inputs of one lattice
 ENGINE_BYTES_PER_STEP = 4 * 8
 INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns every rank reads whole
@@ -169,10 +173,13 @@ def _slurm_memory(environ) -> float | None:
 
 
 def estimate(n: int, outputs: int, ranks: int, node_ranks: int, chunk_rows: int, max_steps: int,
-             lattices: int, threads: int, tree: bool, bcast: bool, read: bool = False) -> Estimate:
+             lattices: int, threads: int, tree: bool, bcast: bool, read: bool = False,
+             per_option: float = 0.0) -> Estimate:
+    """`per_option`: bytes per option of a rank's share beyond its rows and outputs (an
+    implied-volatility run's searches, SEARCH_BYTES_PER_OPTION)."""
     share = -(-n // ranks)
-    working = (chunk_rows * lattices * CHUNK_ARRAY_BYTES
-               + threads * ENGINE_BYTES_PER_STEP * (max_steps + 1))
+    working = (min(chunk_rows, share) * lattices * CHUNK_ARRAY_BYTES
+               + threads * ENGINE_BYTES_PER_STEP * (max_steps + 1) + share * per_option)
     columns = 2 * COLUMN_BYTES + (TREE_BYTES if tree else 0)
     if read:   # every rank reads its own rows (and the id and steps columns whole)
         other = n * INDEX_BYTES + share * (columns + MATRIX_BYTES + outputs * 8) + working

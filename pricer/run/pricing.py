@@ -10,7 +10,7 @@ import numpy as np
 from pricer.io.checkpoint import chunk_grid
 from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
 from pricer.model.cost import lattice_nodes
-from pricer.model.greeks import Analytics, price_with_analytics
+from pricer.model.greeks import SCENARIO, SCENARIOS, Analytics, price_with_analytics
 from pricer.model.validity import PRICED
 
 
@@ -27,7 +27,11 @@ def price_chunk(engine, matrix: np.ndarray, priced: np.ndarray, a: int, b: int, 
     outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), tree, ids[rows],
                                    analytics)
     for j, name in enumerate(analytics.outputs):
-        values[rows, j] = outputs[name]
+        if not name.startswith(SCENARIO):
+            values[rows, j] = outputs[name]
+    if SCENARIOS in outputs:        # one block: the scenarios' columns follow the named outputs
+        first = analytics.outputs.index(f"{SCENARIO}0")
+        values[rows, first:first + outputs[SCENARIOS].shape[1]] = outputs[SCENARIOS]
 
 
 def run_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tree: str,
