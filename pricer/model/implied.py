@@ -4,9 +4,10 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
 - Bounds, without a lattice: a market price at or below what every lattice of the option is
   worth at least (0; an American option's payoff now) has no time value to explain
   (NO_TIME_VALUE), and one at or above what it is worth at most (a call S0 max(1, e^{-qT}); a put
-  K max(1, e^{-rT}), or K e^{-rT} if European) has no volatility (ABOVE_BOUND). Tighter continuous-time bounds (a European
-  option's discounted forward payoff) are not used: QuantLib's trees are not exact martingales,
-  and their lattice prices cross those bounds by up to ~1e-3 relative, so the search decides.
+  K max(1, e^{-rT}), or K e^{-rT} if European) has no volatility (ABOVE_BOUND). Tighter
+  continuous-time bounds (a European option's discounted forward payoff) are not used: QuantLib's
+  trees are not exact martingales, and their lattice prices cross those bounds by up to ~1e-3
+  relative, so the search decides.
 - Start: the volatility column where the book gives one, else the Black–Scholes implied volatility
   of the market price as if the option were European.
 - Iteration on f(sigma) = V(sigma) - market, one lattice per option per round: a secant step
@@ -17,9 +18,9 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
 - Converged: |f| <= PRICE_TOLERANCE max(market, 1e-8 K) and the sigma error |f| / slope estimated
   below SIGMA_TOLERANCE (or the bracket narrower than it). A market price below the lattice's
   price at its smallest volatility, or above it at SIGMA_HIGH, has no answer in the search range.
-- Options take a round each in a pool of a chunk's size: one engine call per round prices every
-  option still searching, and an option that is done leaves it for the next of the queue, so the
-  engine's calls stay full while options converge at their own speeds.
+- Options take a round each in a pool of a chunk's size: every round prices every option still
+  searching (in slices, Solver._round), and an option that is done leaves the pool for the next
+  of the queue, so the engine's calls stay full while options converge at their own speeds.
 
 An option's rounds depend on its own values only, so its answer does not depend on the pool it
 shared, the chunks or the ranks.
@@ -37,6 +38,8 @@ import numpy as np
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import lattice_parameters_where
 
+SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
+
 # Statuses beside pricer/model/validity.py's (1-6: the option could not be solved for at all).
 CONVERGED = 0
 NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED = 20, 21, 22
@@ -47,7 +50,7 @@ REASONS = {
     ABOVE_BOUND: "the market price is at or above the no-arbitrage upper bound (a call: "
                  "S0 max(1, e^-qT); a put: K max(1, e^-rT), K e^-rT if European), or above its "
                  "lattice price at the largest "
-                 f"volatility the search tries ({10.0:g}, or the tree takes)",
+                 f"volatility the search tries ({SIGMA_HIGH:g}, or the tree takes)",
     NOT_CONVERGED: "the search did not converge in its rounds",
 }
 
@@ -63,7 +66,6 @@ def statuses_text(status: np.ndarray) -> str:
                      for code, count in zip(codes, counts))
 
 
-SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
 PRICE_TOLERANCE = 1e-10              # |V(sigma) - market| <= this * max(market, 1e-8 K)
 PRICE_FLOOR = 1e-8                   # ... relative to K, for market prices near 0
 SIGMA_TOLERANCE = 1e-11              # estimated |sigma - root| at convergence ...
@@ -114,10 +116,10 @@ def bounds_status(cols: dict, market: np.ndarray) -> np.ndarray:
                    np.ascontiguousarray(market, dtype=np.float64))
 
 
-@numba.njit(parallel=True, cache=True, error_model="numpy")
+@numba.njit(cache=True, error_model="numpy")
 def _bounds(spot, strike, maturity, rate, dividend, call, american, market):
     status = np.empty(spot.shape[0], dtype=np.int8)
-    for i in numba.prange(spot.shape[0]):
+    for i in range(spot.shape[0]):        # a few operations an option: serial is fast enough
         payoff = spot[i] - strike[i] if call[i] else strike[i] - spot[i]
         floor = max(payoff, 0.0) if american[i] else 0.0
         growth = math.exp(-(dividend[i] if call[i] else rate[i]) * maturity[i])

@@ -25,7 +25,8 @@ TARGET = 0.9   # the grid's nodes/s against the expanded book's
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--backend", default=None, help="default: batch where a GPU is usable, else cpu")
+    ap.add_argument("--backend", default=None,
+                    help="default: batch where a GPU is usable, else cpu")
     ap.add_argument("--count", type=int, default=10_000, help="options (default 10,000)")
     ap.add_argument("--steps", type=int, default=1000, help="N of every option (default 1000)")
     ap.add_argument("--spot", type=int, default=9, help="spot shifts (default 9)")
