@@ -192,24 +192,25 @@ def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np
     per_call = max(1, SCENARIO_CALL_ROWS // max(n, 1))
     calls = [range(k, min(k + per_call, grid.count)) for k in range(0, grid.count, per_call)]
     shifts = grid.shifts()
-    parts = grid.columns(cols)
     shared = spot_free(cols, tree)
     numbers: dict = {}
+
+    def part(k: int) -> dict:               # built where it is used: on the calls' threads
+        return grid.column(cols, k, shifts)
 
     def numbers_of(k: int) -> LatticeParams:
         key = tuple(shifts[k, 1:])          # volatility, rate, days
         if key not in numbers:
-            numbers[key] = lattice_parameters(parts[k], tree, ids=ids)
+            numbers[key] = lattice_parameters(part(k), tree, ids=ids)
         return numbers[key]
 
     def build(ks):
         if not shared:
-            return lattice_parameters(concatenate([parts[k] for k in ks]), tree,
+            return lattice_parameters(concatenate([part(k) for k in ks]), tree,
                                       ids=np.tile(ids, len(ks)))
-        shared_numbers = [numbers_of(k) for k in ks]
         return LatticeParams(**{name: np.concatenate(
-            [parts[k]["spot"] if name == "spot" else getattr(numbers, name)
-             for k, numbers in zip(ks, shared_numbers)]) for name in PACKED_FIELDS})
+            [cols["spot"] * (1.0 + shifts[k, 0]) if name == "spot"
+             else getattr(numbers_of(k), name) for k in ks]) for name in PACKED_FIELDS})
 
     if shared:       # each distinct lattice's numbers once, before the threads share them
         for k in range(grid.count):

@@ -50,13 +50,15 @@ class ScenarioGrid:
 
     def columns(self, cols: dict) -> list[dict]:
         """The options of `cols` under each scenario, in scenario order."""
-        out = []
-        for spot, volatility, rate, days in self.shifts():
-            out.append(dict(cols, spot=cols["spot"] * (1.0 + spot),
-                            volatility=cols["volatility"] + volatility,
-                            rate=cols["rate"] + rate,
-                            maturity=cols["maturity"] - days / DAYS_PER_YEAR))
-        return out
+        return [self.column(cols, k) for k in range(self.count)]
+
+    def column(self, cols: dict, k: int, shifts: np.ndarray | None = None) -> dict:
+        """The options of `cols` under scenario k (`shifts`: self.shifts(), where the caller has
+        it)."""
+        spot, volatility, rate, days = (self.shifts() if shifts is None else shifts)[k]
+        return dict(cols, spot=cols["spot"] * (1.0 + spot),
+                    volatility=cols["volatility"] + volatility, rate=cols["rate"] + rate,
+                    maturity=cols["maturity"] - days / DAYS_PER_YEAR)
 
     def describe(self, k: int) -> str:
         spot, volatility, rate, days = self.shifts()[k]
