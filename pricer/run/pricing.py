@@ -75,28 +75,25 @@ def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, t
             return len(chunks)
         return int(np.searchsorted(ends, rows[count], side="right"))
 
-    for count in solver.rounds():
-        ready = finished_chunks(count)
-        if ready > yielded:
-            results = solver.results()
-            for k in range(yielded, ready):
-                lo = starts[k]
-                hi = starts[k + 1] if k + 1 < len(chunks) else rows.size
-                mine = rows[lo:hi]
-                for j, name in enumerate(OUTPUTS):
-                    values[mine, j] = results[name][lo:hi]
-                values[mine, -1] = results["status"][lo:hi]
-                yield k
-            yielded = ready
-    results = solver.results()      # the chunks left: their rows settled by the bounds alone
-    for k in range(yielded, len(chunks)):
+    def store(k: int, results: dict) -> int:
         lo = starts[k]
         hi = starts[k + 1] if k + 1 < len(chunks) else rows.size
         mine = rows[lo:hi]
         for j, name in enumerate(OUTPUTS):
             values[mine, j] = results[name][lo:hi]
         values[mine, -1] = results["status"][lo:hi]
-        yield k
+        return k
+
+    for count in solver.rounds():
+        ready = finished_chunks(count)
+        if ready > yielded:
+            results = solver.results()
+            for k in range(yielded, ready):
+                yield store(k, results)
+            yielded = ready
+    results = solver.results()      # the chunks left: their rows settled by the bounds alone
+    for k in range(yielded, len(chunks)):
+        yield store(k, results)
 
 
 def price_checked(engine, cfg, checked, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
