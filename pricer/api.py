@@ -37,18 +37,11 @@ def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
 
     cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, greeks=greeks,
                     richardson=richardson, threads=threads, invalid=invalid).check()
-    skip = cfg.invalid == "skip"
-    portfolio = portfolio_from_columns(book, source, values=not skip)
-    checked = checked_matrix(cfg, portfolio)       # refused before any engine starts
-    engine = _engine(cfg)
-    if threads is not None:
-        import numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    values, status = price_checked(engine, cfg, checked, portfolio.id)
+    portfolio, values, status = _computed(cfg, book, source)
     analytics = cfg.analytics()
     return pd.DataFrame({"id": portfolio.id,
                          **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
-                         **({"status": status} if skip else {})})
+                         **({"status": status} if cfg.invalid == "skip" else {})})
 
 
 def implied_volatility(book, backend: str = "auto", tree: str = "crr", invalid: str = "refuse",
@@ -63,19 +56,26 @@ def implied_volatility(book, backend: str = "auto", tree: str = "crr", invalid: 
 
     cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, threads=threads,
                     invalid=invalid, task="implied-vol").check()
-    portfolio = portfolio_from_columns(book, source, values=cfg.invalid != "skip")
-    checked = checked_matrix(cfg, portfolio)       # refused before any engine starts
-    engine = _engine(cfg)
-    if threads is not None:
-        import numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    values, _ = price_checked(engine, cfg, checked, portfolio.id)
+    portfolio, values, _ = _computed(cfg, book, source)
     outputs = cfg.outputs()
     column = {name: values[:, j] for j, name in enumerate(outputs)}
     return pd.DataFrame({"id": portfolio.id, "implied_volatility": column["implied_volatility"],
                          "status": column["status"].astype(np.int8),
                          "iterations": np.nan_to_num(column["iterations"]).astype(np.int64),
                          "price": column["price"]})
+
+
+def _computed(cfg: RunConfig, book, source: str):
+    """(portfolio, values, status) of `book` under `cfg` in this process: checked first (bad input
+    is refused before any engine starts), then run/pricing.price_checked."""
+    portfolio = portfolio_from_columns(book, source, values=cfg.invalid != "skip")
+    checked = checked_matrix(cfg, portfolio)
+    engine = _engine(cfg)
+    if cfg.threads is not None:
+        import numba
+        numba.set_num_threads(min(cfg.threads, numba.config.NUMBA_NUM_THREADS))
+    values, status = price_checked(engine, cfg, checked, portfolio.id)
+    return portfolio, values, status
 
 
 def _engine(cfg: RunConfig):
