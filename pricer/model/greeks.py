@@ -196,7 +196,7 @@ def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np
     numbers: dict = {}
 
     def part(k: int) -> dict:               # built where it is used: on the calls' threads
-        return grid.column(cols, k, shifts)
+        return grid.column(cols, k)
 
     def numbers_of(k: int) -> LatticeParams:
         key = tuple(shifts[k, 1:])          # volatility, rate, days

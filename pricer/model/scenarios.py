@@ -15,6 +15,7 @@ cost model, the memory guard and the checks count the scenarios with the rest.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -44,18 +45,17 @@ class ScenarioGrid:
         return tuple(len(getattr(self, axis)) for axis in AXES)
 
     def shifts(self) -> np.ndarray:
-        """(count, 4): each scenario's shift on each axis, in scenario order."""
-        return np.array(list(itertools.product(*(getattr(self, axis) for axis in AXES))),
-                        dtype=np.float64).reshape(-1, len(AXES))
+        """(count, 4): each scenario's shift on each axis, in scenario order (read-only: made
+        once per grid, as every scenario's column and description reads it)."""
+        return _shifts(tuple(getattr(self, axis) for axis in AXES))
 
     def columns(self, cols: dict) -> list[dict]:
         """The options of `cols` under each scenario, in scenario order."""
         return [self.column(cols, k) for k in range(self.count)]
 
-    def column(self, cols: dict, k: int, shifts: np.ndarray | None = None) -> dict:
-        """The options of `cols` under scenario k (`shifts`: self.shifts(), where the caller has
-        it)."""
-        spot, volatility, rate, days = (self.shifts() if shifts is None else shifts)[k]
+    def column(self, cols: dict, k: int) -> dict:
+        """The options of `cols` under scenario k."""
+        spot, volatility, rate, days = self.shifts()[k]
         return dict(cols, spot=cols["spot"] * (1.0 + spot),
                     volatility=cols["volatility"] + volatility, rate=cols["rate"] + rate,
                     maturity=cols["maturity"] - days / DAYS_PER_YEAR)
@@ -67,6 +67,13 @@ class ScenarioGrid:
 
     def settings(self) -> dict:
         return {axis: list(getattr(self, axis)) for axis in AXES}
+
+
+@functools.lru_cache(maxsize=8)
+def _shifts(axes: tuple) -> np.ndarray:
+    shifts = np.array(list(itertools.product(*axes)), dtype=np.float64).reshape(-1, len(AXES))
+    shifts.flags.writeable = False
+    return shifts
 
 
 def parse_axis(value, name: str) -> tuple:
