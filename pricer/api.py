@@ -3,6 +3,9 @@
     import pricer
     results = pricer.price(book, backend="auto", tree="crr", greeks=False)
 
+With scenarios={...} (the scenario grid of `pricer price --scenario-*`), each option is also priced
+under every scenario (pricer/model/scenarios.py), one column each.
+
 `book` is a pandas DataFrame, a dict of 1-D NumPy arrays or a NumPy structured array with the
 portfolio file's columns (docs/formats.md: id, spot, strike, maturity, rate, volatility, steps,
 call, american; dividend and tree optional). The result is a DataFrame with the columns id and
@@ -21,6 +24,7 @@ import numpy as np
 
 from pricer.engines import get_engine
 from pricer.io.portfolio import portfolio_from_columns
+from pricer.model.scenarios import AXES
 from pricer.run.checks import checked_matrix
 from pricer.run.config import RunConfig
 from pricer.run.pricing import price_checked
@@ -31,17 +35,26 @@ _engines: dict = {}     # one engine per backend and overrides for the process: 
 
 def price(book, backend: str = "auto", tree: str = "crr", greeks: bool = False,
           richardson: bool = False, invalid: str = "refuse", threads: int | None = None,
-          source: str = "book"):
-    """The book's prices (and Greeks), as a pandas DataFrame; InputError for bad input."""
+          source: str = "book", scenarios: dict | None = None):
+    """The book's prices (and Greeks), as a pandas DataFrame; InputError for bad input. With
+    `scenarios` (axis -> shifts, as a job file's [scenarios] table: {"spot": "-0.2:0.2:9",
+    "volatility": [-0.05, 0.05]}), also each scenario's price, in columns "scenario:0",
+    "scenario:1", ... after the others, and the scenarios' shifts as a DataFrame (spot,
+    volatility, rate, days; a row per scenario) in the result's attrs["scenarios"]."""
     import pandas as pd
 
     cfg = RunConfig(input=source, output=source, backend=backend, tree=tree, greeks=greeks,
-                    richardson=richardson, threads=threads, invalid=invalid).check()
+                    richardson=richardson, threads=threads, invalid=invalid,
+                    scenarios=scenarios).check()
     portfolio, values, status = _computed(cfg, book, source)
     analytics = cfg.analytics()
-    return pd.DataFrame({"id": portfolio.id,
-                         **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
-                         **({"status": status} if cfg.invalid == "skip" else {})})
+    out = pd.DataFrame({"id": portfolio.id,
+                        **{name: values[:, j] for j, name in enumerate(analytics.outputs)},
+                        **({"status": status} if cfg.invalid == "skip" else {})})
+    if analytics.scenarios is not None:
+        out.attrs["scenarios"] = pd.DataFrame(analytics.scenarios.shifts().copy(),
+                                              columns=list(AXES))
+    return out
 
 
 def implied_volatility(book, backend: str = "auto", tree: str = "crr", invalid: str = "refuse",

@@ -5,6 +5,7 @@ from job files, with the Greeks, --invalid skip and checkpoints; hostile grids r
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,8 +13,14 @@ import pytest
 import pricer
 from gpu_cases import needs_gpu
 from helpers import run_pricer
+from pricer.engines.cpu.kernels import table_kinds
+from pricer.engines.gpu.batch_layout import (INPUT_BYTES_PER_OPTION, fill_input, input_views,
+                                             shared_all_plain)
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
+from pricer.model.greeks import concatenate
+from pricer.model.lattice import PACKED_FIELDS, PLAIN, TREE_NAMES, lattice_parameters
+from pricer.model.scenarios import ScenarioGrid, ScenarioLattices
 
 AXES = {"spot": [-0.1, 0.0, 0.1], "volatility": [-0.05, 0.1], "rate": [0.0, 0.01],
         "days": [0.0, 10.0]}
@@ -43,6 +50,56 @@ def expanded_prices(cols: dict, backend: str) -> np.ndarray:
 
 def write(path, cols: dict) -> None:
     write_portfolio(str(path), Portfolio(**cols))
+
+
+def lattice_columns(cols: dict) -> dict:
+    """cols as pricing sees them: the tree column as codes (pricer.model.lattice.TREE_NAMES)."""
+    return dict({key: value for key, value in cols.items() if key != "id"},
+                tree=np.array([TREE_NAMES.index(t) for t in cols["tree"]]))
+
+
+def same(a, b) -> bool:
+    """Whether two LatticeParams hold the same bits in every field."""
+    return all(np.array_equal(np.asarray(getattr(a, name)).view(np.uint8),
+                              np.asarray(getattr(b, name)).view(np.uint8)) for name in PACKED_FIELDS)
+
+
+@pytest.mark.parametrize("trees", [("crr", "jr", "tian", "ql-crr"), ("crr", "lr")])
+def test_scenario_lattices_are_the_expanded_books_rows_and_fill_the_batch_input_alike(rng, trees):
+    """ScenarioLattices written out, and a SharedNumbers read in place by the batch runner's fill
+    (any run of lattices, or a gather), are bitwise the expanded book's lattice parameters."""
+    cols = lattice_columns(book(rng, 37, trees))
+    grid = ScenarioGrid(**{axis: tuple(values) for axis, values in AXES.items()})
+    lattices = ScenarioLattices(cols, grid, "crr", np.arange(37))
+    want = lattice_parameters(concatenate(grid.columns(cols)), "crr")
+    assert (lattices.shared is not None) == ("lr" not in trees)
+    assert same(lattices.build(0, grid.count), want)
+    assert same(lattices.build(5, 9), want.take(np.arange(5 * 37, 9 * 37)))
+    if lattices.shared is None:
+        return
+    shared = lattices.shared
+    assert len(shared) == len(want) and len(shared.numbers) == 37 * 2 * 2 * 2  # vol x rate x days
+    for rows in (slice(0, len(want)), slice(40, 41), slice(100, 333),
+                 rng.permutation(len(want))[:200]):
+        n = len(range(len(want))[rows]) if isinstance(rows, slice) else rows.size
+        got, expect = (np.zeros(n * INPUT_BYTES_PER_OPTION, np.uint8) for _ in range(2))
+        fill_input(shared, rows, got, input_views(got, n))
+        fill_input(want, rows, expect, input_views(expect, n))
+        assert np.array_equal(got, expect)
+    assert shared_all_plain(shared)
+    # one option's spot so large that some or all of its lattices' top nodes leave the range of
+    # PLAIN tables (ln S0 + N ln u > 700): shared_all_plain checks each set of numbers at its
+    # extreme spot factors only, and must agree with every lattice's own node_tables
+    rows = np.arange(3, len(shared.numbers), 37)          # option 3's row in each set of numbers
+    top = float((shared.numbers.steps[rows] * shared.numbers.log_up[rows]).max())
+    mixed = 0
+    for spot in (1e306, np.exp(700.0 - top) / 1.05, np.exp(700.0 - top) / 1.1 * 0.999):
+        far = replace(shared, spot=np.where(np.arange(37) == 3, spot, shared.spot))
+        expanded = far.take(np.arange(len(far)))
+        kinds = table_kinds(expanded.spot, expanded.log_up, expanded.log_down, expanded.steps)
+        mixed += 0 < (kinds != PLAIN).sum() < grid.count
+        assert shared_all_plain(far) == bool((kinds == PLAIN).all())
+    assert mixed
 
 
 # trees that ignore the spot share their numbers among the spot shifts (greeks._scenario_prices);
@@ -171,3 +228,19 @@ def test_richardson_with_scenarios_is_refused_and_many_scenarios_fit_a_small_boo
     done = run_pricer(["price", str(tmp_path / "book.h5"), "-o", str(tmp_path / "p.h5"),
                        "--backend", "cpu", "--scenario-spot=0:1:100000000000"])
     assert done.returncode == 2 and "at most 10000" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_api_prices_scenarios_as_columns_with_their_shifts(rng):
+    cols = book(rng, 40, ("crr", "lr", "jr"))
+    out = pricer.price(cols, backend="cpu", scenarios=AXES)
+    count = len(list(itertools.product(*AXES.values())))
+    names = [f"scenario:{k}" for k in range(count)]
+    assert list(out.columns) == ["id", "price", *names]
+    assert np.array_equal(out[names].to_numpy(), expanded_prices(cols, "cpu"))
+    assert np.array_equal(out["price"].to_numpy(),
+                          pricer.price(cols, backend="cpu")["price"].to_numpy())
+    shifts = out.attrs["scenarios"]
+    assert list(shifts.columns) == ["spot", "volatility", "rate", "days"]
+    assert np.array_equal(shifts.to_numpy(), np.array(list(itertools.product(*AXES.values()))))
+    with pytest.raises(pricer.InputError, match="unknown axis"):
+        pricer.price(cols, backend="cpu", scenarios={"vol": [0.1]})

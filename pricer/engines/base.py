@@ -3,7 +3,12 @@
 An engine prices lattices: `price(params, levels=None)` takes a LatticeParams (pricer.model.lattice)
 and returns one float64 price per option, in the order given; with `levels` ((n, LEVEL_VALUES)
 float64) it also writes each option's first levels' values (for the Greeks). Engines never see ids,
-files or MPI. Besides pricing, an engine says what the run needs to know about it:
+files or MPI.
+
+`price_lattices(lattices)` prices lattices made on demand (a scenario grid's,
+pricer.model.scenarios.ScenarioLattices): by default a range of them at a time, each range built
+on a thread while the engine prices the one before; an engine that can read them in place
+overrides it. Besides pricing, an engine says what the run needs to know about it:
 
 - `uses_gpu`: whether it drives a GPU (then the run measures the rank's GPU and fits it);
 - `warm_up()`: work done while rank 0 reads the input (compiling, loading kernels);
@@ -26,6 +31,11 @@ import numpy as np
 from pricer.errors import InputError
 from pricer.model.lattice import (CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, LatticeParams,
                                   lattice_parameters)
+
+
+# Engine.price_lattices' calls: at least this many lattices each, built on this many threads
+LATTICE_CALL_ROWS = 1 << 16
+LATTICE_THREADS = 8
 
 
 def sample_params(steps) -> LatticeParams:
@@ -54,6 +64,25 @@ class Engine:
         """Prices of options `rows` of params, in that order (an engine that can read rows in
         place, without a copy of their parameters, overrides this)."""
         return self.price(params.take(rows), levels)
+
+    def price_lattices(self, lattices) -> np.ndarray:
+        """Prices of `lattices` (len(): their count; `options` per scenario, `scenarios`;
+        build(lo, hi): the LatticeParams of scenarios lo .. hi - 1), in order: in calls of at
+        least LATTICE_CALL_ROWS lattices (whole scenarios), each call's parameters built on one
+        of up to LATTICE_THREADS threads (no more than numba's) while the engine prices the one
+        before."""
+        per_call = max(1, LATTICE_CALL_ROWS // max(lattices.options, 1))
+        calls = [(lo, min(lo + per_call, lattices.scenarios))
+                 for lo in range(0, lattices.scenarios, per_call)]
+        if len(calls) == 1:
+            return self.price(lattices.build(*calls[0]))
+        import numba
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(LATTICE_THREADS, len(calls),
+                                                numba.get_num_threads())) as pool:
+            built = [pool.submit(lattices.build, lo, hi) for lo, hi in calls]
+            return np.concatenate([self.price(params.result()) for params in built])
 
     def warm_up(self) -> None:
         """Work worth doing before the input is read (nothing by default)."""

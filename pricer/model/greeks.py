@@ -21,14 +21,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pricer.errors import InputError, first_ids
-from pricer.model.lattice import (LEVEL_VALUES, PACKED_FIELDS, LatticeParams, lattice_parameters,
-                                  spot_free)
+from pricer.model.lattice import LEVEL_VALUES, LatticeParams, lattice_parameters
+from pricer.model.scenarios import ScenarioLattices
 
 BUMP = 1e-4
 GREEKS = ("delta", "gamma", "theta", "vega", "rho")
@@ -176,53 +175,34 @@ def check(cols: dict, analytics: Analytics, ids: np.ndarray) -> None:
                              column=column, ids=np.asarray(ids)[mask])
 
 
-# a scenario grid's lattices go to the engine in calls of at least this many (whole scenarios),
-# each call's lattice parameters built on a thread while the engine prices the one before
-SCENARIO_CALL_ROWS = 1 << 16
-SCENARIO_THREADS = 8
+@dataclass
+class PreparedLattices:
+    """The host's side of pricing a set of options with analytics, done before the engine's
+    (prepare_lattices): the checked columns, the lattice parameters of the options' own lattices
+    and their Greeks' and Richardson's (params; None where the scenarios carry the options' own),
+    and the scenario grid's lattices (a ScenarioLattices, or None)."""
+    cols: dict
+    analytics: Analytics
+    params: LatticeParams | None
+    lattices: ScenarioLattices | None
 
 
-def _scenario_prices(engine, cols: dict, grid, tree: str, ids: np.ndarray) -> np.ndarray:
-    """The prices of the options of `cols` under every scenario of `grid`, scenario after
-    scenario. Where every option's tree ignores the spot (trees.spot_free), the scenarios that
-    differ only in spot share their lattice numbers: they are computed once per volatility, rate
-    and days shift and the spot row is written per scenario, as the shifted row's own lattice
-    parameters would have it (the same expressions: bitwise)."""
-    n = len(ids)
-    per_call = max(1, SCENARIO_CALL_ROWS // max(n, 1))
-    calls = [range(k, min(k + per_call, grid.count)) for k in range(0, grid.count, per_call)]
-    shifts = grid.shifts()
-    shared = spot_free(cols, tree)
-    numbers: dict = {}
-
-    def part(k: int) -> dict:               # built where it is used: on the calls' threads
-        return grid.column(cols, k)
-
-    def numbers_of(k: int) -> LatticeParams:
-        key = tuple(shifts[k, 1:])          # volatility, rate, days
-        if key not in numbers:
-            numbers[key] = lattice_parameters(part(k), tree, ids=ids)
-        return numbers[key]
-
-    def build(ks):
-        if not shared:
-            return lattice_parameters(concatenate([part(k) for k in ks]), tree,
-                                      ids=np.tile(ids, len(ks)))
-        return LatticeParams(**{name: np.concatenate(
-            [cols["spot"] * (1.0 + shifts[k, 0]) if name == "spot"
-             else getattr(numbers_of(k), name) for k in ks]) for name in PACKED_FIELDS})
-
-    if shared:       # each distinct lattice's numbers once, before the threads share them
-        for k in range(grid.count):
-            numbers_of(k)
-    if len(calls) == 1:
-        return engine.price(build(calls[0]))
-    import numba      # no more threads than the rank's share of the cores
-
-    with ThreadPoolExecutor(max_workers=min(SCENARIO_THREADS, len(calls),
-                                            numba.get_num_threads())) as pool:
-        built = [pool.submit(build, ks) for ks in calls]
-        return np.concatenate([engine.price(params.result()) for params in built])
+def prepare_lattices(cols: dict, tree: str, ids: np.ndarray,
+                     analytics: Analytics = Analytics()) -> PreparedLattices:
+    """The checks and every lattice's parameters that need no engine (InputError by id); the
+    options' own lattices alone (no Greeks, no Richardson) go first among a grid's scenarios."""
+    check(cols, analytics, ids)
+    grid = analytics.scenarios
+    parts = replace(analytics, scenarios=None).lattice_columns(cols)   # scenarios: below
+    alone = grid is not None and len(parts) == 1
+    params = lattices = None
+    if not alone:
+        every = concatenate(parts) if len(parts) > 1 else cols
+        params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
+    if grid is not None:     # contiguous columns: the rows are shifted per scenario
+        solid = {key: np.ascontiguousarray(value) for key, value in cols.items()}
+        lattices = ScenarioLattices(solid, grid, tree, ids, base=alone)
+    return PreparedLattices(cols, analytics, params, lattices)
 
 
 def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
@@ -230,17 +210,20 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
     """Prices (and Greeks) of the options in `cols` with `engine`, as a dict of float64 arrays
     named by Analytics.outputs, but for the scenarios' prices: one (options, scenarios) array,
     SCENARIOS."""
+    return price_prepared(engine, prepare_lattices(cols, tree, ids, analytics))
+
+
+def price_prepared(engine, prepared: PreparedLattices) -> dict:
+    """price_with_analytics' outputs of options prepared by prepare_lattices."""
+    cols, analytics, params = prepared.cols, prepared.analytics, prepared.params
     n = len(cols["spot"])
-    check(cols, analytics, ids)
-    parts = replace(analytics, scenarios=None).lattice_columns(cols)   # scenarios: below
-    every = concatenate(parts) if len(parts) > 1 else cols
-    params = lattice_parameters(every, tree, ids=np.tile(ids, len(parts)))
-    levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
-    prices = engine.price(params, levels) if levels is not None else engine.price(params)
-    if analytics.scenarios is not None:     # contiguous columns: the rows are shifted per scenario
-        solid = {key: np.ascontiguousarray(value) for key, value in cols.items()}
-        prices = np.concatenate([prices, _scenario_prices(engine, solid, analytics.scenarios,
-                                                          tree, ids)])
+    levels = prices = None
+    if params is not None:
+        levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
+        prices = engine.price(params, levels) if levels is not None else engine.price(params)
+    if prepared.lattices is not None:
+        priced = engine.price_lattices(prepared.lattices)
+        prices = priced if prices is None else np.concatenate([prices, priced])
     base = prices[:n]
     out = {"price": base.copy()}
     after = 1 + (len(BUMPS) if analytics.greeks else 0)     # lattice_columns' order
@@ -249,7 +232,7 @@ def price_with_analytics(engine, cols: dict, tree: str, ids: np.ndarray,
         coarse = richardson_steps(cols["steps"]).astype(np.float64)
         out["price"] = (fine * base - coarse * prices[after * n:(after + 1) * n]) / (fine - coarse)
         after += 1
-    if analytics.scenarios is not None:     # (options, scenarios), a view of the engine's order
+    if prepared.lattices is not None:     # (options, scenarios), a view of the engine's order
         out[SCENARIOS] = prices[after * n:].reshape(-1, n).T
     if analytics.greeks:
         first = params.take(np.arange(n))

@@ -11,6 +11,11 @@ own lattice with the option's N and tree, exactly as the book with that shifted 
 scenario prices are bitwise those of the explicitly expanded book on the same backend. The
 Analytics of a run (pricer.model.greeks) carries the grid, so that the lattices per option, the
 cost model, the memory guard and the checks count the scenarios with the rest.
+
+ScenarioLattices are a grid's lattices for a set of options, made on demand: an engine builds
+them a range of scenarios at a time (Engine.price_lattices), or, where every option's tree ignores
+the spot (SharedNumbers), reads each lattice's numbers from those of its volatility, rate and days
+shifts and multiplies its spot as it fills its input (the GPU batch runner).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pricer.errors import InputError
+from pricer.model.lattice import PACKED_FIELDS, LatticeParams, lattice_parameters, spot_free
 
 AXES = ("spot", "volatility", "rate", "days")
 DAYS_PER_YEAR = 365.0
@@ -55,10 +61,7 @@ class ScenarioGrid:
 
     def column(self, cols: dict, k: int) -> dict:
         """The options of `cols` under scenario k."""
-        spot, volatility, rate, days = self.shifts()[k]
-        return dict(cols, spot=cols["spot"] * (1.0 + spot),
-                    volatility=cols["volatility"] + volatility, rate=cols["rate"] + rate,
-                    maturity=cols["maturity"] - days / DAYS_PER_YEAR)
+        return shifted(cols, self.shifts()[k])
 
     def describe(self, k: int) -> str:
         spot, volatility, rate, days = self.shifts()[k]
@@ -67,6 +70,14 @@ class ScenarioGrid:
 
     def settings(self) -> dict:
         return {axis: list(getattr(self, axis)) for axis in AXES}
+
+
+def shifted(cols: dict, shift) -> dict:
+    """The options of `cols` under one scenario's shifts (spot, volatility, rate, days): its spot
+    cols["spot"] * (1 + spot shift), as SharedNumbers multiplies it too."""
+    spot, volatility, rate, days = shift
+    return dict(cols, spot=cols["spot"] * (1.0 + spot), volatility=cols["volatility"] + volatility,
+                rate=cols["rate"] + rate, maturity=cols["maturity"] - days / DAYS_PER_YEAR)
 
 
 @functools.lru_cache(maxsize=8)
@@ -129,3 +140,73 @@ def grid_of(scenarios: dict | None) -> ScenarioGrid | None:
         raise InputError(f"scenarios: {grid.count} scenarios ({' x '.join(map(str, grid.shape))});"
                          f" at most {MAX_SCENARIOS}")
     return grid
+
+
+@dataclass(frozen=True)
+class SharedNumbers:
+    """Scenario lattices whose numbers ignore the spot, without their rows written out: lattice
+    k n + i (option i of n under scenario k) is row sets[k] n + i of `numbers`, its spot
+    spot[i] * factors[k]. That product is ScenarioGrid.column's, and the numbers are those of the
+    shifted row's own lattice parameters (its tree ignores the spot): each lattice is bitwise the
+    explicitly expanded book's row. `numbers` holds one set of n rows per distinct volatility, rate
+    and days shift."""
+    numbers: LatticeParams   # (len(set of shifts) * n rows)
+    spot: np.ndarray         # (n,) the options' own spots
+    factors: np.ndarray      # (scenarios,) 1 + each scenario's spot shift
+    sets: np.ndarray         # (scenarios,) int64: each scenario's set of numbers
+
+    def __len__(self) -> int:
+        return self.spot.size * self.sets.size
+
+    def take(self, index) -> LatticeParams:
+        """The lattices `index` (rows of the expansion) written out."""
+        index = np.asarray(index, dtype=np.int64)
+        n = self.spot.size
+        k, i = np.divmod(index, n)
+        rows = self.sets[k] * n + i
+        return LatticeParams(**{name: (self.spot[i] * self.factors[k] if name == "spot"
+                                       else getattr(self.numbers, name)[rows])
+                                for name in PACKED_FIELDS})
+
+
+class ScenarioLattices:
+    """The lattices of the n options of `cols` under every scenario of `grid`, scenario after
+    scenario (lattice k n + i: option i under scenario k), made on demand; with `base`, the
+    options' own lattices first, as a scenario without shifts (the same bits: x (1 + 0), x + 0
+    and T - 0 / 365 are x). build(lo, hi) writes out scenarios lo .. hi - 1; `shared` (a
+    SharedNumbers, or None) is set where every option's tree ignores the spot
+    (trees.spot_free), whose scenarios that differ only in spot share one set of numbers,
+    computed here once per volatility, rate and days shift."""
+
+    def __init__(self, cols: dict, grid: ScenarioGrid, tree: str, ids: np.ndarray,
+                 base: bool = False):
+        self.cols, self.tree, self.ids = cols, tree, np.asarray(ids)
+        shifts = grid.shifts()
+        self.shifts = np.concatenate([np.zeros((1, len(AXES))), shifts]) if base else shifts
+        self.options, self.scenarios = int(np.shape(cols["spot"])[0]), len(self.shifts)
+        self.shared = self._shared() if spot_free(cols, tree) else None
+
+    def __len__(self) -> int:
+        return self.options * self.scenarios
+
+    def build(self, lo: int, hi: int) -> LatticeParams:
+        """The lattice parameters of scenarios lo .. hi - 1, scenario after scenario."""
+        if self.shared is not None:
+            return self.shared.take(np.arange(lo * self.options, hi * self.options))
+        return self._parameters(range(lo, hi))
+
+    def _parameters(self, scenarios) -> LatticeParams:
+        parts = [shifted(self.cols, self.shifts[k]) for k in scenarios]
+        every = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        return lattice_parameters(every, self.tree, ids=np.tile(self.ids, len(parts)))
+
+    def _shared(self) -> SharedNumbers:
+        """Each distinct volatility, rate and days shift's numbers, from its first scenario's
+        rows (lattice_parameters, in one call: the same expressions as the expanded book's
+        rows)."""
+        keys: dict = {}
+        sets = np.array([keys.setdefault(tuple(row[1:]), len(keys)) for row in self.shifts],
+                        dtype=np.int64)
+        numbers = self._parameters([int(np.argmax(sets == s)) for s in range(len(keys))])
+        return SharedNumbers(numbers, np.ascontiguousarray(self.cols["spot"], dtype=np.float64),
+                             1.0 + self.shifts[:, 0], sets)

@@ -40,7 +40,9 @@ MATRIX_BYTES = 10 * 8         # one row of the matrix that travels to the ranks
 # the solver's table of the option's columns and its search state (pricer.model.implied), and the
 # results it hands back (measured ~240 bytes an option at N = 16)
 SEARCH_BYTES_PER_OPTION = 8 + 320
-CHUNK_ARRAY_BYTES = 30 * 8    # lattice parameters and engine inputs of one lattice
+# lattice parameters and engine inputs of one lattice, and the next chunk's columns and lattice
+# parameters, prepared meanwhile (pricer/run/pricing.run_chunks)
+CHUNK_ARRAY_BYTES = (30 + 18) * 8
 ENGINE_BYTES_PER_STEP = 4 * 8
 INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns every rank reads whole
 GIB = float(1 << 30)

@@ -10,22 +10,30 @@ import numpy as np
 from pricer.io.checkpoint import chunk_grid
 from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
 from pricer.model.cost import lattice_nodes
-from pricer.model.greeks import SCENARIO, SCENARIOS, Analytics, price_with_analytics
+from pricer.model.greeks import SCENARIO, SCENARIOS, Analytics, prepare_lattices, price_prepared
 from pricer.model.validity import PRICED
 
 
-def price_chunk(engine, matrix: np.ndarray, priced: np.ndarray, a: int, b: int, tree: str,
-                ids: np.ndarray, analytics: Analytics, values: np.ndarray) -> None:
-    """Rows a:b of the portfolio matrix that `priced` marks (all of them, unless --invalid skip
-    skipped some), priced by `engine`; their outputs (Analytics.outputs, in that order) written
-    into the same rows of `values`. The others are left as they are."""
+def prepare_chunk(matrix: np.ndarray, priced: np.ndarray, a: int, b: int, tree: str,
+                  ids: np.ndarray, analytics: Analytics):
+    """The host's side of rows a:b of the portfolio matrix that `priced` marks (all of them,
+    unless --invalid skip skipped some): (rows, PreparedLattices), or None where none is priced."""
     picked = priced[a:b]
     if not picked.any():
-        return
+        return None
     # every row priced (no --invalid skip, or none skipped here): a slice, not a copy of the rows
     rows = slice(a, b) if picked.all() else np.flatnonzero(picked) + a
-    outputs = price_with_analytics(engine, columns_from_matrix(matrix[rows]), tree, ids[rows],
-                                   analytics)
+    return rows, prepare_lattices(columns_from_matrix(matrix[rows]), tree, ids[rows], analytics)
+
+
+def price_chunk(engine, prepared, values: np.ndarray) -> None:
+    """A chunk's prepare_chunk priced by `engine`: its rows' outputs (Analytics.outputs, in that
+    order) written into the same rows of `values`. The others are left as they are."""
+    if prepared is None:
+        return
+    rows, lattices = prepared
+    analytics = lattices.analytics
+    outputs = price_prepared(engine, lattices)
     for j, name in enumerate(analytics.outputs):
         if not name.startswith(SCENARIO):
             values[rows, j] = outputs[name]
@@ -38,13 +46,28 @@ def run_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tre
                ids: np.ndarray, analytics: Analytics, values: np.ndarray):
     """Rows chunks[k] = (a, b, ...) of the portfolio matrix computed into `values` (price_chunk's
     contract; an implied-volatility run's outputs, then each row's status in its last column):
-    yields each k once its rows are done, in the order they finish."""
-    if not analytics.implied:
-        for k, (a, b, *_) in enumerate(chunks):
-            price_chunk(engine, matrix, priced, a, b, tree, ids, analytics, values)
-            yield k
+    yields each k once its rows are done, in the order they finish. Pricing, each chunk's host
+    side (prepare_chunk: checks, lattice parameters) is done on a thread while the engine prices
+    the chunk before (its GPU, or its cores, then busy)."""
+    if analytics.implied:
+        yield from solve_chunks(engine, matrix, priced, chunks, tree, values)
         return
-    yield from solve_chunks(engine, matrix, priced, chunks, tree, values)
+    if not chunks:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def prepared(k: int):
+        a, b, *_ = chunks[k]
+        return prepare_chunk(matrix, priced, a, b, tree, ids, analytics)
+
+    with ThreadPoolExecutor(max_workers=1) as ahead:
+        following = ahead.submit(prepared, 0)
+        for k in range(len(chunks)):
+            chunk = following.result()
+            if k + 1 < len(chunks):
+                following = ahead.submit(prepared, k + 1)
+            price_chunk(engine, chunk, values)
+            yield k
 
 
 def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tree: str,

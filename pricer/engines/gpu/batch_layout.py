@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from pricer.model.lattice import FLAGS_ROW, LEVEL_VALUES, STEPS_ROW
+from pricer.engines.cpu.kernels import node_tables
+from pricer.model.lattice import (FLAGS_ROW, FLOAT_ROWS, LEVEL_VALUES, PLAIN, STEPS_ROW,
+                                  LatticeParams)
 
 NODES_PER_LANE = 4                 # VT: consecutive nodes a lane holds per register group
 WARPS = 16                         # the most warps per option (the widest kernel family)
@@ -31,6 +33,7 @@ WORK_RANK_LANES = 8                # and threads that rank one row together
 
 FLOAT_FIELDS = ("spot", "strike", "log_up", "log_down", "pu", "pd")
 FLOAT_BYTES_PER_OPTION = 8 * len(FLOAT_FIELDS)
+SPOT, LOG_UP, LOG_DOWN = FLOAT_ROWS["spot"], FLOAT_ROWS["log_up"], FLOAT_ROWS["log_down"]
 STEPS_AT = FLOAT_BYTES_PER_OPTION          # byte offsets per row of the chunk
 ORDER_AT = STEPS_AT + 4
 CALL_AT = ORDER_AT + 4
@@ -103,9 +106,20 @@ def fill_flags(params, rows, views: InputViews) -> None:
 
 def fill_input(params, rows, buffer: np.ndarray, views: InputViews) -> None:
     """fill_floats and fill_flags: the kernel's input for `rows` of params, all but the order,
-    into `buffer` (views: input_views of it). A run of rows is one numba pass over
-    LatticeParams.packed."""
-    if isinstance(rows, slice) and rows.step in (None, 1):
+    into `buffer` (views: input_views of it). `params` is a LatticeParams, or a SharedNumbers
+    (pricer.model.scenarios: lattices read from shared numbers, their spots multiplied here). A
+    run of rows is one numba pass over LatticeParams.packed (or over the shared numbers)."""
+    run = isinstance(rows, slice) and rows.step in (None, 1)
+    if not isinstance(params, LatticeParams):
+        if run:
+            lo, hi, _ = rows.indices(len(params))
+            numbers = params.numbers
+            _fill_shared_run(numbers.packed, numbers.steps, numbers.call, numbers.american,
+                             params.spot, params.factors, params.sets, lo, hi, views.floats,
+                             views.steps, views.call, views.american)
+            return
+        params, rows = params.take(rows), slice(0, len(rows))
+    if run:
         lo, hi, _ = rows.indices(len(params))
         _fill_run(params.packed, lo, hi, buffer)
         return
@@ -131,3 +145,55 @@ def _fill_run(packed, lo, hi, buffer):
     for r in range(n):
         buffer[CALL_AT * n + r] = flags_in[lo + r]
         buffer[AMERICAN_AT * n + r] = flags_in[count + lo + r]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _fill_shared_run(packed, steps_in, call_in, american_in, spot, factors, sets, lo, hi, floats,
+                     steps, call, american):
+    """Lattices lo..hi - 1 of a SharedNumbers into the input's views (input_views), as _fill_run
+    would write them from the lattices written out: lattice k m + i (m options) is row
+    sets[k] m + i of its numbers (packed, and their steps and flags), its spot
+    spot[i] * factors[k]. On numba's threads: a gather, where _fill_run is a copy (the GPU prices
+    a short lattice faster than one thread gathers it)."""
+    m = spot.size
+    for r in prange(hi - lo):
+        k, i = divmod(lo + r, m)
+        row = sets[k] * m + i
+        for f in range(len(FLOAT_FIELDS)):
+            floats[f, r] = packed[f, row]
+        floats[SPOT, r] = spot[i] * factors[k]
+        steps[r] = steps_in[row]
+        call[r] = call_in[row]
+        american[r] = american_in[row]
+
+
+def shared_all_plain(shared) -> bool:
+    """Whether every lattice of a SharedNumbers has PLAIN node tables (cpu/kernels.node_tables),
+    the only ones the batch kernels build. A lattice's numbers fixed, its tables are PLAIN for
+    the spots of one interval of ln S0 (node_tables: the spread and n |ln d| within
+    NODE_LOG_LIMIT, and ln S0 between -NODE_LOG_LIMIT - n min(ln d, 0) and
+    NODE_LOG_LIMIT - n max(ln u, 0); its first test's spots lie inside that interval), and a
+    scenario's spot, S0 times its factor, grows with the factor: each set of numbers is checked
+    at the least and the greatest spot factor of its scenarios only."""
+    count = int(shared.sets.max()) + 1
+    low, high = np.full(count, np.inf), np.full(count, -np.inf)
+    np.minimum.at(low, shared.sets, shared.factors)
+    np.maximum.at(high, shared.sets, shared.factors)
+    numbers = shared.numbers
+    return _all_plain(numbers.log_up, numbers.log_down, numbers.steps, shared.spot, low, high)
+
+
+@njit(cache=True, parallel=True)
+def _all_plain(log_up, log_down, steps, spot, low, high) -> bool:
+    """Whether row s m + i of the numbers (m options) has PLAIN tables at spots spot[i] low[s]
+    and spot[i] high[s], for every set s."""
+    m = spot.size
+    bad = 0
+    for s in prange(low.size):
+        for i in range(m):
+            row = s * m + i
+            for factor in (low[s], high[s]):
+                if node_tables(spot[i] * factor, log_up[row], log_down[row],
+                               steps[row])[0] != PLAIN:
+                    bad += 1
+    return bad == 0

@@ -35,7 +35,7 @@ import numpy as np
 from pricer.engines.base import DeviceInfo, DeviceNeed, Engine, Route, route
 from pricer.engines.cpu.kernels import backward_keeping_levels, power_tables, table_kinds
 from pricer.engines.cpu.serial import level_array
-from pricer.engines.gpu.batch_layout import KEY_BINS, batch_row_bytes
+from pricer.engines.gpu.batch_layout import KEY_BINS, batch_row_bytes, shared_all_plain
 from pricer.engines.gpu.batch_plan import DEFAULT_CHUNK_OPTIONS, MAX_STEPS, chunk_size
 from pricer.engines.gpu.calibration import effective_config
 from pricer.engines.gpu.config import GpuConfig
@@ -131,6 +131,24 @@ class GpuEngine(Engine):
             return self.cpu().price(params, levels)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
+
+    def price_lattices(self, lattices) -> np.ndarray:
+        """Prices of lattices made on demand (Engine.price_lattices). Where they share their
+        numbers (pricer.model.scenarios.SharedNumbers) and the batch runner takes every one of
+        them (steps in its route, PLAIN node tables, not left to the CPU), it reads them in place
+        in one call: no lattice is written out on the host but in the runner's input buffers."""
+        shared = lattices.shared
+        if shared is not None and self._runner_takes_all(shared):
+            return self.runner().price(shared)
+        return super().price_lattices(lattices)
+
+    def _runner_takes_all(self, shared) -> bool:
+        steps = shared.numbers.steps[:shared.spot.size]
+        if steps.size == 0 or (self.cpu_max_nodes and lattice_nodes(steps).sum() * len(shared.sets)
+                               <= self.cpu_max_nodes):
+            return False
+        return (self._on_runner.takes_all(int(steps.min()), int(steps.max()))
+                and shared_all_plain(shared))
 
     def warm_up(self) -> None:
         """Before the input is read: every kernel the engine may launch compiled where the cache
