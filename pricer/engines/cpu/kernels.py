@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -78,11 +78,12 @@ def node_tables(spot, log_up, log_down, steps):
     return CLAMPED, 0.0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, parallel=True)
 def table_kinds(spot, log_up, log_down, steps):
-    """node_tables' kind of every option (int8)."""
+    """node_tables' kind of every option (int8), on numba's threads (every GPU engine call
+    classifies all of its lattices: docs/decisions.md)."""
     out = np.empty(spot.size, dtype=np.int8)
-    for k in range(spot.size):
+    for k in prange(spot.size):
         out[k] = node_tables(spot[k], log_up[k], log_down[k], steps[k])[0]
     return out
 

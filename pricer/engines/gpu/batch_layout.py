@@ -17,8 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.engines.cpu.kernels import node_tables
-from pricer.model.lattice import (FLAGS_ROW, FLOAT_ROWS, LEVEL_VALUES, PLAIN, STEPS_ROW,
-                                  LatticeParams)
+from pricer.model.lattice import FLOAT_ROWS, LEVEL_VALUES, PLAIN, LatticeParams
 
 NODES_PER_LANE = 4                 # VT: consecutive nodes a lane holds per register group
 WARPS = 16                         # the most warps per option (the widest kernel family)
@@ -118,33 +117,27 @@ def fill_input(params, rows, buffer: np.ndarray, views: InputViews) -> None:
                              params.spot, params.factors, params.sets, lo, hi, views.floats,
                              views.steps, views.call, views.american)
             return
-        params, rows = params.take(rows), slice(0, len(rows))
+        params, rows, run = params.take(rows), slice(0, len(rows)), True
     if run:
         lo, hi, _ = rows.indices(len(params))
-        _fill_run(params.packed, lo, hi, buffer)
+        _fill_run(params.packed, params.steps, params.call, params.american, lo, hi,
+                  views.floats, views.steps, views.call, views.american)
         return
     fill_floats(params, rows, views)
     fill_flags(params, rows, views)
 
 
-@njit(cache=True, nogil=True)
-def _fill_run(packed, lo, hi, buffer):
-    """Rows lo..hi - 1 of LatticeParams.packed (pricer/model/lattice.py: float rows, then steps
-    as int64, then the flags' bytes) into the input layout (input_views)."""
-    n = hi - lo
-    count = packed.shape[1]
-    floats = buffer[:STEPS_AT * n].view(np.float64)
-    for k in range(len(FLOAT_FIELDS)):
-        for r in range(n):
-            floats[k * n + r] = packed[k, lo + r]
-    steps_in = packed[STEPS_ROW].view(np.int64)
-    steps = buffer[STEPS_AT * n:ORDER_AT * n].view(np.int32)
-    for r in range(n):
+@njit(cache=True, nogil=True, parallel=True)
+def _fill_run(packed, steps_in, call_in, american_in, lo, hi, floats, steps, call, american):
+    """Rows lo..hi - 1 of a LatticeParams (packed, and its steps and flags) into the input's views
+    (input_views). On numba's threads: at short lattices the GPU prices a row faster than one
+    thread copies it (docs/decisions.md)."""
+    for r in prange(hi - lo):
+        for k in range(len(FLOAT_FIELDS)):
+            floats[k, r] = packed[k, lo + r]
         steps[r] = steps_in[lo + r]
-    flags_in = packed[FLAGS_ROW].view(np.uint8)          # call: count bytes, then american
-    for r in range(n):
-        buffer[CALL_AT * n + r] = flags_in[lo + r]
-        buffer[AMERICAN_AT * n + r] = flags_in[count + lo + r]
+        call[r] = call_in[lo + r]
+        american[r] = american_in[lo + r]
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -153,8 +146,7 @@ def _fill_shared_run(packed, steps_in, call_in, american_in, spot, factors, sets
     """Lattices lo..hi - 1 of a SharedNumbers into the input's views (input_views), as _fill_run
     would write them from the lattices written out: lattice k m + i (m options) is row
     sets[k] m + i of its numbers (packed, and their steps and flags), its spot
-    spot[i] * factors[k]. On numba's threads: a gather, where _fill_run is a copy (the GPU prices
-    a short lattice faster than one thread gathers it)."""
+    spot[i] * factors[k]. On numba's threads, as _fill_run."""
     m = spot.size
     for r in prange(hi - lo):
         k, i = divmod(lo + r, m)
