@@ -1,0 +1,170 @@
+"""The Hull–White trinomial family (pricer/model/hw1f.py, pricer/engines/cpu/trinomial.py):
+curves and the closed form against QuantLib, the tree's fit to the curve, convergence to
+Jamshidian's bond options, the CPU engine against the NumPy reference, and the model's
+no-arbitrage relations, on fresh random inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pricer.model.hw1f as H
+from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+from pricer.errors import InputError
+
+ENGINE = HullWhiteCpuEngine()
+
+
+def random_curve(rng, flat: bool = False) -> H.YieldCurve:
+    days = np.array([91, 365, 1095, 2555, 5475, 10950])      # whole days: QuantLib's times alike
+    rates = np.full(6, rng.uniform(0.0, 0.05)) if flat else np.sort(rng.uniform(-0.005, 0.06, 6))
+    return H.YieldCurve(days / 365.0, rates)
+
+
+def random_instruments(rng, n: int, maturity=(1.0, 15.0)) -> list:
+    out = []
+    for k in range(n):
+        mat = float(rng.uniform(*maturity))
+        exercise = H.EXERCISES[k % 3]
+        dates = (float(rng.uniform(0.1, mat)),) if exercise == "european" else \
+            tuple(np.sort(rng.uniform(0.1, mat, int(rng.integers(1, 6)))).tolist())
+        out.append(H.BondOption(face=100.0, coupon=float(rng.uniform(0.0, 0.08)),
+                                frequency=int(rng.choice([0, 1, 2, 4])), maturity=mat,
+                                strike=float(rng.uniform(80.0, 110.0)), call=bool(rng.random() < 0.5),
+                                exercise=exercise, dates=dates, first=mat * float(rng.uniform(0, .5)),
+                                last=mat * float(rng.uniform(.5, 1)),
+                                product=H.PRODUCTS[int(rng.integers(0, 3))]))
+    return out
+
+
+def test_curve_and_closed_form_are_quantlibs(rng):
+    ql = pytest.importorskip("QuantLib")
+    today = ql.Date(27, 11, 2026)
+    ql.Settings.instance().evaluationDate = today
+    for flat in (True, False):
+        curve = random_curve(rng, flat)
+        days = np.rint(curve.times * 365).astype(int)
+        zero = ql.ZeroCurve([today] + [today + int(d) for d in days],
+                            [float(curve.rates[0])] + curve.rates.tolist(), ql.Actual365Fixed(),
+                            ql.NullCalendar(), ql.Linear(), ql.Continuous)
+        for t in rng.uniform(0.01, 29.0, 20):
+            assert abs(float(curve.discount(t)) / zero.discount(float(t)) - 1.0) < 1e-14
+        model = ql.HullWhite(ql.YieldTermStructureHandle(zero), 0.1, 0.01)
+        for _ in range(10):
+            a, sigma = rng.uniform(0.02, 0.5), rng.uniform(0.002, 0.03)
+            model = ql.HullWhite(ql.YieldTermStructureHandle(zero), float(a), float(sigma))
+            expiry = float(rng.uniform(0.5, 10.0))
+            maturity = expiry + float(rng.uniform(0.5, 15.0))
+            strike = float(curve.discount(maturity) / curve.discount(expiry)) * rng.uniform(0.9, 1.1)
+            for call in (True, False):
+                ours = H.zero_bond_option(curve, a, sigma, strike, expiry, maturity, call)
+                theirs = model.discountBondOption(ql.Option.Call if call else ql.Option.Put,
+                                                  float(strike), expiry, maturity)
+                # face 1: the two normal CDFs differ by ~1e-16, which a deep option cancels
+                assert abs(ours - theirs) <= 1e-11 * abs(theirs) + 1e-14
+
+
+def test_the_tree_reprices_the_curve(rng):
+    """The forward induction's alphas make sum_j Q(m, j) = P(0, m dt) at every step; a bond
+    without options (a call at an unreachable strike) is worth its discounted flows."""
+    for flat in (True, False):
+        curve = random_curve(rng, flat)
+        for _ in range(5):
+            a, sigma, dt = rng.uniform(0.01, 0.5), rng.uniform(0.002, 0.03), rng.uniform(0.004, 0.1)
+            steps = int(rng.integers(13, 600))
+            tree = H.build(a, sigma, dt, steps, curve)
+            want = curve.discount(np.arange(steps + 1) * dt)
+            assert np.max(np.abs(tree.state_prices / want - 1.0)) < 1e-12
+            assert tree.jmax == max(1, int(np.ceil(0.184 / (a * dt))))
+        bonds = [H.BondOption(100.0, c, f, m, 1e12, True, "american", first=0.0, last=m,
+                              product="callable")
+                 for c, f, m in ((0.05, 2, 7.0), (0.0, 0, 3.5), (0.03, 4, 12.25))]
+        for bond in bonds:
+            steps = H.steps_of(bond.maturity, 24)
+            dt = bond.maturity / steps
+            flows = H.cash_flows(bond, dt, steps)
+            exact = float(flows @ curve.discount(np.arange(steps + 1) * dt))
+            assert abs(H.price(bond, 0.1, 0.01, 24, curve) / exact - 1.0) < 1e-12
+            assert abs(ENGINE.price(H.parameters([bond], 0.1, 0.01, 24, curve))[0] / exact - 1.0) \
+                < 1e-12
+
+
+def test_bond_options_converge_to_jamshidian(rng):
+    """European options on zero-coupon bonds, strikes within 3 % of the forward: the tree's error
+    falls with the steps (first order, oscillating with the strike's place among the nodes).
+    Measured (docs/numerics.md): median relative error ~1e-2 at monthly steps, ~5e-4 at 400 a
+    year."""
+    errors = {12: [], 400: []}
+    for trial in range(2):
+        curve = random_curve(rng, flat=trial == 0)
+        for _ in range(8):
+            a, sigma = rng.uniform(0.03, 0.3), rng.uniform(0.005, 0.02)
+            expiry = int(rng.integers(1, 6))
+            maturity = expiry + int(rng.integers(1, 10))
+            forward = float(curve.discount(maturity) / curve.discount(expiry))
+            strike, call = forward * rng.uniform(0.97, 1.03), bool(rng.random() < 0.5)
+            exact = H.zero_bond_option(curve, a, sigma, strike, expiry, maturity, call)
+            option = H.BondOption(1.0, 0.0, 0, float(maturity), strike, call,
+                                  dates=(float(expiry),))
+            for per_year in errors:
+                tree = ENGINE.price(H.parameters([option], a, sigma, per_year, curve))[0]
+                errors[per_year].append(abs(tree / exact - 1.0))
+    assert np.median(errors[12]) < 0.05 and np.max(errors[12]) < 0.5
+    assert np.median(errors[400]) < 2e-3 and np.max(errors[400]) < 2e-2
+    assert np.median(errors[400]) < np.median(errors[12]) / 5
+
+
+def test_cpu_engine_is_the_numpy_reference(rng):
+    curve = random_curve(rng)
+    instruments = random_instruments(rng, 40)
+    a, sigma = rng.uniform(0.02, 0.3, 40), rng.uniform(0.003, 0.02, 40)
+    per_year = rng.choice([4, 12, 26, 52], 40)
+    want = np.array([H.price(i, x, s, p, curve) for i, x, s, p in zip(instruments, a, sigma,
+                                                                       per_year)])
+    got = ENGINE.price(H.parameters(instruments, a, sigma, per_year, curve))
+    assert np.all(np.abs(got - want) <= 1e-12 * np.maximum(np.abs(want), 1e-3))
+
+
+def test_parity_and_the_order_of_exercise_rights(rng):
+    """European call - put on a coupon bond = the bond's forward value less K P(0, T) (exact on a
+    tree that reprices the curve); rights only add value: American >= Bermudan >= European;
+    a callable bond <= the bond <= a puttable one."""
+    curve = random_curve(rng)
+    for _ in range(6):
+        a, sigma = rng.uniform(0.03, 0.3), rng.uniform(0.005, 0.02)
+        maturity = float(rng.integers(3, 12))
+        expiry = float(rng.integers(1, int(maturity)))
+        coupon, strike = float(rng.uniform(0.01, 0.07)), float(rng.uniform(85.0, 110.0))
+        bond = dict(face=100.0, coupon=coupon, frequency=2, maturity=maturity, strike=strike)
+        call, put = (H.price(H.BondOption(**bond, call=c, dates=(expiry,)), a, sigma, 24, curve)
+                     for c in (True, False))
+        steps = H.steps_of(maturity, 24)
+        dt = maturity / steps
+        flows = H.cash_flows(H.BondOption(**bond, call=True), dt, steps)
+        after = np.arange(steps + 1) * dt > expiry + 1e-9
+        forward = float(flows[after] @ curve.discount(np.arange(steps + 1)[after] * dt))
+        assert abs((call - put) - (forward - strike * float(curve.discount(expiry)))) < 1e-10
+        dates = tuple(float(d) for d in np.linspace(expiry, maturity - 0.5, 4))
+        for product in ("option", "puttable"):
+            european, bermudan, american = (
+                H.price(H.BondOption(**bond, call=False, exercise=kind, dates=when,
+                                     first=expiry, last=maturity - 0.5, product=product),
+                        a, sigma, 24, curve)
+                for kind, when in (("european", (expiry,)), ("bermudan", dates),
+                                   ("american", ())))
+            assert american >= bermudan - 1e-12 >= european - 2e-12
+        plain = H.price(H.BondOption(**dict(bond, strike=1e12), call=True, exercise="american",
+                                     first=0.0, last=maturity, product="callable"),
+                        a, sigma, 24, curve)
+        callable_, puttable = (
+            H.price(H.BondOption(**bond, call=True, exercise="american", first=expiry,
+                                 last=maturity, product=p), a, sigma, 24, curve)
+            for p in ("callable", "puttable"))
+        assert callable_ <= plain + 1e-9 <= puttable + 2e-9
+
+
+def test_bad_trees_and_curves_are_refused():
+    with pytest.raises(InputError, match="increasing"):
+        H.YieldCurve(np.array([1.0, 0.5]), np.array([0.01, 0.02]))
+    with pytest.raises(InputError, match="a > 0"):
+        H.build(0.0, 0.01, 0.1, 10, H.YieldCurve(np.array([1.0]), np.array([0.01])))
