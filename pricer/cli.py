@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("scenarios", help="a scenario grid's nodes/s against the expanded book's")
     from pricer.tools.bench_scenarios import add_arguments as scenario_arguments
     scenario_arguments(b)
+    b = which.add_parser("trinomial", help="the Hull–White trinomial engines on the seeds' seven "
+                                            "datasets beside QuantLib's tree engine")
+    from pricer.tools.bench_trinomial import add_arguments as trinomial_arguments
+    trinomial_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
     from pricer.tools.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
@@ -291,6 +295,10 @@ def _bench(args) -> int:
     if args.what == "scenarios":
         from pricer.tools.bench_scenarios import bench_scenarios
         bench_scenarios(args)
+        return 0
+    if args.what == "trinomial":
+        from pricer.tools.bench_trinomial import bench_trinomial
+        bench_trinomial(args)
         return 0
     if args.what == "accuracy":
         from pricer.tools.bench_accuracy import run as bench_accuracy

@@ -168,3 +168,22 @@ def test_bad_trees_and_curves_are_refused():
         H.YieldCurve(np.array([1.0, 0.5]), np.array([0.01, 0.02]))
     with pytest.raises(InputError, match="a > 0"):
         H.build(0.0, 0.01, 0.1, 10, H.YieldCurve(np.array([1.0]), np.array([0.01])))
+
+
+@pytest.mark.parametrize("name", ["U1", "R2", "R3", "S1", "S2"])
+def test_the_papers_datasets_have_their_widths_and_heights(name):
+    from pricer.tools.bond_datasets import dataset
+
+    instruments, a, sigma, per_year, curve = dataset(name, count=400, seed=11)
+    params = H.parameters(instruments, a, sigma, per_year, curve)
+    widths, heights = 2 * params.jmax + 1, params.steps
+    if name == "U1":
+        assert set(widths) == {259} and set(heights) == {606}
+        return
+    assert widths.min() >= 7 and widths.max() <= 511 and np.all(widths % 2 == 1)
+    assert heights.min() >= 12 and heights.max() <= 1200
+    if name.startswith("S"):
+        wide, tall = widths >= 461, heights >= 1082
+        assert wide.sum() == tall.sum() == 4 and np.all(widths[~wide] <= 57)
+        assert np.array_equal(wide, tall) == (name == "S1")
+    assert np.all(np.isin([p.exercise for p in instruments], ["bermudan"]))

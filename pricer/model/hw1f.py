@@ -184,7 +184,9 @@ def steps_of(maturity: float, steps_per_year: float) -> int:
 def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,
           curve: YieldCurve, tree: HullWhiteTree | None = None) -> float:
     """The instrument's value today on its Hull–White tree (built here unless given): backward
-    induction of the bond's cash flows and of the option. A date falls on the nearest step."""
+    induction of the bond's cash flows and of the option. A date falls on the nearest step. Node
+    (m, j) discounts by e^{-alpha_m dt} e^{-j dr dt}, the product the forward induction's
+    weights use too (one exponential a step and a table of one a node, in the engines)."""
     steps = steps_of(instrument.maturity, steps_per_year)
     dt = instrument.maturity / steps
     tree = tree or build(a, sigma, dt, steps, curve)
@@ -203,7 +205,7 @@ def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,
         j = np.arange(-w, w + 1)
         rows = j + jmax
         centre = j + offset[rows] + w_next
-        disc = np.exp(-(tree.alphas[m] + j * tree.dr) * dt)
+        disc = math.exp(-tree.alphas[m] * dt) * np.exp(-j * tree.dr * dt)
         bond_next = bond + flows[m + 1]
         carried = value + flows[m + 1] if instrument.product != "option" else value
         bond = disc * (pu[rows] * bond_next[centre + 1] + pm[rows] * bond_next[centre]

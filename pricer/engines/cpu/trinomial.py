@@ -1,8 +1,8 @@
 """The CPU engine of the Hull–White trinomial family (pricer/model/hw1f.py): each instrument's
 forward induction (the Arrow–Debreu prices and the displacements alpha that fit its curve) and
 backward induction (the bond's cash flows and the option) in one compiled function, a level at a
-time across the tree's width; the instruments spread over numba's threads, heaviest first, dealt
-round-robin. The same arithmetic, in the same order, as the NumPy reference (hw1f.price): prices
+time across the tree's width, with one exponential a step (e^{-alpha_m dt}) and a table of
+e^{-j dr dt}; the instruments spread over numba's threads, heaviest first, dealt round-robin. The same arithmetic, in the same order, as the NumPy reference (hw1f.price): prices
 agree to rounding (the reference sums a level with np.dot and np.add.at)."""
 
 from __future__ import annotations
@@ -42,23 +42,28 @@ def _branching(jmax, M, offset, pu, pm, pd):
             pd[row] = 1.0 / 6.0 + (jjmm - jm) / 2.0
 
 
+SCRATCH_ROWS = 10     # value_one's float arrays of a tree's width
+
+
 @njit(cache=True, nogil=True)
-def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, discount):
-    """One instrument's value today (hw1f.price on its row of HullWhiteParams)."""
+def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, discount, scratch,
+              offset, alphas):
+    """One instrument's value today (hw1f.price on its row of HullWhiteParams); scratch
+    (SCRATCH_ROWS, >= 2 jmax + 1), offset (>= 2 jmax + 1, int64) and alphas (>= steps): its
+    working arrays, reused from one instrument to the next."""
     width = 2 * jmax + 1
-    offset = np.empty(width, dtype=np.int64)
-    pu, pm, pd = np.empty(width), np.empty(width), np.empty(width)
+    pu, pm, pd = scratch[0, :width], scratch[1, :width], scratch[2, :width]
     _branching(jmax, math.expm1(-a * dt), offset, pu, pm, pd)
-    alphas = np.empty(steps)
-    q, q_next = np.zeros(width), np.zeros(width)
-    local = np.empty(width)
+    q, q_next = scratch[3, :width], scratch[4, :width]
+    local = scratch[5, :width]                   # e^{-j dr dt} at row j + jmax
+    for row in range(width):
+        local[row] = math.exp(-(row - jmax) * dr * dt)
     q[0] = 1.0                                   # level m's node j at index j + min(m, jmax)
     for m in range(steps):
         w, w_next = min(m, jmax), min(m + 1, jmax)
         total = 0.0
         for i in range(2 * w + 1):
-            local[i] = math.exp(-(i - w) * dr * dt)
-            total += q[i] * local[i]
+            total += q[i] * local[i - w + jmax]
         alphas[m] = (math.log(total) - math.log(discount[m + 1])) / dt
         shift = math.exp(-alphas[m] * dt)
         for i in range(2 * w_next + 1):
@@ -66,14 +71,17 @@ def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, di
         for i in range(2 * w + 1):
             row = i - w + jmax
             centre = i - w + offset[row] + w_next
-            v = q[i] * (local[i] * shift)
+            v = q[i] * (local[row] * shift)
             q_next[centre + 1] += v * pu[row]
             q_next[centre] += v * pm[row]
             q_next[centre - 1] += v * pd[row]
         q, q_next = q_next, q
-    bond, bond_next = np.zeros(width), np.zeros(width)
-    value, value_next = np.zeros(width), np.zeros(width)
+    bond, bond_next = scratch[6, :width], scratch[7, :width]
+    value, value_next = scratch[8, :width], scratch[9, :width]
     w = min(steps, jmax)
+    for i in range(2 * w + 1):                   # ex-coupon at maturity: nothing left
+        bond[i] = 0.0
+        value[i] = 0.0
     if exercise[steps]:
         _exercise(bond, value, 2 * w + 1, strike, sign, product)
     for m in range(steps - 1, -1, -1):
@@ -83,10 +91,11 @@ def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, di
         for i in range(2 * w_next + 1):
             bond_next[i] = bond[i] + flow
             value_next[i] = value[i] + carried
+        shift = math.exp(-alphas[m] * dt)
         for i in range(2 * w + 1):
             row = i - w + jmax
             centre = i - w + offset[row] + w_next
-            disc = math.exp(-(alphas[m] + (i - w) * dr) * dt)
+            disc = shift * local[row]
             bond[i] = disc * (pu[row] * bond_next[centre + 1] + pm[row] * bond_next[centre]
                               + pd[row] * bond_next[centre - 1])
             value[i] = disc * (pu[row] * value_next[centre + 1] + pm[row] * value_next[centre]
@@ -111,12 +120,17 @@ def _exercise(bond, value, count, strike, sign, product):
 def _value_all(a, dt, steps, jmax, dr, strike, sign, product, starts, flows, exercise, discount,
                order, threads, out):
     n = order.size
+    width, height = 2 * jmax.max() + 1, steps.max()
     for t in prange(threads):
+        scratch = np.empty((SCRATCH_ROWS, width))
+        offset = np.empty(width, dtype=np.int64)
+        alphas = np.empty(height)
         for k in range(t, n, threads):
             i = order[k]
             lo, hi = starts[i], starts[i] + steps[i] + 1
             out[i] = value_one(a[i], dt[i], steps[i], jmax[i], dr[i], strike[i], sign[i],
-                               product[i], flows[lo:hi], exercise[lo:hi], discount[lo:hi])
+                               product[i], flows[lo:hi], exercise[lo:hi], discount[lo:hi],
+                               scratch, offset, alphas)
 
 
 class HullWhiteCpuEngine(Engine):

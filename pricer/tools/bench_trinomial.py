@@ -1,0 +1,149 @@
+"""`pricer bench trinomial`: the Hull–White family's engines on the seeds' seven datasets
+(pricer/tools/bond_datasets.py), as the papers measure them, beside QuantLib.
+
+For each dataset: the trees' parameters are built (hw1f.parameters, reported, not timed), then
+each engine prices the whole dataset `repeats` times after a warm-up; the median wall time counts.
+Reported per engine: seconds, tree nodes per second (the forward and the backward sweep each
+count every node of the tree: 2 x HullWhiteParams.nodes()), and GFLOP^SPEC/s.
+
+GFLOP^SPEC counts the floating-point operations of the algorithm's specification per node, as
+the papers count those of their Listing 2 (whose per-node functions g1 and g3 are the two
+three-term updates below; an exp counts as one operation):
+- forward (Listing 2's g1 and the reduce): the node's weight e^{-j dr dt} (2 multiplications,
+  1 exp), its term of the level's sum (1 multiplication, 1 addition), its discounted state price
+  (2 multiplications), its three children's shares (3 multiplications, 3 additions): 13;
+- backward (g3): the node's discount e^{-(alpha + j dr) dt} (2 multiplications, 1 addition,
+  1 exp), the cash flow added to the bond's and the instrument's three children (2 additions,
+  counted once a node), the two three-term expectations (6 multiplications, 4 additions) and
+  their discounting (2 multiplications): 18 (an exercise's comparison is not counted).
+
+The QuantLib anchor: the first `quantlib` instruments of the dataset as callable (a call) or
+puttable (a put) bonds, priced one at a time by QuantLib's TreeCallableFixedRateBondEngine with
+the same a, sigma, curve and steps on one core, against the cpu engine on one thread on the same
+instruments (product callable / puttable), REPLICAS times over in one call so that the call's
+fixed cost is spread as over a book. QuantLib's tree is wider (its branching bounds |j M| by
+1/2, not 0.184: docs/numerics.md), so both instruments/s and nodes/s are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from pricer.tools.bond_datasets import DATASETS, dataset
+
+FLOPS_FORWARD, FLOPS_BACKWARD = 13, 18
+TARGET_QUANTLIB = 30.0
+REPLICAS = 20     # the anchor's sample priced this many times over in one call of the cpu engine
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--datasets", default=",".join(DATASETS),
+                    help=f"comma-separated (default all: {','.join(DATASETS)})")
+    ap.add_argument("--count", type=int, default=None,
+                    help="instruments per dataset (default the papers': 3 000 for U1, else 100 000)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantlib", type=int, default=20,
+                    help="instruments of each dataset for the QuantLib anchor (0: none)")
+    ap.add_argument("--out", default=None, help="also write the measurements as JSON here")
+
+
+def _median(call, repeats: int) -> tuple[float, np.ndarray]:
+    result = call()
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        walls.append(time.perf_counter() - start)
+    return float(np.median(walls)), result
+
+
+def _quantlib_seconds(instruments, a, sigma, curve) -> float:
+    """QuantLib's seconds for these instruments as callable / puttable bonds, one at a time."""
+    import QuantLib as ql
+
+    today = ql.Date(27, 11, 2026)
+    ql.Settings.instance().evaluationDate = today
+    dates = [today + int(round(t * 365)) for t in curve.times]
+    zero = ql.ZeroCurve([today] + dates, [float(curve.rates[0])] + curve.rates.tolist(),
+                        ql.Actual365Fixed(), ql.NullCalendar(), ql.Linear(), ql.Continuous)
+    handle = ql.YieldTermStructureHandle(zero)
+    start = time.perf_counter()
+    for inst, x, s in zip(instruments, a, sigma):
+        months = int(round(inst.maturity * 12))
+        schedule = ql.Schedule(today, today + ql.Period(months, ql.Months),
+                               ql.Period(ql.Semiannual), ql.NullCalendar(), ql.Unadjusted,
+                               ql.Unadjusted, ql.DateGeneration.Backward, False)
+        rights = ql.CallabilitySchedule()
+        for t in inst.dates:
+            rights.append(ql.Callability(
+                ql.BondPrice(inst.strike, ql.BondPrice.Clean),
+                ql.Callability.Call if inst.call else ql.Callability.Put,
+                today + ql.Period(int(round(t * 12)), ql.Months)))
+        bond = ql.CallableFixedRateBond(0, inst.face, schedule, [inst.coupon],
+                                        ql.Actual365Fixed(), ql.Unadjusted, inst.face, today,
+                                        rights)
+        bond.setPricingEngine(ql.TreeCallableFixedRateBondEngine(
+            ql.HullWhite(handle, float(x), float(s)), months))
+        bond.NPV()
+    return time.perf_counter() - start
+
+
+def bench_trinomial(args) -> list[dict]:
+    import numba
+
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+    from pricer.model import hw1f
+
+    engine = HullWhiteCpuEngine()
+    threads = numba.get_num_threads()
+    rows = []
+    print(f"cpu engine on {threads} thread(s); GFLOP^SPEC: {FLOPS_FORWARD} forward + "
+          f"{FLOPS_BACKWARD} backward per node")
+    print("| dataset | instruments | nodes (one sweep) | setup s | cpu s | nodes/s (both sweeps) "
+          "| GFLOP^SPEC/s | QuantLib, one core: instruments/s | cpu, one thread | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
+        t0 = time.perf_counter()
+        instruments, a, sigma, per_year, curve = dataset(name, args.count)
+        params = hw1f.parameters(instruments, a, sigma, per_year, curve)
+        setup = time.perf_counter() - t0
+        nodes = float(params.nodes().sum())
+        seconds, _ = _median(lambda: engine.price(params), args.repeats)
+        flops = nodes * (FLOPS_FORWARD + FLOPS_BACKWARD)
+        row = dict(dataset=name, instruments=len(instruments), nodes=nodes, setup_seconds=setup,
+                   cpu_seconds=seconds, nodes_per_second=2.0 * nodes / seconds,
+                   gflops_spec=flops / seconds / 1e9, threads=threads)
+        anchor = ""
+        if args.quantlib:
+            k = min(args.quantlib, len(instruments))
+            sample = [replace(inst, product="callable" if inst.call else "puttable")
+                      for inst in instruments[:k]]
+            # the sample REPLICAS times over in one call: a call's fixed cost spread as a book's
+            ours = hw1f.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
+                                   np.tile(sigma[:k], REPLICAS), per_year, curve)
+            numba.set_num_threads(1)
+            try:
+                one, _ = _median(lambda: engine.price(ours), args.repeats)
+            finally:
+                numba.set_num_threads(threads)
+            one /= REPLICAS
+            theirs = _quantlib_seconds(sample, a[:k], sigma[:k], curve)
+            ratio = theirs / one
+            row.update(quantlib_per_second=k / theirs, cpu_one_thread_per_second=k / one,
+                       quantlib_ratio=ratio)
+            anchor = f"{k / theirs:.3g} | {k / one:.3g} | {ratio:.0f}x |"
+        print(f"| {name} | {len(instruments):,} | {nodes:.3e} | {setup:.1f} | {seconds:.3f} | "
+              f"{2.0 * nodes / seconds:.3e} | {flops / seconds / 1e9:.1f} | {anchor or '— | — | — |'}")
+        rows.append(row)
+    if args.quantlib:
+        worst = min(r["quantlib_ratio"] for r in rows)
+        print(f"cpu engine per core against QuantLib's tree engine: at least {worst:.0f}x "
+              f"(target {TARGET_QUANTLIB:.0f}x: {'met' if worst >= TARGET_QUANTLIB else 'NOT met'})")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows

@@ -1,0 +1,99 @@
+"""The seeds' seven datasets of Hull–White instruments (seed 000, "Datasets"), made by choosing
+each tree's mean reversion and maturity so that its width and height are the papers'.
+
+At monthly steps (12 a year) an instrument of height h (steps) matures in h / 12 years, and one of
+width w = 2 j_max + 1 has a = 0.184 / (Δt (j_max − ½)): then 0.184 / (a Δt) = j_max − ½ and
+hw1f.jmax_of gives j_max. Widths are odd. The datasets:
+
+| name | instruments | widths | heights |
+|---|---|---|---|
+| U1 | 3 000 | 259 | 606 |
+| U2 | 100 000 | 259 | 606 |
+| R1 | 100 000 | uniform in [7, 511] | uniform in [13, 1 200] |
+| R2 | 100 000 | uniform in [7, 511] | normal in [13, 1 200] |
+| R3 | 100 000 | normal in [7, 511] | uniform in [13, 1 200] |
+| S1 | 100 000 | 99 %: [7, 57], 1 %: [461, 511] | 99 %: [12, 131], 1 % (the same instruments): [1 082, 1 200] |
+| S2 | 100 000 | as S1, but one 1 % has wide trees of uniform heights and another 1 % tall trees of uniform widths | |
+
+"Normal in [lo, hi]": mean at the middle, standard deviation (hi − lo) / 6, clipped to the
+interval (the papers say standard-normal). S* heights start at 12 as the papers give them.
+Every instrument is, as the papers' are, a Bermudan call or put on a bond: face 100, a coupon
+rate in [0, 8 %] paid twice a year, exercisable once a year from the first year to a year before
+maturity (at mid-life for bonds under two years), strike in [90, 110]; σ in [0.5 %, 2 %]; one
+sloped curve for all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pricer.model import hw1f
+
+DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
+STEPS_PER_YEAR = 12
+WIDTHS, HEIGHTS = (7, 511), (13, 1200)
+CURVE = hw1f.YieldCurve(np.array([0.25, 1.0, 2.0, 5.0, 10.0, 30.0, 100.0]),
+                        np.array([0.015, 0.018, 0.022, 0.028, 0.033, 0.037, 0.038]))
+
+
+def mean_reversion(width) -> np.ndarray:
+    """The a that gives trees of these (odd) widths at monthly steps."""
+    jmax = (np.asarray(width, dtype=np.float64) - 1.0) / 2.0
+    return hw1f.JMAX_FACTOR * STEPS_PER_YEAR / (jmax - 0.5)
+
+
+def _odd(values) -> np.ndarray:
+    values = np.asarray(np.rint(values), dtype=np.int64)
+    return values + (values % 2 == 0)
+
+
+def _uniform(rng, lo, hi, n) -> np.ndarray:
+    return rng.integers(lo, hi + 1, n)
+
+
+def _normal(rng, lo, hi, n) -> np.ndarray:
+    return np.clip(np.rint(rng.normal((lo + hi) / 2.0, (hi - lo) / 6.0, n)), lo, hi).astype(np.int64)
+
+
+def shapes(name: str, count: int | None, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(widths, heights) of a dataset's trees."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; the datasets are {', '.join(DATASETS)}")
+    n = count if count is not None else (3000 if name == "U1" else 100_000)
+    if name in ("U1", "U2"):
+        return np.full(n, 259), np.full(n, 606)
+    if name in ("R1", "R2", "R3"):
+        widths = (_normal if name == "R3" else _uniform)(rng, *WIDTHS, n)
+        heights = (_normal if name == "R2" else _uniform)(rng, *HEIGHTS, n)
+        return np.minimum(_odd(widths), WIDTHS[1]), heights
+    widths, heights = _uniform(rng, 7, 57, n), _uniform(rng, 12, 131, n)
+    picked = rng.permutation(n)
+    few = max(1, n // 100)
+    if name == "S1":
+        both = picked[:few]
+        widths[both], heights[both] = _uniform(rng, 461, 511, few), _uniform(rng, 1082, 1200, few)
+    else:
+        wide, tall = picked[:few], picked[few:2 * few]
+        widths[wide] = _uniform(rng, 461, 511, few)
+        heights[tall] = _uniform(rng, 1082, 1200, few)
+    return np.minimum(_odd(widths), 511), heights
+
+
+def dataset(name: str, count: int | None = None, seed: int = 2026):
+    """(instruments, a, sigma, steps_per_year, curve) of a dataset (module doc)."""
+    rng = np.random.default_rng(seed)
+    widths, heights = shapes(name, count, rng)
+    n = widths.size
+    maturity = heights / STEPS_PER_YEAR
+    coupon = rng.uniform(0.0, 0.08, n)
+    strike = rng.uniform(90.0, 110.0, n)
+    call = rng.random(n) < 0.5
+    instruments = []
+    for k in range(n):
+        mat = float(maturity[k])
+        dates = tuple(float(t) for t in np.arange(1.0, mat - 1.0 + 1e-9)) or (mat / 2.0,)
+        instruments.append(hw1f.BondOption(face=100.0, coupon=float(coupon[k]), frequency=2,
+                                           maturity=mat, strike=float(strike[k]),
+                                           call=bool(call[k]), exercise="bermudan", dates=dates))
+    sigma = rng.uniform(0.005, 0.02, n)
+    return instruments, mean_reversion(widths), sigma, STEPS_PER_YEAR, CURVE
