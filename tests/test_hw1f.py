@@ -25,14 +25,12 @@ def random_instruments(rng, n: int, maturity=(1.0, 15.0)) -> list:
     out = []
     for k in range(n):
         mat = float(rng.uniform(*maturity))
-        exercise = H.EXERCISES[k % 3]
-        dates = (float(rng.uniform(0.1, mat)),) if exercise == "european" else \
-            tuple(np.sort(rng.uniform(0.1, mat, int(rng.integers(1, 6)))).tolist())
         out.append(H.BondOption(face=100.0, coupon=float(rng.uniform(0.0, 0.08)),
-                                frequency=int(rng.choice([0, 1, 2, 4])), maturity=mat,
+                                frequency=int(rng.choice([0, 1, 2, 4, 12])), maturity=mat,
                                 strike=float(rng.uniform(80.0, 110.0)), call=bool(rng.random() < 0.5),
-                                exercise=exercise, dates=dates, first=mat * float(rng.uniform(0, .5)),
+                                exercise=H.EXERCISES[k % 3], first=mat * float(rng.uniform(0, .5)),
                                 last=mat * float(rng.uniform(.5, 1)),
+                                every=float(rng.choice([0.5, 1.0, 2.0, 12.0])),
                                 product=H.PRODUCTS[int(rng.integers(0, 3))]))
     return out
 
@@ -105,7 +103,7 @@ def test_bond_options_converge_to_jamshidian(rng):
             strike, call = forward * rng.uniform(0.97, 1.03), bool(rng.random() < 0.5)
             exact = H.zero_bond_option(curve, a, sigma, strike, expiry, maturity, call)
             option = H.BondOption(1.0, 0.0, 0, float(maturity), strike, call,
-                                  dates=(float(expiry),))
+                                  first=float(expiry))
             for per_year in errors:
                 tree = ENGINE.price(H.parameters([option], a, sigma, per_year, curve))[0]
                 errors[per_year].append(abs(tree / exact - 1.0))
@@ -121,7 +119,14 @@ def test_cpu_engine_is_the_numpy_reference(rng):
     per_year = rng.choice([4, 12, 26, 52], 40)
     want = np.array([H.price(i, x, s, p, curve) for i, x, s, p in zip(instruments, a, sigma,
                                                                        per_year)])
-    got = ENGINE.price(H.parameters(instruments, a, sigma, per_year, curve))
+    params = H.parameters(instruments, a, sigma, per_year, curve)
+    for k, inst in enumerate(instruments):   # the vectorised layout is the reference's, row by row
+        rows = slice(params.starts[k], params.starts[k] + params.steps[k] + 1)
+        dt, steps = float(params.dt[k]), int(params.steps[k])
+        assert steps == H.steps_of(inst.maturity, per_year[k])
+        assert np.array_equal(params.flows[rows], H.cash_flows(inst, dt, steps))
+        assert np.array_equal(params.exercise[rows], H.exercise_steps(inst, dt, steps))
+    got = ENGINE.price(params)
     assert np.all(np.abs(got - want) <= 1e-12 * np.maximum(np.abs(want), 1e-3))
 
 
@@ -136,7 +141,7 @@ def test_parity_and_the_order_of_exercise_rights(rng):
         expiry = float(rng.integers(1, int(maturity)))
         coupon, strike = float(rng.uniform(0.01, 0.07)), float(rng.uniform(85.0, 110.0))
         bond = dict(face=100.0, coupon=coupon, frequency=2, maturity=maturity, strike=strike)
-        call, put = (H.price(H.BondOption(**bond, call=c, dates=(expiry,)), a, sigma, 24, curve)
+        call, put = (H.price(H.BondOption(**bond, call=c, first=expiry), a, sigma, 24, curve)
                      for c in (True, False))
         steps = H.steps_of(maturity, 24)
         dt = maturity / steps
@@ -144,14 +149,12 @@ def test_parity_and_the_order_of_exercise_rights(rng):
         after = np.arange(steps + 1) * dt > expiry + 1e-9
         forward = float(flows[after] @ curve.discount(np.arange(steps + 1)[after] * dt))
         assert abs((call - put) - (forward - strike * float(curve.discount(expiry)))) < 1e-10
-        dates = tuple(float(d) for d in np.linspace(expiry, maturity - 0.5, 4))
         for product in ("option", "puttable"):
             european, bermudan, american = (
-                H.price(H.BondOption(**bond, call=False, exercise=kind, dates=when,
-                                     first=expiry, last=maturity - 0.5, product=product),
+                H.price(H.BondOption(**bond, call=False, exercise=kind, first=expiry,
+                                     last=maturity - 0.5, every=2.0, product=product),
                         a, sigma, 24, curve)
-                for kind, when in (("european", (expiry,)), ("bermudan", dates),
-                                   ("american", ())))
+                for kind in ("european", "bermudan", "american"))
             assert american >= bermudan - 1e-12 >= european - 2e-12
         plain = H.price(H.BondOption(**dict(bond, strike=1e12), call=True, exercise="american",
                                      first=0.0, last=maturity, product="callable"),

@@ -161,10 +161,17 @@ class BondOption:
     strike: float
     call: bool
     exercise: str = "european"          # EXERCISES
-    dates: tuple = ()                   # european: (expiry,); bermudan: the exercise dates
-    first: float = 0.0                  # american: exercise in [first, last]
-    last: float = 0.0
+    first: float = 0.0                  # european: the expiry; else the first exercise date
+    last: float = 0.0                   # bermudan and american: the last
+    every: float = 1.0                  # bermudan: exercise dates a year, first + k / every
     product: str = "option"             # PRODUCTS
+
+    def exercise_times(self) -> np.ndarray:
+        """A european's expiry, or a bermudan's dates first, first + 1 / every, ... <= last."""
+        if self.exercise == "european":
+            return np.array([self.first])
+        count = int(math.floor((self.last - self.first) * self.every + 1e-9))
+        return self.first + np.arange(count + 1) / self.every
 
     def coupon_times(self) -> np.ndarray:
         """Coupon dates, counted back from maturity by 1 / frequency, > 0."""
@@ -244,7 +251,7 @@ def exercise_steps(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
         hi = int(math.floor(instrument.last / dt + 1e-9))
         out[max(lo, 0):min(hi, steps) + 1] = True
     else:
-        for t in instrument.dates:
+        for t in instrument.exercise_times():
             out[min(steps, max(0, int(round(t / dt))))] = True
     return out
 
@@ -303,33 +310,109 @@ class HullWhiteParams:
         return growing * growing + (levels - growing) * (2.0 * j + 1.0)
 
 
-def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
-    """The HullWhiteParams of a list of BondOption, each with its a, sigma, steps a year and
-    curve (a YieldCurve; scalars and a single curve apply to all)."""
+# A book of instruments as columns (the portfolio file's /bond_options, docs/formats.md): every
+# array has one entry per instrument; `curve` indexes a list of YieldCurve.
+BOND_COLUMNS = ("face", "coupon", "frequency", "maturity", "strike", "call", "exercise",
+                "first_exercise", "last_exercise", "exercise_frequency", "product",
+                "mean_reversion", "volatility", "steps_per_year", "curve")
+
+
+def columns_of(instruments, a, sigma, steps_per_year, curve=0) -> dict:
+    """The columns (BOND_COLUMNS) of a list of BondOption with their model's a, sigma and steps a
+    year (scalars apply to all) and curve index."""
     n = len(instruments)
-    a, sigma, spy = (np.broadcast_to(np.asarray(x, dtype=np.float64), (n,))
-                     for x in (a, sigma, steps_per_year))
-    curves = curves if isinstance(curves, (list, tuple)) else [curves] * n
-    steps = np.array([steps_of(inst.maturity, float(s)) for inst, s in zip(instruments, spy)],
-                     dtype=np.int64)
-    dt = np.array([inst.maturity for inst in instruments], dtype=np.float64) / np.maximum(steps, 1)
-    starts = np.zeros(n, dtype=np.int64)
-    starts[1:] = np.cumsum(steps[:-1] + 1)
-    total = int(steps.sum() + n)
-    flows, discount = np.empty(total), np.empty(total)
+
+    def each(name, dtype=np.float64):
+        return np.array([getattr(inst, name) for inst in instruments], dtype=dtype)
+
+    def every(value, dtype=np.float64):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=dtype), (n,)))
+
+    return dict(face=each("face"), coupon=each("coupon"), frequency=each("frequency", np.int64),
+                maturity=each("maturity"), strike=each("strike"), call=each("call", np.bool_),
+                exercise=np.array([EXERCISES.index(i.exercise) for i in instruments],
+                                  dtype=np.int64),
+                first_exercise=each("first"), last_exercise=each("last"),
+                exercise_frequency=each("every"),
+                product=np.array([PRODUCT_CODES[i.product] for i in instruments], dtype=np.int64),
+                mean_reversion=every(a), volatility=every(sigma),
+                steps_per_year=every(steps_per_year), curve=every(curve, np.int64))
+
+
+def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
+    """The HullWhiteParams of a list of BondOption (columns_of) on one curve or a list of them
+    (one per instrument)."""
+    if isinstance(curves, (list, tuple)):
+        return tree_parameters(columns_of(instruments, a, sigma, steps_per_year,
+                                          np.arange(len(instruments))), list(curves))
+    return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves])
+
+
+def _exclusive(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def _each(counts: np.ndarray):
+    """(owner, k): for every instrument i, counts[i] entries (i, 0 .. counts[i] - 1)."""
+    owner = np.repeat(np.arange(counts.size), counts)
+    return owner, np.arange(owner.size) - np.repeat(_exclusive(counts), counts)
+
+
+def tree_parameters(cols: dict, curves: list) -> HullWhiteParams:
+    """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
+    them: each on its nearest step), vectorised over the book."""
+    maturity = np.asarray(cols["maturity"], dtype=np.float64)
+    n = maturity.size
+    steps = np.maximum(1, np.rint(maturity * cols["steps_per_year"])).astype(np.int64)
+    dt = maturity / steps
+    starts = _exclusive(steps + 1)
+    total = int(steps.sum()) + n
+    owner, m = _each(steps + 1)
+    discount = np.empty(total)
+    curve = np.asarray(cols["curve"], dtype=np.int64)[owner]
+    for c in np.unique(curve):
+        rows = curve == c
+        discount[rows] = curves[int(c)].discount(m[rows] * dt[owner[rows]])
+    face, coupon = np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64)
+    frequency = np.asarray(cols["frequency"], dtype=np.int64)
+    paying = (frequency > 0) & (coupon != 0.0)
+    counts = np.where(paying, np.floor(maturity * np.maximum(frequency, 1) + 1e-9) + 1,
+                      0).astype(np.int64)
+    who, k = _each(counts)
+    times = maturity[who] - k / frequency[who]
+    who, times = who[times > 1e-12], times[times > 1e-12]
+    flows = np.zeros(total)
+    np.add.at(flows, starts[who] + np.rint(times / dt[who]).astype(np.int64),
+              face[who] * coupon[who] / frequency[who])
+    flows[starts + steps] += face
     exercise = np.zeros(total, dtype=np.bool_)
-    for k, inst in enumerate(instruments):
-        if inst.product not in PRODUCTS or inst.exercise not in EXERCISES:
-            raise InputError(f"instrument {k}: product must be one of {', '.join(PRODUCTS)} and "
-                             f"exercise one of {', '.join(EXERCISES)}")
-        rows = slice(starts[k], starts[k] + steps[k] + 1)
-        flows[rows] = cash_flows(inst, dt[k], int(steps[k]))
-        exercise[rows] = exercise_steps(inst, dt[k], int(steps[k]))
-        discount[rows] = curves[k].discount(np.arange(steps[k] + 1) * dt[k])
+    kind = np.asarray(cols["exercise"], dtype=np.int64)
+    first = np.asarray(cols["first_exercise"], np.float64)
+    last = np.asarray(cols["last_exercise"], np.float64)
+    dated = kind != EXERCISES.index("american")
+    counts = np.where(kind == EXERCISES.index("bermudan"),
+                      np.floor((last - first) * np.asarray(cols["exercise_frequency"], np.float64)
+                               + 1e-9) + 1, 1)
+    counts = np.where(dated, counts, 0).astype(np.int64)
+    who, k = _each(counts)
+    every = np.asarray(cols["exercise_frequency"], np.float64)[who]
+    with np.errstate(divide="ignore", invalid="ignore"):   # a european's k is 0, its every any
+        times = first[who] + np.where(k > 0, k / every, 0.0)
+    exercise[starts[who] + np.clip(np.rint(times / dt[who]).astype(np.int64), 0, steps[who])] = True
+    ranged = np.flatnonzero(~dated)
+    lo = np.maximum(np.ceil(first[ranged] / dt[ranged] - 1e-9), 0).astype(np.int64)
+    hi = np.minimum(np.floor(last[ranged] / dt[ranged] + 1e-9), steps[ranged]).astype(np.int64)
+    marks = np.zeros(total + 1, dtype=np.int64)
+    np.add.at(marks, starts[ranged] + lo, (hi >= lo).astype(np.int64))
+    np.add.at(marks, starts[ranged] + hi + 1, -(hi >= lo).astype(np.int64))
+    exercise |= np.cumsum(marks[:-1]) > 0
+    a = np.asarray(cols["mean_reversion"], dtype=np.float64)
+    sigma = np.asarray(cols["volatility"], dtype=np.float64)
     return HullWhiteParams(
-        a=np.ascontiguousarray(a), sigma=np.ascontiguousarray(sigma), dt=dt, steps=steps,
-        jmax=jmax_of(a, dt), dr=sigma * np.sqrt(3.0 * dt),
-        strike=np.array([inst.strike for inst in instruments], dtype=np.float64),
-        sign=np.array([1.0 if inst.call else -1.0 for inst in instruments]),
-        product=np.array([PRODUCT_CODES[inst.product] for inst in instruments], dtype=np.int64),
-        starts=starts, flows=flows, exercise=exercise, discount=discount)
+        a=a, sigma=sigma, dt=dt, steps=steps, jmax=jmax_of(a, dt), dr=sigma * np.sqrt(3.0 * dt),
+        strike=np.asarray(cols["strike"], dtype=np.float64),
+        sign=np.where(np.asarray(cols["call"], dtype=np.bool_), 1.0, -1.0),
+        product=np.asarray(cols["product"], dtype=np.int64), starts=starts, flows=flows,
+        exercise=exercise, discount=discount)

@@ -78,7 +78,7 @@ def _quantlib_seconds(instruments, a, sigma, curve) -> float:
                                ql.Period(ql.Semiannual), ql.NullCalendar(), ql.Unadjusted,
                                ql.Unadjusted, ql.DateGeneration.Backward, False)
         rights = ql.CallabilitySchedule()
-        for t in inst.dates:
+        for t in inst.exercise_times():
             rights.append(ql.Callability(
                 ql.BondPrice(inst.strike, ql.BondPrice.Clean),
                 ql.Callability.Call if inst.call else ql.Callability.Put,

@@ -91,9 +91,10 @@ def dataset(name: str, count: int | None = None, seed: int = 2026):
     instruments = []
     for k in range(n):
         mat = float(maturity[k])
-        dates = tuple(float(t) for t in np.arange(1.0, mat - 1.0 + 1e-9)) or (mat / 2.0,)
+        first, last = (1.0, mat - 1.0) if mat >= 2.0 else (mat / 2.0, mat / 2.0)
         instruments.append(hw1f.BondOption(face=100.0, coupon=float(coupon[k]), frequency=2,
                                            maturity=mat, strike=float(strike[k]),
-                                           call=bool(call[k]), exercise="bermudan", dates=dates))
+                                           call=bool(call[k]), exercise="bermudan", first=first,
+                                           last=last, every=1.0))
     sigma = rng.uniform(0.005, 0.02, n)
     return instruments, mean_reversion(widths), sigma, STEPS_PER_YEAR, CURVE
