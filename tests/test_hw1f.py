@@ -5,6 +5,8 @@ no-arbitrage relations, on fresh random inputs."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -164,6 +166,22 @@ def test_parity_and_the_order_of_exercise_rights(rng):
                                  last=maturity, product=p), a, sigma, 24, curve)
             for p in ("callable", "puttable"))
         assert callable_ <= plain + 1e-9 <= puttable + 2e-9
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("maturity", -1.0, "maturity must be > 0"), ("last_exercise", 0.01, "within [first_exercise"),
+    ("exercise_frequency", 0.0, "must be > 0 for a bermudan"), ("frequency", 5, "12 a year"),
+    ("first_exercise", -0.5, "within [0, maturity]"), ("volatility", np.nan, "volatility"),
+    ("curve", 3, "names no curve")])
+def test_bad_columns_are_refused_by_column_and_id(rng, column, value, message):
+    instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "bermudan", first=1.0,
+                                last=4.0, every=1.0) for _ in range(6)]
+    cols = H.columns_of(instruments, 0.1, 0.01, 12)
+    cols[column] = cols[column].astype(np.float64) if column == "frequency" else cols[column]
+    cols[column][[2, 4]] = value
+    with pytest.raises(InputError, match=re.escape(message)) as caught:
+        H.tree_parameters(cols, [random_curve(rng)], ids=np.arange(6) + 100)
+    assert caught.value.column == column and list(caught.value.ids) == [102, 104]
 
 
 def test_bad_trees_and_curves_are_refused():

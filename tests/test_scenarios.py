@@ -244,3 +244,31 @@ def test_api_prices_scenarios_as_columns_with_their_shifts(rng):
     assert np.array_equal(shifts.to_numpy(), np.array(list(itertools.product(*AXES.values()))))
     with pytest.raises(pricer.InputError, match="unknown axis"):
         pricer.price(cols, backend="cpu", scenarios={"vol": [0.1]})
+
+
+@pytest.mark.parametrize("trees", [("crr", "jr"), ("crr", "lr")])
+def test_an_engine_that_sizes_by_call_prices_the_options_own_lattices_alone(rng, trees):
+    """auto picks CPU or GPU by a call's size: there the options' own lattices are priced in a
+    call of their own (ScenarioLattices.without_base), with the same prices as the grid's own."""
+    from pricer.engines.cpu.parallel import CpuEngine
+    from pricer.model.greeks import SCENARIOS, Analytics, price_with_analytics
+
+    class Sizing(CpuEngine):
+        sizes_by_call = True
+        calls = []
+
+        def price(self, params, levels=None):
+            self.calls.append(len(params))
+            return super().price(params, levels)
+
+    cols = lattice_columns(book(rng, 50, trees))
+    grid = ScenarioGrid(**{axis: tuple(values) for axis, values in AXES.items()})
+    what = Analytics(scenarios=grid)
+    want = price_with_analytics(CpuEngine(), cols, "crr", np.arange(50), what)
+    sizing = Sizing()
+    got = price_with_analytics(sizing, cols, "crr", np.arange(50), what)
+    assert sizing.calls[0] == 50 and sum(sizing.calls) == 50 * (1 + grid.count)
+    assert np.array_equal(got["price"], want["price"])
+    assert np.array_equal(got[SCENARIOS], want[SCENARIOS])
+    assert np.array_equal(got["price"], pricer.price(dict(cols, id=np.arange(50), tree=np.array(
+        [TREE_NAMES[c] for c in cols["tree"]])), backend="cpu")["price"].to_numpy())

@@ -55,6 +55,9 @@ class Engine:
 
     name = "engine"
     uses_gpu = False
+    # whether the engine picks its device by each call's size (`auto`): the options' own lattices
+    # then go in a call of their own, so that their prices do not depend on the analytics asked
+    sizes_by_call = False
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError

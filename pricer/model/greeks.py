@@ -221,8 +221,12 @@ def price_prepared(engine, prepared: PreparedLattices) -> dict:
     if params is not None:
         levels = np.empty((len(params), LEVEL_VALUES)) if analytics.greeks else None
         prices = engine.price(params, levels) if levels is not None else engine.price(params)
-    if prepared.lattices is not None:
-        priced = engine.price_lattices(prepared.lattices)
+    lattices = prepared.lattices
+    if lattices is not None and lattices.base and engine.sizes_by_call:
+        # an engine that picks CPU or GPU by a call's size prices the options' own alone
+        prices, lattices = engine.price(lattices.build(0, 1)), lattices.without_base()
+    if lattices is not None:
+        priced = engine.price_lattices(lattices)
         prices = priced if prices is None else np.concatenate([prices, priced])
     base = prices[:n]
     out = {"price": base.copy()}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pricer.errors import InputError
+from pricer.errors import InputError, first_ids
 
 JMAX_FACTOR = 0.184        # j_max = ceil(JMAX_FACTOR / (a dt)): Hull and White's bound (1994)
 PRODUCTS = ("option", "callable", "puttable")
@@ -247,9 +247,10 @@ def exercise_steps(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
     """Whether the option may be exercised at each step 0 .. steps."""
     out = np.zeros(steps + 1, dtype=bool)
     if instrument.exercise == "american":
-        lo = int(math.ceil(instrument.first / dt - 1e-9))
-        hi = int(math.floor(instrument.last / dt + 1e-9))
-        out[max(lo, 0):min(hi, steps) + 1] = True
+        lo = max(0, int(math.ceil(instrument.first / dt - 1e-9)))
+        hi = min(steps, int(math.floor(instrument.last / dt + 1e-9)))
+        if hi >= lo:
+            out[lo:hi + 1] = True
     else:
         for t in instrument.exercise_times():
             out[min(steps, max(0, int(round(t / dt))))] = True
@@ -360,9 +361,56 @@ def _each(counts: np.ndarray):
     return owner, np.arange(owner.size) - np.repeat(_exclusive(counts), counts)
 
 
-def tree_parameters(cols: dict, curves: list) -> HullWhiteParams:
+def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> None:
+    """A book's columns (BOND_COLUMNS) that no tree can price, refused by column and ids
+    (InputError), rule by rule."""
+    n = int(np.shape(cols["maturity"])[0])
+    ids = np.arange(n) if ids is None else np.asarray(ids)
+
+    def col(name):
+        return np.asarray(cols[name], dtype=np.float64)
+
+    kind = np.asarray(cols["exercise"])
+    first, last, maturity = col("first_exercise"), col("last_exercise"), col("maturity")
+    dated = kind != EXERCISES.index("european")
+    with np.errstate(invalid="ignore"):
+        rules = [
+            ("maturity", ~(maturity > 0.0) | ~np.isfinite(maturity), "must be > 0 and finite"),
+            ("face", ~(col("face") > 0.0) | ~np.isfinite(col("face")), "must be > 0 and finite"),
+            ("coupon", ~np.isfinite(col("coupon")), "must be finite"),
+            ("frequency", ~np.isin(cols["frequency"], (0, 1, 2, 3, 4, 6, 12)),
+             "must be 0 (no coupons), 1, 2, 3, 4, 6 or 12 a year"),
+            ("strike", ~np.isfinite(col("strike")), "must be finite"),
+            ("exercise", ~np.isin(kind, range(len(EXERCISES))),
+             f"must be one of {', '.join(EXERCISES)}"),
+            ("product", ~np.isin(cols["product"], range(len(PRODUCTS))),
+             f"must be one of {', '.join(PRODUCTS)}"),
+            ("first_exercise", ~(first >= 0.0) | ~(first <= maturity),
+             "must be within [0, maturity]"),
+            ("last_exercise", dated & (~(last >= first) | ~(last <= maturity)),
+             "must be within [first_exercise, maturity]"),
+            ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
+             & ~(col("exercise_frequency") > 0.0), "must be > 0 for a bermudan"),
+            ("mean_reversion", ~(col("mean_reversion") > 0.0), "must be > 0"),
+            ("volatility", ~(col("volatility") > 0.0) | ~np.isfinite(col("volatility")),
+             "must be > 0 and finite"),
+            ("steps_per_year", ~(col("steps_per_year") > 0.0), "must be > 0"),
+            ("curve", ~np.isin(cols["curve"], range(len(curves))), "names no curve given"),
+        ]
+    for column, bad, why in rules:
+        bad = np.asarray(bad, dtype=bool)
+        if bad.any():
+            raise InputError(f"bond_options: {column} {why}; instrument id(s) "
+                             f"{first_ids(ids, bad)} (first value "
+                             f"{np.asarray(cols[column])[bad][0]!r})", column=column,
+                             ids=ids[bad])
+
+
+def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
-    them: each on its nearest step), vectorised over the book."""
+    them: each on its nearest step), vectorised over the book; bad columns refused first
+    (check_columns)."""
+    check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size
     steps = np.maximum(1, np.rint(maturity * cols["steps_per_year"])).astype(np.int64)

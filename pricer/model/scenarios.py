@@ -20,10 +20,11 @@ shifts and multiplies its spot as it fills its input (the GPU batch runner).
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -180,7 +181,7 @@ class ScenarioLattices:
 
     def __init__(self, cols: dict, grid: ScenarioGrid, tree: str, ids: np.ndarray,
                  base: bool = False):
-        self.cols, self.tree, self.ids = cols, tree, np.asarray(ids)
+        self.cols, self.tree, self.ids, self.base = cols, tree, np.asarray(ids), base
         shifts = grid.shifts()
         self.shifts = np.concatenate([np.zeros((1, len(AXES))), shifts]) if base else shifts
         self.options, self.scenarios = int(np.shape(cols["spot"])[0]), len(self.shifts)
@@ -188,6 +189,18 @@ class ScenarioLattices:
 
     def __len__(self) -> int:
         return self.options * self.scenarios
+
+    def without_base(self) -> "ScenarioLattices":
+        """The grid's scenarios alone (the options' own lattices left out), sharing these
+        numbers."""
+        if not self.base:
+            return self
+        rest = copy.copy(self)
+        rest.base, rest.shifts, rest.scenarios = False, self.shifts[1:], self.scenarios - 1
+        if self.shared is not None:
+            rest.shared = replace(self.shared, factors=self.shared.factors[1:],
+                                  sets=self.shared.sets[1:])
+        return rest
 
     def build(self, lo: int, hi: int) -> LatticeParams:
         """The lattice parameters of scenarios lo .. hi - 1, scenario after scenario."""

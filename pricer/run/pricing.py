@@ -60,7 +60,8 @@ def run_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tre
         a, b, *_ = chunks[k]
         return prepare_chunk(matrix, priced, a, b, tree, ids, analytics)
 
-    with ThreadPoolExecutor(max_workers=1) as ahead:
+    ahead = ThreadPoolExecutor(max_workers=1)
+    try:
         following = ahead.submit(prepared, 0)
         for k in range(len(chunks)):
             chunk = following.result()
@@ -68,6 +69,8 @@ def run_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tre
                 following = ahead.submit(prepared, k + 1)
             price_chunk(engine, chunk, values)
             yield k
+    finally:     # a run that stops (a failure, a fault) reports it without waiting for the next
+        ahead.shutdown(wait=False, cancel_futures=True)
 
 
 def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, tree: str,

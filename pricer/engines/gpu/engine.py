@@ -132,6 +132,10 @@ class GpuEngine(Engine):
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
 
+    @property
+    def sizes_by_call(self) -> bool:
+        return bool(self.cpu_max_nodes)
+
     def price_lattices(self, lattices) -> np.ndarray:
         """Prices of lattices made on demand (Engine.price_lattices). Where they share their
         numbers (pricer.model.scenarios.SharedNumbers) and the batch runner takes every one of
