@@ -272,3 +272,18 @@ def test_an_engine_that_sizes_by_call_prices_the_options_own_lattices_alone(rng,
     assert np.array_equal(got[SCENARIOS], want[SCENARIOS])
     assert np.array_equal(got["price"], pricer.price(dict(cols, id=np.arange(50), tree=np.array(
         [TREE_NAMES[c] for c in cols["tree"]])), backend="cpu")["price"].to_numpy())
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_auto_base_prices_keep_their_bits_with_a_grid(rng):
+    """auto: a small book's own lattices (~1e6 nodes) go to the CPU alone, its grid's (24 times
+    as many) to the GPU; the base prices are those of the book priced without a grid, bit for
+    bit, and each scenario's within 1e-11 of its shifted book's (priced on the CPU)."""
+    cols = book(rng, 60, ("crr", "jr"))
+    alone = pricer.price(cols, backend="auto")["price"].to_numpy()
+    gridded = pricer.price(cols, backend="auto", scenarios=AXES)
+    assert np.array_equal(gridded["price"].to_numpy(), alone)
+    names = [c for c in gridded.columns if c.startswith("scenario:")]
+    assert np.allclose(gridded[names].to_numpy(), expanded_prices(cols, "auto"), rtol=1e-11,
+                       atol=0.0)
