@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.engines import get_engine
+from pricer.errors import InputError
 from pricer.io.portfolio import portfolio_from_columns
 from pricer.model.scenarios import AXES
 from pricer.run.checks import checked_matrix
@@ -76,6 +77,35 @@ def implied_volatility(book, backend: str = "auto", tree: str = "crr", invalid: 
                          "status": column["status"].astype(np.int8),
                          "iterations": np.nan_to_num(column["iterations"]).astype(np.int64),
                          "price": column["price"]})
+
+
+def price_bonds(book, curves: dict | None = None, default: str | None = None,
+                backend: str = "cpu", threads: int | None = None, source: str = "book"):
+    """A book of bond options priced on their Hull–White trees (pricer/model/hw1f.py), as a pandas
+    DataFrame of id and price in the book's order. `book`: the path of a book file (its curves
+    with it), or a DataFrame or a dict of 1-D arrays with the /bond_options columns
+    (docs/formats.md; text columns as names) and then `curves`: {name: (times, zero rates)} or
+    {name: hw1f.YieldCurve}, `default` the curve of rows that name none (the only one, where
+    there is one). Bad input raises InputError naming the column and ids. The family has one
+    engine so far, the CPU's (`cpu`; `auto` is the same)."""
+    import pandas as pd
+
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+    from pricer.io.bonds import book_from_columns, read_bond_book
+
+    if backend not in ("cpu", "auto"):
+        raise InputError(f"backend {backend!r}: bond options have the cpu engine only so far")
+    if isinstance(book, str):
+        bonds = read_bond_book(book)
+    elif curves is None:
+        raise InputError(f"{source}: a book of bond options in memory needs its curves")
+    else:
+        bonds = book_from_columns(book, curves, default, source)
+    if threads is not None:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    prices = HullWhiteCpuEngine().price(bonds.parameters())
+    return pd.DataFrame({"id": bonds.id, "price": prices})
 
 
 def _computed(cfg: RunConfig, book, source: str):

@@ -127,6 +127,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pricer.tools.bond_datasets import DATASETS as BOND_DATASETS
     from pricer.tools.generate import DISTRIBUTIONS, EXERCISE
 
     parser = argparse.ArgumentParser(prog="pricer", description=__doc__.splitlines()[0])
@@ -152,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pricing_options(p, job=True)
 
     p = sub.add_parser("generate", help="write a synthetic portfolio (deterministic in its arguments)")
-    p.add_argument("--dist", choices=DISTRIBUTIONS, required=True)
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default=None,
+                   help="a book of equity options of this distribution")
+    p.add_argument("--bonds", choices=BOND_DATASETS, default=None,
+                   help="instead, a book of bond options: one of the seeds' datasets (Hull–White "
+                        "trees of their widths and heights; --count, --seed)")
     p.add_argument("--count", type=int, required=True, help="number of options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1000, help="N for uniform and scenarios (default 1000)")
@@ -261,7 +266,17 @@ def _generate(args) -> int:
     from pricer.tools.generate import write_generated
 
     comm = MPI.COMM_WORLD
-    outcome(comm, (lambda: write_generated(args)) if comm.Get_rank() == 0 else None)
+    if (args.dist is None) == (args.bonds is None):
+        raise InputError("pricer generate: give --dist (equity options) or --bonds (bond "
+                         "options), one of them")
+    if args.bonds is not None:
+        from pricer.tools.bond_datasets import write_dataset
+
+        work = lambda: write_dataset(args.output, args.bonds, args.count, args.seed,  # noqa: E731
+                                     args.overwrite)
+    else:
+        work = lambda: write_generated(args)  # noqa: E731
+    outcome(comm, work if comm.Get_rank() == 0 else None)
     return 0
 
 

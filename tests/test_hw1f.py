@@ -208,3 +208,64 @@ def test_the_papers_datasets_have_their_widths_and_heights(name):
         assert wide.sum() == tall.sum() == 4 and np.all(widths[~wide] <= 57)
         assert np.array_equal(wide, tall) == (name == "S1")
     assert np.all(np.isin([p.exercise for p in instruments], ["bermudan"]))
+
+
+def test_a_book_file_round_trips_and_prices_as_the_reference(tmp_path, rng):
+    """pricer generate --bonds writes a book (/bond_options, /curves), read back it prices as the
+    NumPy reference does; pricer.price_bonds takes the same columns from memory."""
+    import h5py
+
+    import pricer
+    from helpers import run_pricer
+    from pricer.io.bonds import read_bond_book
+    from pricer.tools.bond_datasets import CURVE, dataset
+
+    path = tmp_path / "bonds.h5"
+    done = run_pricer(["generate", "--bonds", "S2", "--count", "30", "--seed", "5", "-o",
+                       str(path)])
+    assert done.returncode == 0, done.stderr
+    book = read_bond_book(str(path))
+    instruments, a, sigma, per_year, _ = dataset("S2", 30, seed=5)
+    want = np.array([H.price(i, x, s, per_year, CURVE) for i, x, s in zip(instruments, a, sigma)])
+    assert np.allclose(ENGINE.price(book.parameters()), want, rtol=1e-12, atol=0.0)
+    assert np.array_equal(pricer.price_bonds(str(path))["price"].to_numpy(),
+                          ENGINE.price(book.parameters()))
+    with h5py.File(path) as f:
+        columns = {name: f["bond_options"][name][()] for name in f["bond_options"]}
+    columns["curve"] = np.array([""] * 30)          # the default curve, the book's only one
+    out = pricer.price_bonds(columns, {"flat": (np.array([1.0, 30.0]), np.array([0.03, 0.03]))})
+    flat = H.YieldCurve(np.array([1.0, 30.0]), np.array([0.03, 0.03]))
+    again = np.array([H.price(i, x, s, per_year, flat) for i, x, s in zip(instruments, a, sigma)])
+    assert list(out["id"]) == list(range(1, 31))
+    assert np.allclose(out["price"].to_numpy(), again, rtol=1e-12, atol=0.0)
+
+
+def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
+    import h5py
+
+    from helpers import run_pricer
+    from pricer.io.bonds import read_bond_book
+
+    path = tmp_path / "bonds.h5"
+    assert run_pricer(["generate", "--bonds", "R1", "--count", "8", "-o", str(path)]).returncode == 0
+    cases = [
+        (lambda f: f["bond_options"]["exercise"].__setitem__(3, "asian"), "exercise must name",
+         "exercise"),
+        (lambda f: f["bond_options"]["curve"].__setitem__(2, "eur"), "curve must name", "curve"),
+        (lambda f: f["bond_options"]["maturity"].__setitem__(1, -2.0), "maturity must be > 0",
+         "maturity"),
+        (lambda f: f["bond_options"]["id"].__setitem__(5, 1), "duplicate id", "id"),
+        (lambda f: f["bond_options"].__delitem__("strike"), "missing column(s) strike", "strike"),
+        (lambda f: f["curves"]["default"].__delitem__("rates"), "needs datasets times", None),
+    ]
+    for k, (spoil, message, column) in enumerate(cases):
+        bad = tmp_path / f"bad{k}.h5"
+        bad.write_bytes(path.read_bytes())
+        with h5py.File(bad, "r+") as f:
+            spoil(f)
+        with pytest.raises(InputError, match=re.escape(message)) as caught:
+            read_bond_book(str(bad))
+        assert caught.value.column == column and str(bad) in str(caught.value)
+    (tmp_path / "cut.h5").write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(InputError, match="cut.h5"):
+        read_bond_book(str(tmp_path / "cut.h5"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pricer.errors import InputError
 from pricer.model import hw1f
 
 DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
@@ -98,3 +99,21 @@ def dataset(name: str, count: int | None = None, seed: int = 2026):
                                            last=last, every=1.0))
     sigma = rng.uniform(0.005, 0.02, n)
     return instruments, mean_reversion(widths), sigma, STEPS_PER_YEAR, CURVE
+
+
+def write_dataset(path: str, name: str, count: int | None = None, seed: int = 2026,
+                  overwrite: bool = False) -> None:
+    """`pricer generate --bonds NAME`: the dataset as a book of bond options (pricer/io/bonds.py)
+    on its one curve, named "default"."""
+    from pricer.files import check_output_file
+    from pricer.io.bonds import write_bond_book
+
+    check_output_file(path, overwrite, "book of bond options")
+    if not path.endswith((".h5", ".hdf5")):
+        raise InputError(f"{path}: a book of bond options is an HDF5 file (.h5)")
+    instruments, a, sigma, per_year, curve = dataset(name, count, seed)
+    columns = hw1f.columns_of(instruments, a, sigma, per_year)
+    columns["volatility"] = sigma
+    write_bond_book(path, np.arange(1, len(instruments) + 1), columns, {"default": curve},
+                    default="default")
+    print(f"wrote {path}: {len(instruments)} bond options ({name}, seed {seed})", flush=True)

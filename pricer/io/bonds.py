@@ -1,0 +1,176 @@
+"""Books of bond options (the Hull–White family, pricer/model/hw1f.py) in HDF5: the group
+/bond_options (a column per dataset, a row per instrument) and the yield curves /curves/<name>
+(datasets `times` and `rates`: continuously compounded zero rates), read and validated with named
+reasons, or written atomically. docs/formats.md describes the schema.
+
+Columns (hw1f.BOND_COLUMNS, with `id`): text columns hold names — exercise (european, bermudan,
+american), product (option, callable, puttable; default option) and curve (a /curves name;
+default the file's default curve: the attribute `default` of /curves, or its only curve);
+exercise_frequency may be left out where no row is bermudan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from pricer.errors import InputError, first_ids
+from pricer.files import atomic_write, check_input_file
+from pricer.model import hw1f
+
+SCHEMA = "pricer.bond_options/1"
+GROUP, CURVES = "bond_options", "curves"
+TEXT = {"exercise": hw1f.EXERCISES, "product": hw1f.PRODUCTS}
+INTEGER = ("frequency",)
+FLAGS = ("call",)
+OPTIONAL = {"product": "option", "exercise_frequency": 0.0, "curve": ""}
+
+
+@dataclass
+class BondBook:
+    """A book of bond options: ids, the columns as hw1f takes them (text as codes, the curve as an
+    index into `curves`), and the curves with their names."""
+    id: np.ndarray
+    columns: dict
+    curves: list
+    curve_names: list
+
+    def __len__(self) -> int:
+        return int(self.id.size)
+
+    def parameters(self) -> hw1f.HullWhiteParams:
+        return hw1f.tree_parameters(self.columns, self.curves, self.id)
+
+
+def book_from_columns(columns: dict, curves: dict, default: str | None = None,
+                      source: str = "book") -> BondBook:
+    """A BondBook from columns (a dict of 1-D arrays or a DataFrame: the file's columns, text as
+    names) and curves ({name: (times, rates)} or {name: YieldCurve}), checked as a file is."""
+    if hasattr(columns, "to_dict") and hasattr(columns, "columns"):
+        columns = {name: columns[name].to_numpy() for name in columns.columns}
+    names = sorted(curves)
+    if not names:
+        raise InputError(f"{source}: no yield curve")
+    made = []
+    for name in names:
+        curve = curves[name]
+        try:
+            made.append(curve if isinstance(curve, hw1f.YieldCurve) else hw1f.YieldCurve(*curve))
+        except InputError as exc:
+            raise InputError(f"{source}: curve {name!r}: {exc}") from None
+    if default is None and len(names) == 1:
+        default = names[0]
+    needed = [c for c in ("id",) + hw1f.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
+    if needed:
+        raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
+    ids = np.asarray(columns["id"])
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{source}: id must be a 1-D column of integers", column="id")
+    n = ids.size
+    unique, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise InputError(f"{source}: duplicate id(s) {first_ids(unique, counts > 1)}",
+                         column="id", ids=unique[counts > 1])
+    cols = {}
+    for name in hw1f.BOND_COLUMNS:
+        raw = np.asarray(columns[name]) if name in columns else np.full(n, OPTIONAL[name])
+        if raw.shape != (n,):
+            raise InputError(f"{source}: column {name} has {raw.size} rows, id has {n}",
+                             column=name)
+        cols[name] = _typed(raw, name, ids, source, names, default)
+    try:
+        hw1f.check_columns(cols, made, ids)
+    except InputError as exc:
+        raise exc.prefixed(f"{source}: ") from None
+    return BondBook(ids.astype(np.int64), cols, made, names)
+
+
+def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: list,
+           default: str | None) -> np.ndarray:
+    """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64."""
+    if name in TEXT or name == "curve":
+        text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in raw])
+        known = curves if name == "curve" else list(TEXT[name])
+        if name == "curve":
+            text = np.where(text == "", default if default is not None else "", text)
+        bad = ~np.isin(text, known)
+        if bad.any():
+            what = "a curve of the file" if name == "curve" else f"one of {', '.join(known)}"
+            raise InputError(f"{source}: {name} must name {what}; instrument id(s) "
+                             f"{first_ids(ids, bad)} have {text[bad][0]!r}", column=name,
+                             ids=ids[bad])
+        return np.array([known.index(t) for t in text], dtype=np.int64)
+    if raw.dtype.kind not in "biuf":
+        raise InputError(f"{source}: column {name} must be numbers, not {raw.dtype}",
+                         column=name)
+    if name in FLAGS:
+        return raw.astype(bool)
+    values = raw.astype(np.float64)
+    if name in INTEGER:
+        whole = np.isfinite(values) & (values == np.rint(values))
+        if not whole.all():
+            raise InputError(f"{source}: {name} must be whole numbers; instrument id(s) "
+                             f"{first_ids(ids, ~whole)}", column=name, ids=ids[~whole])
+        return values.astype(np.int64)
+    return values
+
+
+def read_bond_book(path: str) -> BondBook:
+    """Read and validate a book of bond options; any problem raises InputError naming it."""
+    check_input_file(path)
+    if not h5py.is_hdf5(path):
+        raise InputError(f"{path}: not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
+                raise InputError(f"{path}: no /{GROUP} group")
+            if CURVES not in f or not isinstance(f[CURVES], h5py.Group):
+                raise InputError(f"{path}: no /{CURVES} group (the yield curves)")
+            columns = {name: ds[()] for name, ds in f[GROUP].items()
+                       if isinstance(ds, h5py.Dataset)}
+            curves = {}
+            for name, g in f[CURVES].items():
+                if not (isinstance(g, h5py.Group) and "times" in g and "rates" in g):
+                    raise InputError(f"{path}: /{CURVES}/{name} needs datasets times and rates")
+                curves[name] = (g["times"][()], g["rates"][()])
+            default = f[CURVES].attrs.get("default")
+    except InputError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise InputError(f"{path}: cannot read the bond options: {exc}") from None
+    if isinstance(default, bytes):
+        default = default.decode()
+    return book_from_columns(columns, curves, default, source=path)
+
+
+def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | None = None) -> None:
+    """Write a book (columns as hw1f.columns_of makes them: codes, a curve index into the sorted
+    curve names of `curves` {name: YieldCurve}) in the schema above, atomically."""
+    names = sorted(curves)
+
+    def write(tmp: str) -> None:
+        with h5py.File(tmp, "w") as f:
+            g = f.create_group(GROUP)
+            g.attrs["schema"] = SCHEMA
+            g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
+            text = h5py.string_dtype("utf-8")
+            for name in hw1f.BOND_COLUMNS:
+                values = np.asarray(columns[name])
+                if name in TEXT:
+                    g.create_dataset(name, data=np.array([TEXT[name][v] for v in values],
+                                                         dtype=object), dtype=text)
+                elif name == "curve":
+                    g.create_dataset(name, data=np.array([names[v] for v in values],
+                                                         dtype=object), dtype=text)
+                else:
+                    g.create_dataset(name, data=values)
+            c = f.create_group(CURVES)
+            if default is not None:
+                c.attrs["default"] = default
+            for name in names:
+                c.create_dataset(f"{name}/times", data=curves[name].times)
+                c.create_dataset(f"{name}/rates", data=curves[name].rates)
+
+    atomic_write(path, write)
