@@ -172,7 +172,8 @@ def test_parity_and_the_order_of_exercise_rights(rng):
     ("maturity", -1.0, "maturity must be > 0"), ("last_exercise", 0.01, "within [first_exercise"),
     ("exercise_frequency", 0.0, "must be > 0 for a bermudan"), ("frequency", 5, "12 a year"),
     ("first_exercise", -0.5, "within [0, maturity]"), ("volatility", np.nan, "volatility"),
-    ("curve", 3, "names no curve")])
+    ("curve", 3, "names no curve"), ("steps_per_year", 1e9, "more than 1000000 steps"),
+    ("mean_reversion", 1e-9, "wider than"), ("exercise_frequency", 1e12, "exercise dates")])
 def test_bad_columns_are_refused_by_column_and_id(rng, column, value, message):
     instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "bermudan", first=1.0,
                                 last=4.0, every=1.0) for _ in range(6)]

@@ -31,6 +31,8 @@ import numpy as np
 from pricer.errors import InputError, first_ids
 
 JMAX_FACTOR = 0.184        # j_max = ceil(JMAX_FACTOR / (a dt)): Hull and White's bound (1994)
+MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
+MAX_JMAX = 50_000
 PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
 
@@ -391,11 +393,19 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
              "must be within [first_exercise, maturity]"),
             ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
              & ~(col("exercise_frequency") > 0.0), "must be > 0 for a bermudan"),
+            ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
+             & ~((last - first) * col("exercise_frequency") <= MAX_TREE_STEPS),
+             f"gives a bermudan more than {MAX_TREE_STEPS} exercise dates"),
             ("mean_reversion", ~(col("mean_reversion") > 0.0), "must be > 0"),
             ("volatility", ~(col("volatility") > 0.0) | ~np.isfinite(col("volatility")),
              "must be > 0 and finite"),
             ("steps_per_year", ~(col("steps_per_year") > 0.0), "must be > 0"),
             ("curve", ~np.isin(cols["curve"], range(len(curves))), "names no curve given"),
+            ("steps_per_year", ~(np.rint(maturity * col("steps_per_year")) <= MAX_TREE_STEPS),
+             f"gives a tree of more than {MAX_TREE_STEPS} steps"),
+            ("mean_reversion", ~(JMAX_FACTOR * np.rint(maturity * col("steps_per_year"))
+                                 / (col("mean_reversion") * maturity) <= MAX_JMAX),
+             f"gives a tree wider than {2 * MAX_JMAX + 1} nodes (j_max = 0.184 / (a dt))"),
         ]
     for column, bad, why in rules:
         bad = np.asarray(bad, dtype=bool)

@@ -31,6 +31,8 @@ from pricer.errors import InputError
 from pricer.model import hw1f
 
 DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
+# the instruments as objects, their columns and the file's rows while a dataset is written
+GENERATE_BYTES_PER_INSTRUMENT = 2048
 STEPS_PER_YEAR = 12
 WIDTHS, HEIGHTS = (7, 511), (13, 1200)
 CURVE = hw1f.YieldCurve(np.array([0.25, 1.0, 2.0, 5.0, 10.0, 30.0, 100.0]),
@@ -108,9 +110,19 @@ def write_dataset(path: str, name: str, count: int | None = None, seed: int = 20
     from pricer.files import check_output_file
     from pricer.io.bonds import write_bond_book
 
+    from pricer.run.memory import GIB, available_bytes
+
+    if count is not None and count < 1:
+        raise InputError(f"--count must be >= 1, got {count}")
+    if seed < 0:
+        raise InputError(f"--seed must be >= 0, got {seed}")
     check_output_file(path, overwrite, "book of bond options")
     if not path.endswith((".h5", ".hdf5")):
         raise InputError(f"{path}: a book of bond options is an HDF5 file (.h5)")
+    need, have = (count or 100_000) * GENERATE_BYTES_PER_INSTRUMENT, available_bytes()
+    if need > have:
+        raise InputError(f"--count {count}: generating it needs ~{need / GIB:.2f} GiB of memory, "
+                         f"this machine has {have / GIB:.2f} GiB available")
     instruments, a, sigma, per_year, curve = dataset(name, count, seed)
     columns = hw1f.columns_of(instruments, a, sigma, per_year)
     columns["volatility"] = sigma
