@@ -233,6 +233,8 @@ def test_a_book_file_round_trips_and_prices_as_the_reference(tmp_path, rng):
                           ENGINE.price(book.parameters()))
     with h5py.File(path) as f:
         columns = {name: f["bond_options"][name][()] for name in f["bond_options"]}
+    shown = run_pricer(["info", str(path)])
+    assert shown.returncode == 0 and "30 instruments" in shown.stdout and "tree width" in shown.stdout
     columns["curve"] = np.array([""] * 30)          # the default curve, the book's only one
     out = pricer.price_bonds(columns, {"flat": (np.array([1.0, 30.0]), np.array([0.03, 0.03]))})
     flat = H.YieldCurve(np.array([1.0, 30.0]), np.array([0.03, 0.03]))

@@ -1,5 +1,6 @@
 """`pricer info FILE`: a short description of a portfolio or a results file, in any of the formats
-(pricer/io/formats.py): every column's range, the trees, and what the file records of its origin."""
+(pricer/io/formats.py): every column's range, the trees, and what the file records of its origin;
+or of a book of bond options (pricer/io/bonds.py): its trees' widths and heights and its columns."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
+from pricer.io.bonds import GROUP as BOND_GROUP, SCHEMA as BOND_SCHEMA, read_bond_book
 from pricer.io.formats import HDF5, input_format, read_book, read_table, table_attributes
 from pricer.io.portfolio import FLOAT_COLUMNS, GROUP, SCHEMA
 from pricer.io.results import SCHEMA as RESULTS_SCHEMA, read_results
 from pricer.model.greeks import GREEKS
+from pricer.model.hw1f import EXERCISES, PRODUCTS
 from pricer.model.scenarios import AXES
 
 # attributes shown in full on their own lines, the rest after them
@@ -25,6 +28,8 @@ def describe(path: str) -> list[str]:
     check_input_file(path)
     fmt = input_format(path)
     try:
+        if _is_bond_book(path, fmt):
+            return _describe_bonds(path)
         return _describe_results(path) if _is_results(path, fmt) else _describe_portfolio(path,
                                                                                           fmt)
     except InputError:
@@ -47,6 +52,36 @@ def _is_results(path: str, fmt: str) -> bool:
         return schema == RESULTS_SCHEMA
     columns = read_table(path, fmt, header_only=True).columns
     return "price" in columns and "spot" not in columns
+
+
+def _is_bond_book(path: str, fmt: str) -> bool:
+    """Whether the file is a book of bond options (pricer/io/bonds.py) rather than equity options."""
+    if fmt != HDF5 or not h5py.is_hdf5(path):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return BOND_GROUP in f and GROUP not in f
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it: {exc}") from None
+
+
+def _describe_bonds(path: str) -> list[str]:
+    """A book of bond options: its instruments' trees (widths, heights, nodes) and columns."""
+    book = read_bond_book(path)
+    params = book.parameters()
+    cols = book.columns
+    lines = [f"{path}: bond options ({BOND_SCHEMA}), {len(book)} instruments, "
+             f"{params.nodes().sum():.4g} tree nodes a sweep",
+             _range("id", book.id), _range("tree width", 2 * params.jmax + 1),
+             _range("tree height (steps)", params.steps)]
+    lines += [_range(name, cols[name]) for name in ("maturity", "coupon", "strike",
+                                                     "mean_reversion", "volatility")]
+    for name, names in (("exercise", EXERCISES), ("product", PRODUCTS)):
+        codes, counts = np.unique(cols[name], return_counts=True)
+        lines.append(f"  {name}: " + ", ".join(f"{names[c]} {n}" for c, n in zip(codes, counts)))
+    lines.append(f"  calls {int(cols['call'].sum())}, puts {int((~cols['call']).sum())}; "
+                 f"curves: {', '.join(book.curve_names)}")
+    return lines
 
 
 def _range(name: str, values: np.ndarray) -> str:
