@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.engines import get_engine
-from pricer.errors import InputError
+from pricer.errors import InputError, first_ids
 from pricer.io.portfolio import portfolio_from_columns
 from pricer.model.scenarios import AXES
 from pricer.run.checks import checked_matrix
@@ -95,17 +95,45 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
 
     if backend not in ("cpu", "auto"):
         raise InputError(f"backend {backend!r}: bond options have the cpu engine only so far")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise InputError(f"threads must be a whole number >= 1, got {threads!r}")
     if isinstance(book, str):
         bonds = read_bond_book(book)
     elif curves is None:
         raise InputError(f"{source}: a book of bond options in memory needs its curves")
     else:
         bonds = book_from_columns(book, curves, default, source)
+    _check_bond_memory(bonds, source)
     if threads is not None:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     prices = HullWhiteCpuEngine().price(bonds.parameters())
+    wrong = ~np.isfinite(prices)
+    if wrong.any():     # the bounds of hw1f.check_columns should make this unreachable
+        raise InputError(f"{source}: the Hull–White trees of instrument id(s) "
+                         f"{first_ids(bonds.id, wrong)} gave no finite value", ids=bonds.id[wrong])
     return pd.DataFrame({"id": bonds.id, "price": prices})
+
+
+# a tree's per-step arrays (flows, discounts, exercise flags, alphas) and its scratch rows
+BOND_BYTES_PER_STEP, BOND_BYTES_PER_NODE_OF_WIDTH = 8 + 8 + 1 + 8, 10 * 8 + 8
+
+
+def _check_bond_memory(bonds, source: str) -> None:
+    """InputError where the book's trees need more memory than this machine has available."""
+    from pricer.model.hw1f import jmax_of
+    from pricer.run.memory import GIB, available_bytes
+
+    cols = bonds.columns
+    steps = np.maximum(1.0, np.rint(cols["maturity"] * cols["steps_per_year"]))
+    widths = 2.0 * jmax_of(cols["mean_reversion"], cols["maturity"] / steps) + 1.0
+    import numba
+    need = (float(steps.sum() + steps.size) * BOND_BYTES_PER_STEP
+            + numba.get_num_threads() * float(widths.max(initial=0.0)) * BOND_BYTES_PER_NODE_OF_WIDTH)
+    have = available_bytes()
+    if need > have:
+        raise InputError(f"{source}: its trees need ~{need / GIB:.2f} GiB of memory, this "
+                         f"machine has {have / GIB:.2f} GiB available")
 
 
 def _computed(cfg: RunConfig, book, source: str):

@@ -172,7 +172,7 @@ def test_parity_and_the_order_of_exercise_rights(rng):
     ("maturity", -1.0, "maturity must be > 0"), ("last_exercise", 0.01, "within [first_exercise"),
     ("exercise_frequency", 0.0, "must be > 0 for a bermudan"), ("frequency", 5, "12 a year"),
     ("first_exercise", -0.5, "within [0, maturity]"), ("volatility", np.nan, "volatility"),
-    ("curve", 3, "names no curve"), ("steps_per_year", 1e9, "more than 1000000 steps"),
+    ("curve", 3, "names no curve"), ("steps_per_year", 1e9, "at most 1000000 steps"),
     ("mean_reversion", 1e-9, "wider than"), ("exercise_frequency", 1e12, "exercise dates")])
 def test_bad_columns_are_refused_by_column_and_id(rng, column, value, message):
     instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "bermudan", first=1.0,
@@ -272,3 +272,34 @@ def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
     (tmp_path / "cut.h5").write_bytes(path.read_bytes()[:2000])
     with pytest.raises(InputError, match="cut.h5"):
         read_bond_book(str(tmp_path / "cut.h5"))
+
+
+def test_hostile_columns_and_curves_in_memory_are_refused(rng):
+    """Beyond the columns' rules: curves that are not (times, rates) of numbers, rates beyond
+    +-100 % a year, a default naming no curve, text that is not UTF-8, flags other than 0 and 1,
+    thread counts below 1."""
+    import pricer
+
+    instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "american", first=1.0,
+                                last=4.0) for _ in range(4)]
+    cols = dict(H.columns_of(instruments, 0.1, 0.01, 12), id=np.arange(4))
+    cols["exercise"] = np.array(["american"] * 4)
+    cols["product"] = np.array(["option"] * 4)
+    cols["curve"] = np.array(["c"] * 4)
+    good = {"c": (np.array([1.0, 10.0]), np.array([0.02, 0.03]))}
+    assert np.all(np.isfinite(pricer.price_bonds(cols, good)["price"]))
+    for curves, message in (({"c": (np.array(["1", "2"]), np.array([0.1, 0.2]))}, "numbers"),
+                            ({"c": "flat"}, "must be (times, rates)"),
+                            ({"c": (np.array([1.0, 2.0]), np.array([30.0, 30.0]))}, "within +-1"),
+                            ({"c": (np.array([2.0, 1.0]), np.array([0.1, 0.1]))}, "increasing")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            pricer.price_bonds(cols, curves)
+    with pytest.raises(InputError, match="default curve"):
+        pricer.price_bonds(cols, good, default="d")
+    with pytest.raises(InputError, match="UTF-8"):
+        pricer.price_bonds(dict(cols, exercise=np.array([b"\xff\xfe"] * 4, dtype=object)), good)
+    with pytest.raises(InputError, match="true or false") as caught:
+        pricer.price_bonds(dict(cols, call=np.array([1.0, np.nan, 0.5, 0.0])), good)
+    assert list(caught.value.ids) == [1, 2]
+    with pytest.raises(InputError, match="threads"):
+        pricer.price_bonds(cols, good, threads=0)

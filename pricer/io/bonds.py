@@ -50,16 +50,33 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     names) and curves ({name: (times, rates)} or {name: YieldCurve}), checked as a file is."""
     if hasattr(columns, "to_dict") and hasattr(columns, "columns"):
         columns = {name: columns[name].to_numpy() for name in columns.columns}
-    names = sorted(curves)
+    if not isinstance(columns, dict) or not isinstance(curves, dict):
+        raise InputError(f"{source}: the columns and the curves must be tables (dicts)")
+    names = [str(name) for name in curves]
     if not names:
         raise InputError(f"{source}: no yield curve")
+    if len(set(names)) != len(names):
+        raise InputError(f"{source}: curve names {names} repeat")
+    order = sorted(range(len(names)), key=names.__getitem__)
+    given = [curves[key] for key in curves]
+    names, given = [names[k] for k in order], [given[k] for k in order]
     made = []
-    for name in names:
-        curve = curves[name]
+    for name, curve in zip(names, given):
         try:
-            made.append(curve if isinstance(curve, hw1f.YieldCurve) else hw1f.YieldCurve(*curve))
+            if isinstance(curve, hw1f.YieldCurve):
+                made.append(curve)
+                continue
+            times, rates = curve
+            if any(np.asarray(x).dtype.kind not in "iuf" for x in (times, rates)):
+                raise InputError("its times and rates must be numbers")
+            made.append(hw1f.YieldCurve(times, rates))
         except InputError as exc:
             raise InputError(f"{source}: curve {name!r}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{source}: curve {name!r} must be (times, rates): {exc}") from None
+    if default is not None and (not isinstance(default, str) or default not in names):
+        raise InputError(f"{source}: the default curve {default!r} is not one of "
+                         f"{', '.join(names)}")
     if default is None and len(names) == 1:
         default = names[0]
     needed = [c for c in ("id",) + hw1f.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
@@ -77,8 +94,8 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     for name in hw1f.BOND_COLUMNS:
         raw = np.asarray(columns[name]) if name in columns else np.full(n, OPTIONAL[name])
         if raw.shape != (n,):
-            raise InputError(f"{source}: column {name} has {raw.size} rows, id has {n}",
-                             column=name)
+            raise InputError(f"{source}: column {name} must be 1-D with a value per id ({n}); "
+                             f"it has shape {raw.shape}", column=name)
         cols[name] = _typed(raw, name, ids, source, names, default)
     try:
         hw1f.check_columns(cols, made, ids)
@@ -91,7 +108,12 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
            default: str | None) -> np.ndarray:
     """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64."""
     if name in TEXT or name == "curve":
-        text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in raw])
+        try:
+            text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in raw],
+                            dtype=object).astype(str)
+        except UnicodeDecodeError:
+            raise InputError(f"{source}: column {name} holds text that is not UTF-8",
+                             column=name) from None
         known = curves if name == "curve" else list(TEXT[name])
         if name == "curve":
             text = np.where(text == "", default if default is not None else "", text)
@@ -99,13 +121,17 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
         if bad.any():
             what = "a curve of the file" if name == "curve" else f"one of {', '.join(known)}"
             raise InputError(f"{source}: {name} must name {what}; instrument id(s) "
-                             f"{first_ids(ids, bad)} have {text[bad][0]!r}", column=name,
+                             f"{first_ids(ids, bad)} have {str(text[bad][0])!r}", column=name,
                              ids=ids[bad])
         return np.array([known.index(t) for t in text], dtype=np.int64)
     if raw.dtype.kind not in "biuf":
         raise InputError(f"{source}: column {name} must be numbers, not {raw.dtype}",
                          column=name)
     if name in FLAGS:
+        flag = (raw == 0) | (raw == 1)
+        if not flag.all():
+            raise InputError(f"{source}: {name} must be true or false (1 or 0); instrument id(s) "
+                             f"{first_ids(ids, ~flag)}", column=name, ids=ids[~flag])
         return raw.astype(bool)
     values = raw.astype(np.float64)
     if name in INTEGER:
@@ -138,10 +164,13 @@ def read_bond_book(path: str) -> BondBook:
             default = f[CURVES].attrs.get("default")
     except InputError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise InputError(f"{path}: cannot read the bond options: {exc}") from None
     if isinstance(default, bytes):
-        default = default.decode()
+        try:
+            default = default.decode()
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: /{CURVES}'s default curve name is not UTF-8") from None
     return book_from_columns(columns, curves, default, source=path)
 
 

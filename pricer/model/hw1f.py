@@ -33,6 +33,11 @@ from pricer.errors import InputError, first_ids
 JMAX_FACTOR = 0.184        # j_max = ceil(JMAX_FACTOR / (a dt)): Hull and White's bound (1994)
 MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
 MAX_JMAX = 50_000
+# bounds that keep every product of the induction within FP64 (a curve's discounts, the flows)
+MAX_MATURITY = 500.0        # years: e^{+-MAX_RATE * MAX_MATURITY} within FP64
+MAX_AMOUNT = 1e15           # face and |strike|
+MAX_RATE = 1.0              # |coupon|, |zero rate| and sigma, a year
+MAX_MEAN_REVERSION = 100.0
 PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
 
@@ -52,6 +57,8 @@ class YieldCurve:
             raise InputError("a yield curve's times and rates must be finite")
         if times[0] <= 0.0 or np.any(np.diff(times) <= 0.0):
             raise InputError("a yield curve's times must be > 0 and increasing")
+        if np.any(np.abs(rates) > MAX_RATE):
+            raise InputError(f"a yield curve's zero rates must be within +-{MAX_RATE:g}")
         object.__setattr__(self, "times", times)
         object.__setattr__(self, "rates", rates)
 
@@ -375,14 +382,18 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
     kind = np.asarray(cols["exercise"])
     first, last, maturity = col("first_exercise"), col("last_exercise"), col("maturity")
     dated = kind != EXERCISES.index("european")
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
+        steps = np.maximum(1.0, np.rint(maturity * col("steps_per_year")))
         rules = [
-            ("maturity", ~(maturity > 0.0) | ~np.isfinite(maturity), "must be > 0 and finite"),
-            ("face", ~(col("face") > 0.0) | ~np.isfinite(col("face")), "must be > 0 and finite"),
-            ("coupon", ~np.isfinite(col("coupon")), "must be finite"),
+            ("maturity", ~((maturity > 0.0) & (maturity <= MAX_MATURITY)),
+             f"must be > 0 and at most {MAX_MATURITY:g} years"),
+            ("face", ~((col("face") > 0.0) & (col("face") <= MAX_AMOUNT)),
+             f"must be > 0 and at most {MAX_AMOUNT:g}"),
+            ("coupon", ~(np.abs(col("coupon")) <= MAX_RATE),
+             f"must be within +-{MAX_RATE:g} (a rate a year)"),
             ("frequency", ~np.isin(cols["frequency"], (0, 1, 2, 3, 4, 6, 12)),
              "must be 0 (no coupons), 1, 2, 3, 4, 6 or 12 a year"),
-            ("strike", ~np.isfinite(col("strike")), "must be finite"),
+            ("strike", ~(np.abs(col("strike")) <= MAX_AMOUNT), f"must be within +-{MAX_AMOUNT:g}"),
             ("exercise", ~np.isin(kind, range(len(EXERCISES))),
              f"must be one of {', '.join(EXERCISES)}"),
             ("product", ~np.isin(cols["product"], range(len(PRODUCTS))),
@@ -396,15 +407,16 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
             ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
              & ~((last - first) * col("exercise_frequency") <= MAX_TREE_STEPS),
              f"gives a bermudan more than {MAX_TREE_STEPS} exercise dates"),
-            ("mean_reversion", ~(col("mean_reversion") > 0.0), "must be > 0"),
-            ("volatility", ~(col("volatility") > 0.0) | ~np.isfinite(col("volatility")),
-             "must be > 0 and finite"),
-            ("steps_per_year", ~(col("steps_per_year") > 0.0), "must be > 0"),
+            ("mean_reversion", ~((col("mean_reversion") > 0.0)
+                                 & (col("mean_reversion") <= MAX_MEAN_REVERSION)),
+             f"must be > 0 and at most {MAX_MEAN_REVERSION:g}"),
+            ("volatility", ~((col("volatility") > 0.0) & (col("volatility") <= MAX_RATE)),
+             f"must be > 0 and at most {MAX_RATE:g} (a short rate's volatility)"),
+            ("steps_per_year", ~((col("steps_per_year") > 0.0) & (steps <= MAX_TREE_STEPS)),
+             f"must be > 0 and give a tree of at most {MAX_TREE_STEPS} steps"),
             ("curve", ~np.isin(cols["curve"], range(len(curves))), "names no curve given"),
-            ("steps_per_year", ~(np.rint(maturity * col("steps_per_year")) <= MAX_TREE_STEPS),
-             f"gives a tree of more than {MAX_TREE_STEPS} steps"),
-            ("mean_reversion", ~(JMAX_FACTOR * np.rint(maturity * col("steps_per_year"))
-                                 / (col("mean_reversion") * maturity) <= MAX_JMAX),
+            ("mean_reversion", ~(JMAX_FACTOR * steps / (col("mean_reversion") * maturity)
+                                 <= MAX_JMAX),
              f"gives a tree wider than {2 * MAX_JMAX + 1} nodes (j_max = 0.184 / (a dt))"),
         ]
     for column, bad, why in rules:
@@ -412,7 +424,7 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
         if bad.any():
             raise InputError(f"bond_options: {column} {why}; instrument id(s) "
                              f"{first_ids(ids, bad)} (first value "
-                             f"{np.asarray(cols[column])[bad][0]!r})", column=column,
+                             f"{np.asarray(cols[column])[bad][0].tolist()!r})", column=column,
                              ids=ids[bad])
 
 
