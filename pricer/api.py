@@ -109,7 +109,7 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     prices = HullWhiteCpuEngine().price(bonds.parameters())
     wrong = ~np.isfinite(prices)
-    if wrong.any():     # the bounds of hw1f.check_columns should make this unreachable
+    if wrong.any():     # the bounds of bond_book.check_columns should make this unreachable
         raise InputError(f"{source}: the Hull–White trees of instrument id(s) "
                          f"{first_ids(bonds.id, wrong)} gave no finite value", ids=bonds.id[wrong])
     return pd.DataFrame({"id": bonds.id, "price": prices})

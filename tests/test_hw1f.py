@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+import pricer.model.bond_book as B
 import pricer.model.hw1f as H
 from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
 from pricer.errors import InputError
@@ -85,7 +86,7 @@ def test_the_tree_reprices_the_curve(rng):
             flows = H.cash_flows(bond, dt, steps)
             exact = float(flows @ curve.discount(np.arange(steps + 1) * dt))
             assert abs(H.price(bond, 0.1, 0.01, 24, curve) / exact - 1.0) < 1e-12
-            assert abs(ENGINE.price(H.parameters([bond], 0.1, 0.01, 24, curve))[0] / exact - 1.0) \
+            assert abs(ENGINE.price(B.parameters([bond], 0.1, 0.01, 24, curve))[0] / exact - 1.0) \
                 < 1e-12
 
 
@@ -107,7 +108,7 @@ def test_bond_options_converge_to_jamshidian(rng):
             option = H.BondOption(1.0, 0.0, 0, float(maturity), strike, call,
                                   first=float(expiry))
             for per_year in errors:
-                tree = ENGINE.price(H.parameters([option], a, sigma, per_year, curve))[0]
+                tree = ENGINE.price(B.parameters([option], a, sigma, per_year, curve))[0]
                 errors[per_year].append(abs(tree / exact - 1.0))
     assert np.median(errors[12]) < 0.05 and np.max(errors[12]) < 0.5
     assert np.median(errors[400]) < 2e-3 and np.max(errors[400]) < 2e-2
@@ -121,7 +122,7 @@ def test_cpu_engine_is_the_numpy_reference(rng):
     per_year = rng.choice([4, 12, 26, 52], 40)
     want = np.array([H.price(i, x, s, p, curve) for i, x, s, p in zip(instruments, a, sigma,
                                                                        per_year)])
-    params = H.parameters(instruments, a, sigma, per_year, curve)
+    params = B.parameters(instruments, a, sigma, per_year, curve)
     for k, inst in enumerate(instruments):   # the vectorised layout is the reference's, row by row
         rows = slice(params.starts[k], params.starts[k] + params.steps[k] + 1)
         dt, steps = float(params.dt[k]), int(params.steps[k])
@@ -177,11 +178,11 @@ def test_parity_and_the_order_of_exercise_rights(rng):
 def test_bad_columns_are_refused_by_column_and_id(rng, column, value, message):
     instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "bermudan", first=1.0,
                                 last=4.0, every=1.0) for _ in range(6)]
-    cols = H.columns_of(instruments, 0.1, 0.01, 12)
+    cols = B.columns_of(instruments, 0.1, 0.01, 12)
     cols[column] = cols[column].astype(np.float64) if column == "frequency" else cols[column]
     cols[column][[2, 4]] = value
     with pytest.raises(InputError, match=re.escape(message)) as caught:
-        H.tree_parameters(cols, [random_curve(rng)], ids=np.arange(6) + 100)
+        B.tree_parameters(cols, [random_curve(rng)], ids=np.arange(6) + 100)
     assert caught.value.column == column and list(caught.value.ids) == [102, 104]
 
 
@@ -197,7 +198,7 @@ def test_the_papers_datasets_have_their_widths_and_heights(name):
     from pricer.tools.bond_datasets import dataset
 
     instruments, a, sigma, per_year, curve = dataset(name, count=400, seed=11)
-    params = H.parameters(instruments, a, sigma, per_year, curve)
+    params = B.parameters(instruments, a, sigma, per_year, curve)
     widths, heights = 2 * params.jmax + 1, params.steps
     if name == "U1":
         assert set(widths) == {259} and set(heights) == {606}
@@ -282,7 +283,7 @@ def test_hostile_columns_and_curves_in_memory_are_refused(rng):
 
     instruments = [H.BondOption(100.0, 0.05, 2, 5.0, 100.0, True, "american", first=1.0,
                                 last=4.0) for _ in range(4)]
-    cols = dict(H.columns_of(instruments, 0.1, 0.01, 12), id=np.arange(4))
+    cols = dict(B.columns_of(instruments, 0.1, 0.01, 12), id=np.arange(4))
     cols["exercise"] = np.array(["american"] * 4)
     cols["product"] = np.array(["option"] * 4)
     cols["curve"] = np.array(["c"] * 4)

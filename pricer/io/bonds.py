@@ -3,7 +3,7 @@
 (datasets `times` and `rates`: continuously compounded zero rates), read and validated with named
 reasons, or written atomically. docs/formats.md describes the schema.
 
-Columns (hw1f.BOND_COLUMNS, with `id`): text columns hold names — exercise (european, bermudan,
+Columns (bond_book.BOND_COLUMNS, with `id`): text columns hold names — exercise (european, bermudan,
 american), product (option, callable, puttable; default option) and curve (a /curves name;
 default the file's default curve: the attribute `default` of /curves, or its only curve);
 exercise_frequency may be left out where no row is bermudan.
@@ -18,7 +18,7 @@ import numpy as np
 
 from pricer.errors import InputError, first_ids
 from pricer.files import atomic_write, check_input_file
-from pricer.model import hw1f
+from pricer.model import bond_book, hw1f
 
 SCHEMA = "pricer.bond_options/1"
 GROUP, CURVES = "bond_options", "curves"
@@ -40,8 +40,8 @@ class BondBook:
     def __len__(self) -> int:
         return int(self.id.size)
 
-    def parameters(self) -> hw1f.HullWhiteParams:
-        return hw1f.tree_parameters(self.columns, self.curves, self.id)
+    def parameters(self) -> bond_book.HullWhiteParams:
+        return bond_book.tree_parameters(self.columns, self.curves, self.id)
 
 
 def book_from_columns(columns: dict, curves: dict, default: str | None = None,
@@ -79,7 +79,7 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
                          f"{', '.join(names)}")
     if default is None and len(names) == 1:
         default = names[0]
-    needed = [c for c in ("id",) + hw1f.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
+    needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
     if needed:
         raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
     ids = np.asarray(columns["id"])
@@ -91,14 +91,14 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
         raise InputError(f"{source}: duplicate id(s) {first_ids(unique, counts > 1)}",
                          column="id", ids=unique[counts > 1])
     cols = {}
-    for name in hw1f.BOND_COLUMNS:
+    for name in bond_book.BOND_COLUMNS:
         raw = np.asarray(columns[name]) if name in columns else np.full(n, OPTIONAL[name])
         if raw.shape != (n,):
             raise InputError(f"{source}: column {name} must be 1-D with a value per id ({n}); "
                              f"it has shape {raw.shape}", column=name)
         cols[name] = _typed(raw, name, ids, source, names, default)
     try:
-        hw1f.check_columns(cols, made, ids)
+        bond_book.check_columns(cols, made, ids)
     except InputError as exc:
         raise exc.prefixed(f"{source}: ") from None
     return BondBook(ids.astype(np.int64), cols, made, names)
@@ -175,7 +175,7 @@ def read_bond_book(path: str) -> BondBook:
 
 
 def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | None = None) -> None:
-    """Write a book (columns as hw1f.columns_of makes them: codes, a curve index into the sorted
+    """Write a book (columns as bond_book.columns_of makes them: codes, a curve index into the sorted
     curve names of `curves` {name: YieldCurve}) in the schema above, atomically."""
     names = sorted(curves)
 
@@ -185,7 +185,7 @@ def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | 
             g.attrs["schema"] = SCHEMA
             g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
             text = h5py.string_dtype("utf-8")
-            for name in hw1f.BOND_COLUMNS:
+            for name in bond_book.BOND_COLUMNS:
                 values = np.asarray(columns[name])
                 if name in TEXT:
                     g.create_dataset(name, data=np.array([TEXT[name][v] for v in values],

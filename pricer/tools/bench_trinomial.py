@@ -1,7 +1,7 @@
 """`pricer bench trinomial`: the Hull–White family's engines on the seeds' seven datasets
 (pricer/tools/bond_datasets.py), as the papers measure them, beside QuantLib.
 
-For each dataset: the trees' parameters are built (hw1f.parameters, reported, not timed), then
+For each dataset: the trees' parameters are built (bond_book.parameters, reported, not timed), then
 each engine prices the whole dataset `repeats` times after a warm-up; the median wall time counts.
 Reported per engine: seconds, tree nodes per second (the forward and the backward sweep each
 count every node of the tree: 2 x HullWhiteParams.nodes()), and GFLOP^SPEC/s.
@@ -96,7 +96,7 @@ def bench_trinomial(args) -> list[dict]:
     import numba
 
     from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
-    from pricer.model import hw1f
+    from pricer.model import bond_book
 
     engine = HullWhiteCpuEngine()
     threads = numba.get_num_threads()
@@ -109,7 +109,7 @@ def bench_trinomial(args) -> list[dict]:
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         t0 = time.perf_counter()
         instruments, a, sigma, per_year, curve = dataset(name, args.count)
-        params = hw1f.parameters(instruments, a, sigma, per_year, curve)
+        params = bond_book.parameters(instruments, a, sigma, per_year, curve)
         setup = time.perf_counter() - t0
         nodes = float(params.nodes().sum())
         seconds, _ = _median(lambda: engine.price(params), args.repeats)
@@ -123,7 +123,7 @@ def bench_trinomial(args) -> list[dict]:
             sample = [replace(inst, product="callable" if inst.call else "puttable")
                       for inst in instruments[:k]]
             # the sample REPLICAS times over in one call: a call's fixed cost spread as a book's
-            ours = hw1f.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
+            ours = bond_book.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
                                    np.tile(sigma[:k], REPLICAS), per_year, curve)
             numba.set_num_threads(1)
             try:

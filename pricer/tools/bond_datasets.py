@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.errors import InputError
-from pricer.model import hw1f
+from pricer.model import bond_book, hw1f
 
 DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
 # the instruments as objects, their columns and the file's rows while a dataset is written
@@ -124,7 +124,7 @@ def write_dataset(path: str, name: str, count: int | None = None, seed: int = 20
         raise InputError(f"--count {count}: generating it needs ~{need / GIB:.2f} GiB of memory, "
                          f"this machine has {have / GIB:.2f} GiB available")
     instruments, a, sigma, per_year, curve = dataset(name, count, seed)
-    columns = hw1f.columns_of(instruments, a, sigma, per_year)
+    columns = bond_book.columns_of(instruments, a, sigma, per_year)
     columns["volatility"] = sigma
     write_bond_book(path, np.arange(1, len(instruments) + 1), columns, {"default": curve},
                     default="default")

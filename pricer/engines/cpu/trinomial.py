@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.engines.base import Engine
-from pricer.model.hw1f import HullWhiteParams
+from pricer.model.bond_book import HullWhiteParams
 
 OPTION, CALLABLE, PUTTABLE = 0, 1, 2   # hw1f.PRODUCTS' codes
 

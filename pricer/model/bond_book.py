@@ -1,0 +1,222 @@
+"""A book of Hull–White instruments as the family's engines take it (HullWhiteParams: struct of
+arrays and the seeds' per-step flat arrays), built in one vectorised pass from its columns
+(BOND_COLUMNS: the file's /bond_options, docs/formats.md) after the columns' checks
+(check_columns, with the bounds that keep every tree within FP64 and memory). The trees and the
+instruments themselves are pricer/model/hw1f.py's; the reference prices each instrument from the
+same definitions (hw1f.cash_flows, hw1f.exercise_steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pricer.errors import InputError, first_ids
+from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, jmax_of)
+
+MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
+MAX_JMAX = 50_000
+# bounds that keep every product of the induction within FP64 (a curve's discounts, the flows)
+MAX_MATURITY = 500.0        # years: e^{+-MAX_RATE * MAX_MATURITY} within FP64
+MAX_AMOUNT = 1e15           # face and |strike|
+MAX_MEAN_REVERSION = 100.0
+PRODUCT_CODES = {name: k for k, name in enumerate(PRODUCTS)}
+
+
+@dataclass(frozen=True)
+class HullWhiteParams:
+    """Everything the family's engines need per instrument (struct of arrays), and per step of
+    each instrument's tree in flat arrays: instrument k's steps 0 .. steps[k] are entries
+    starts[k] .. starts[k] + steps[k] of `flows`, `exercise` and `discount` (the seeds' expanded
+    arrays, offsets by an exclusive scan of the heights)."""
+    a: np.ndarray
+    sigma: np.ndarray
+    dt: np.ndarray
+    steps: np.ndarray       # int64: the tree's height
+    jmax: np.ndarray        # int64: width 2 jmax + 1
+    dr: np.ndarray
+    strike: np.ndarray
+    sign: np.ndarray        # +1 call, -1 put
+    product: np.ndarray     # int64: PRODUCT_CODES
+    starts: np.ndarray      # int64
+    flows: np.ndarray       # the bond's payments at each step
+    exercise: np.ndarray    # bool: whether the option may be exercised at each step
+    discount: np.ndarray    # P(0, m dt) from the instrument's curve
+
+    def __len__(self) -> int:
+        return int(self.steps.size)
+
+    def nodes(self) -> np.ndarray:
+        """Tree nodes per instrument (one sweep): the sum of the steps' widths."""
+        levels = self.steps.astype(np.float64) + 1.0
+        j = self.jmax.astype(np.float64)
+        growing = np.minimum(levels, j)     # steps 0 .. jmax - 1: 2 m + 1 nodes each
+        return growing * growing + (levels - growing) * (2.0 * j + 1.0)
+
+
+# A book of instruments as columns (the portfolio file's /bond_options, docs/formats.md): every
+# array has one entry per instrument; `curve` indexes a list of YieldCurve.
+BOND_COLUMNS = ("face", "coupon", "frequency", "maturity", "strike", "call", "exercise",
+                "first_exercise", "last_exercise", "exercise_frequency", "product",
+                "mean_reversion", "volatility", "steps_per_year", "curve")
+
+
+def columns_of(instruments, a, sigma, steps_per_year, curve=0) -> dict:
+    """The columns (BOND_COLUMNS) of a list of BondOption with their model's a, sigma and steps a
+    year (scalars apply to all) and curve index."""
+    n = len(instruments)
+
+    def each(name, dtype=np.float64):
+        return np.array([getattr(inst, name) for inst in instruments], dtype=dtype)
+
+    def every(value, dtype=np.float64):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=dtype), (n,)))
+
+    return dict(face=each("face"), coupon=each("coupon"), frequency=each("frequency", np.int64),
+                maturity=each("maturity"), strike=each("strike"), call=each("call", np.bool_),
+                exercise=np.array([EXERCISES.index(i.exercise) for i in instruments],
+                                  dtype=np.int64),
+                first_exercise=each("first"), last_exercise=each("last"),
+                exercise_frequency=each("every"),
+                product=np.array([PRODUCT_CODES[i.product] for i in instruments], dtype=np.int64),
+                mean_reversion=every(a), volatility=every(sigma),
+                steps_per_year=every(steps_per_year), curve=every(curve, np.int64))
+
+
+def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
+    """The HullWhiteParams of a list of BondOption (columns_of) on one curve or a list of them
+    (one per instrument)."""
+    if isinstance(curves, (list, tuple)):
+        return tree_parameters(columns_of(instruments, a, sigma, steps_per_year,
+                                          np.arange(len(instruments))), list(curves))
+    return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves])
+
+
+def _exclusive(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def _each(counts: np.ndarray):
+    """(owner, k): for every instrument i, counts[i] entries (i, 0 .. counts[i] - 1)."""
+    owner = np.repeat(np.arange(counts.size), counts)
+    return owner, np.arange(owner.size) - np.repeat(_exclusive(counts), counts)
+
+
+def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> None:
+    """A book's columns (BOND_COLUMNS) that no tree can price, refused by column and ids
+    (InputError), rule by rule."""
+    n = int(np.shape(cols["maturity"])[0])
+    ids = np.arange(n) if ids is None else np.asarray(ids)
+
+    def col(name):
+        return np.asarray(cols[name], dtype=np.float64)
+
+    kind = np.asarray(cols["exercise"])
+    first, last, maturity = col("first_exercise"), col("last_exercise"), col("maturity")
+    dated = kind != EXERCISES.index("european")
+    with np.errstate(invalid="ignore", over="ignore"):
+        steps = np.maximum(1.0, np.rint(maturity * col("steps_per_year")))
+        rules = [
+            ("maturity", ~((maturity > 0.0) & (maturity <= MAX_MATURITY)),
+             f"must be > 0 and at most {MAX_MATURITY:g} years"),
+            ("face", ~((col("face") > 0.0) & (col("face") <= MAX_AMOUNT)),
+             f"must be > 0 and at most {MAX_AMOUNT:g}"),
+            ("coupon", ~(np.abs(col("coupon")) <= MAX_RATE),
+             f"must be within +-{MAX_RATE:g} (a rate a year)"),
+            ("frequency", ~np.isin(cols["frequency"], (0, 1, 2, 3, 4, 6, 12)),
+             "must be 0 (no coupons), 1, 2, 3, 4, 6 or 12 a year"),
+            ("strike", ~(np.abs(col("strike")) <= MAX_AMOUNT), f"must be within +-{MAX_AMOUNT:g}"),
+            ("exercise", ~np.isin(kind, range(len(EXERCISES))),
+             f"must be one of {', '.join(EXERCISES)}"),
+            ("product", ~np.isin(cols["product"], range(len(PRODUCTS))),
+             f"must be one of {', '.join(PRODUCTS)}"),
+            ("first_exercise", ~(first >= 0.0) | ~(first <= maturity),
+             "must be within [0, maturity]"),
+            ("last_exercise", dated & (~(last >= first) | ~(last <= maturity)),
+             "must be within [first_exercise, maturity]"),
+            ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
+             & ~(col("exercise_frequency") > 0.0), "must be > 0 for a bermudan"),
+            ("exercise_frequency", (kind == EXERCISES.index("bermudan"))
+             & ~((last - first) * col("exercise_frequency") <= MAX_TREE_STEPS),
+             f"gives a bermudan more than {MAX_TREE_STEPS} exercise dates"),
+            ("mean_reversion", ~((col("mean_reversion") > 0.0)
+                                 & (col("mean_reversion") <= MAX_MEAN_REVERSION)),
+             f"must be > 0 and at most {MAX_MEAN_REVERSION:g}"),
+            ("volatility", ~((col("volatility") > 0.0) & (col("volatility") <= MAX_RATE)),
+             f"must be > 0 and at most {MAX_RATE:g} (a short rate's volatility)"),
+            ("steps_per_year", ~((col("steps_per_year") > 0.0) & (steps <= MAX_TREE_STEPS)),
+             f"must be > 0 and give a tree of at most {MAX_TREE_STEPS} steps"),
+            ("curve", ~np.isin(cols["curve"], range(len(curves))), "names no curve given"),
+            ("mean_reversion", ~(JMAX_FACTOR * steps / (col("mean_reversion") * maturity)
+                                 <= MAX_JMAX),
+             f"gives a tree wider than {2 * MAX_JMAX + 1} nodes (j_max = 0.184 / (a dt))"),
+        ]
+    for column, bad, why in rules:
+        bad = np.asarray(bad, dtype=bool)
+        if bad.any():
+            raise InputError(f"bond_options: {column} {why}; instrument id(s) "
+                             f"{first_ids(ids, bad)} (first value "
+                             f"{np.asarray(cols[column])[bad][0].tolist()!r})", column=column,
+                             ids=ids[bad])
+
+
+def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> HullWhiteParams:
+    """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
+    them: each on its nearest step), vectorised over the book; bad columns refused first
+    (check_columns)."""
+    check_columns(cols, curves, ids)
+    maturity = np.asarray(cols["maturity"], dtype=np.float64)
+    n = maturity.size
+    steps = np.maximum(1, np.rint(maturity * cols["steps_per_year"])).astype(np.int64)
+    dt = maturity / steps
+    starts = _exclusive(steps + 1)
+    total = int(steps.sum()) + n
+    owner, m = _each(steps + 1)
+    discount = np.empty(total)
+    curve = np.asarray(cols["curve"], dtype=np.int64)[owner]
+    for c in np.unique(curve):
+        rows = curve == c
+        discount[rows] = curves[int(c)].discount(m[rows] * dt[owner[rows]])
+    face, coupon = np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64)
+    frequency = np.asarray(cols["frequency"], dtype=np.int64)
+    paying = (frequency > 0) & (coupon != 0.0)
+    counts = np.where(paying, np.floor(maturity * np.maximum(frequency, 1) + 1e-9) + 1,
+                      0).astype(np.int64)
+    who, k = _each(counts)
+    times = maturity[who] - k / frequency[who]
+    who, times = who[times > 1e-12], times[times > 1e-12]
+    flows = np.zeros(total)
+    np.add.at(flows, starts[who] + np.rint(times / dt[who]).astype(np.int64),
+              face[who] * coupon[who] / frequency[who])
+    flows[starts + steps] += face
+    exercise = np.zeros(total, dtype=np.bool_)
+    kind = np.asarray(cols["exercise"], dtype=np.int64)
+    first = np.asarray(cols["first_exercise"], np.float64)
+    last = np.asarray(cols["last_exercise"], np.float64)
+    dated = kind != EXERCISES.index("american")
+    counts = np.where(kind == EXERCISES.index("bermudan"),
+                      np.floor((last - first) * np.asarray(cols["exercise_frequency"], np.float64)
+                               + 1e-9) + 1, 1)
+    counts = np.where(dated, counts, 0).astype(np.int64)
+    who, k = _each(counts)
+    every = np.asarray(cols["exercise_frequency"], np.float64)[who]
+    with np.errstate(divide="ignore", invalid="ignore"):   # a european's k is 0, its every any
+        times = first[who] + np.where(k > 0, k / every, 0.0)
+    exercise[starts[who] + np.clip(np.rint(times / dt[who]).astype(np.int64), 0, steps[who])] = True
+    ranged = np.flatnonzero(~dated)
+    lo = np.maximum(np.ceil(first[ranged] / dt[ranged] - 1e-9), 0).astype(np.int64)
+    hi = np.minimum(np.floor(last[ranged] / dt[ranged] + 1e-9), steps[ranged]).astype(np.int64)
+    marks = np.zeros(total + 1, dtype=np.int64)
+    np.add.at(marks, starts[ranged] + lo, (hi >= lo).astype(np.int64))
+    np.add.at(marks, starts[ranged] + hi + 1, -(hi >= lo).astype(np.int64))
+    exercise |= np.cumsum(marks[:-1]) > 0
+    a = np.asarray(cols["mean_reversion"], dtype=np.float64)
+    sigma = np.asarray(cols["volatility"], dtype=np.float64)
+    return HullWhiteParams(
+        a=a, sigma=sigma, dt=dt, steps=steps, jmax=jmax_of(a, dt), dr=sigma * np.sqrt(3.0 * dt),
+        strike=np.asarray(cols["strike"], dtype=np.float64),
+        sign=np.where(np.asarray(cols["call"], dtype=np.bool_), 1.0, -1.0),
+        product=np.asarray(cols["product"], dtype=np.int64), starts=starts, flows=flows,
+        exercise=exercise, discount=discount)
