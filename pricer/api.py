@@ -121,13 +121,14 @@ BOND_BYTES_PER_STEP, BOND_BYTES_PER_NODE_OF_WIDTH = 8 + 8 + 1 + 8, 10 * 8 + 8
 
 def _check_bond_memory(bonds, source: str) -> None:
     """InputError where the book's trees need more memory than this machine has available."""
-    from pricer.model.hw1f import jmax_of
+    import numba
+
+    from pricer.model.hw1f import jmax_of, steps_of
     from pricer.run.memory import GIB, available_bytes
 
     cols = bonds.columns
-    steps = np.maximum(1.0, np.rint(cols["maturity"] * cols["steps_per_year"]))
+    steps = steps_of(cols["maturity"], cols["steps_per_year"])
     widths = 2.0 * jmax_of(cols["mean_reversion"], cols["maturity"] / steps) + 1.0
-    import numba
     need = (float(steps.sum() + steps.size) * BOND_BYTES_PER_STEP
             + numba.get_num_threads() * float(widths.max(initial=0.0)) * BOND_BYTES_PER_NODE_OF_WIDTH)
     have = available_bytes()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pricer.errors import InputError, first_ids
-from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, jmax_of)
+from pricer.model.hw1f import EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, jmax_of, steps_of
 
 MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
 MAX_JMAX = 50_000
@@ -117,7 +117,7 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
     first, last, maturity = col("first_exercise"), col("last_exercise"), col("maturity")
     dated = kind != EXERCISES.index("european")
     with np.errstate(invalid="ignore", over="ignore"):
-        steps = np.maximum(1.0, np.rint(maturity * col("steps_per_year")))
+        steps = steps_of(maturity, col("steps_per_year"))
         rules = [
             ("maturity", ~((maturity > 0.0) & (maturity <= MAX_MATURITY)),
              f"must be > 0 and at most {MAX_MATURITY:g} years"),
@@ -169,7 +169,7 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> 
     check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size
-    steps = np.maximum(1, np.rint(maturity * cols["steps_per_year"])).astype(np.int64)
+    steps = steps_of(maturity, np.asarray(cols["steps_per_year"], np.float64)).astype(np.int64)
     dt = maturity / steps
     starts = _exclusive(steps + 1)
     total = int(steps.sum()) + n

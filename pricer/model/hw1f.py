@@ -186,10 +186,12 @@ class BondOption:
         return np.sort(times[times > 1e-12])
 
 
-def steps_of(maturity: float, steps_per_year: float) -> int:
+def steps_of(maturity, steps_per_year):
     """A tree's steps: the bond's maturity in steps of about 1 / steps_per_year, at least 1 (dt is
-    maturity / steps, so the maturity is on the grid)."""
-    return max(1, int(round(maturity * steps_per_year)))
+    maturity / steps, so the maturity is on the grid). An int for numbers; for arrays, a float64
+    array (NaN where an input is: the book's checks refuse those rows before any tree is built)."""
+    steps = np.maximum(1.0, np.rint(np.multiply(maturity, steps_per_year)))
+    return int(steps) if np.ndim(steps) == 0 else steps
 
 
 def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,

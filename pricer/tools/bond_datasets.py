@@ -125,7 +125,6 @@ def write_dataset(path: str, name: str, count: int | None = None, seed: int = 20
                          f"this machine has {have / GIB:.2f} GiB available")
     instruments, a, sigma, per_year, curve = dataset(name, count, seed)
     columns = bond_book.columns_of(instruments, a, sigma, per_year)
-    columns["volatility"] = sigma
     write_bond_book(path, np.arange(1, len(instruments) + 1), columns, {"default": curve},
                     default="default")
     print(f"wrote {path}: {len(instruments)} bond options ({name}, seed {seed})", flush=True)
