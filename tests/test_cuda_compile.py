@@ -40,6 +40,7 @@ VARIANTS = [
     ("binomial.cu", ["-DPRICER_FMA=1", "-DTILED_B=256", "-DTILED_VT=2", "-DWARP_VT=8"]),
     ("binomial.cu", ["-DTILED_B=1024", "-DTILED_VT=8"]),
     ("fp64_peak.cu", ["-DCHAINS=8"]),
+    ("trinomial.cu", []),
 ]
 
 

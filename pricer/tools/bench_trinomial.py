@@ -48,6 +48,13 @@ def add_arguments(ap) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantlib", type=int, default=20,
                     help="instruments of each dataset for the QuantLib anchor (0: none)")
+    ap.add_argument("--engines", default="default",
+                    help="comma-separated: cpu, outer (GPU-OUTER), flat (GPU-FLAT), auto (the "
+                         "GPU's rule); default: cpu, and the GPU's three where a GPU is usable")
+    ap.add_argument("--flat-rows", type=int, default=None,
+                    help="auto's widest tree for GPU-FLAT (default the engine's)")
+    ap.add_argument("--flat-threads", type=int, default=None,
+                    help="GPU-FLAT's block (default the engine's)")
     ap.add_argument("--out", default=None, help="also write the measurements as JSON here")
 
 
@@ -92,58 +99,124 @@ def _quantlib_seconds(instruments, a, sigma, curve) -> float:
     return time.perf_counter() - start
 
 
+def _engines(names: str, flat_rows: int | None, flat_threads: int | None):
+    """The engines asked for (`cpu`, `outer`, `flat`, `auto`; `default`: cpu, and the GPU's
+    three where a GPU is usable), by name."""
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+    from pricer.engines.gpu.runtime import gpu_available
+
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if wanted == ["default"]:
+        wanted = ["cpu", *(["outer", "flat", "auto"] if gpu_available() else [])]
+    out = {}
+    for name in wanted:
+        if name == "cpu":
+            out[name] = HullWhiteCpuEngine()
+        else:
+            from pricer.engines.gpu.trinomial import FLAT_MAX_ROWS, HullWhiteGpuEngine
+            out[name] = HullWhiteGpuEngine(name, flat_rows=flat_rows or FLAT_MAX_ROWS,
+                                           **({"flat_threads": flat_threads} if flat_threads
+                                              else {}))
+    return out
+
+
 def bench_trinomial(args) -> list[dict]:
     import numba
 
-    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
     from pricer.model import bond_book
 
-    engine = HullWhiteCpuEngine()
+    engines = _engines(args.engines, args.flat_rows, args.flat_threads)
+    cpu = engines.get("cpu")
     threads = numba.get_num_threads()
-    rows = []
+    bound = None
+    if any(e.uses_gpu for e in engines.values()):
+        from pricer.engines.gpu.runtime import GpuRuntime
+        from pricer.tools.bench_gpu import fp64_fma_peak
+        rt = GpuRuntime.get()
+        peak = 2.0 * fp64_fma_peak(rt)
+        bound = peak / (FLOPS_FORWARD + FLOPS_BACKWARD)       # nodes (both sweeps) a second
+        print(f"{rt.name}: FP64 peak {peak / 1e12:.1f} TFLOP/s measured (fma chains), so at most "
+              f"{2 * bound:.3e} nodes/s (both sweeps) at {FLOPS_FORWARD + FLOPS_BACKWARD} "
+              "GFLOP^SPEC a node")
     print(f"cpu engine on {threads} thread(s); GFLOP^SPEC: {FLOPS_FORWARD} forward + "
-          f"{FLOPS_BACKWARD} backward per node")
-    print("| dataset | instruments | nodes (one sweep) | setup s | cpu s | nodes/s (both sweeps) "
-          "| GFLOP^SPEC/s | QuantLib, one core: instruments/s | cpu, one thread | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{FLOPS_BACKWARD} backward per node; GPU seconds include the sort, the packing and the "
+          "copies both ways")
+    print("| dataset | instruments | nodes (one sweep) | engine | s | nodes/s (both sweeps) "
+          "| GFLOP^SPEC/s | share of FP64 bound | QuantLib, one core: instruments/s "
+          "| cpu, one thread | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         t0 = time.perf_counter()
         instruments, a, sigma, per_year, curve = dataset(name, args.count)
         params = bond_book.parameters(instruments, a, sigma, per_year, curve)
         setup = time.perf_counter() - t0
         nodes = float(params.nodes().sum())
-        seconds, _ = _median(lambda: engine.price(params), args.repeats)
+        faces = np.array([inst.face for inst in instruments])
         flops = nodes * (FLOPS_FORWARD + FLOPS_BACKWARD)
-        row = dict(dataset=name, instruments=len(instruments), nodes=nodes, setup_seconds=setup,
-                   cpu_seconds=seconds, nodes_per_second=2.0 * nodes / seconds,
-                   gflops_spec=flops / seconds / 1e9, threads=threads)
-        anchor = ""
-        if args.quantlib:
-            k = min(args.quantlib, len(instruments))
-            sample = [replace(inst, product="callable" if inst.call else "puttable")
-                      for inst in instruments[:k]]
-            # the sample REPLICAS times over in one call: a call's fixed cost spread as a book's
-            ours = bond_book.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
-                                   np.tile(sigma[:k], REPLICAS), per_year, curve)
-            numba.set_num_threads(1)
-            try:
-                one, _ = _median(lambda: engine.price(ours), args.repeats)
-            finally:
-                numba.set_num_threads(threads)
-            one /= REPLICAS
-            theirs = _quantlib_seconds(sample, a[:k], sigma[:k], curve)
-            ratio = theirs / one
-            row.update(quantlib_per_second=k / theirs, cpu_one_thread_per_second=k / one,
-                       quantlib_ratio=ratio)
-            anchor = f"{k / theirs:.3g} | {k / one:.3g} | {ratio:.0f}x |"
-        print(f"| {name} | {len(instruments):,} | {nodes:.3e} | {setup:.1f} | {seconds:.3f} | "
-              f"{2.0 * nodes / seconds:.3e} | {flops / seconds / 1e9:.1f} | {anchor or '— | — | — |'}")
-        rows.append(row)
-    if args.quantlib:
-        worst = min(r["quantlib_ratio"] for r in rows)
+        reference = None
+        for label, engine in engines.items():
+            seconds, prices = _median(lambda: engine.price(params), args.repeats)
+            if reference is None:
+                reference = prices
+            # relative to the price, or to 1 % of the face where the price is smaller (an option
+            # worth little beside its bond carries the bond's rounding)
+            agree = float(np.max(np.abs(prices - reference)
+                                 / np.maximum(np.abs(reference), 0.01 * faces)))
+            row = dict(dataset=name, engine=label, instruments=len(instruments), nodes=nodes,
+                       setup_seconds=setup, seconds=seconds, nodes_per_second=2.0 * nodes / seconds,
+                       gflops_spec=flops / seconds / 1e9, threads=threads,
+                       max_rel_difference=agree)
+            share, kernel = "—", ""
+            if engine.uses_gpu and bound:
+                row["share_of_bound"] = nodes / seconds / bound
+                row["kernel_seconds"] = engine.kernel_seconds
+                share = f"{row['share_of_bound']:.1%}"
+                kernel = (f" (kernels {engine.kernel_seconds:.4f} s: "
+                          f"{flops / engine.kernel_seconds / 1e9:.0f})")
+            anchor = "— | — | — |"
+            if label == "cpu" and args.quantlib:
+                row.update(_anchor(cpu, instruments, a, sigma, per_year, curve, args, threads))
+                anchor = (f"{row['quantlib_per_second']:.3g} | "
+                          f"{row['cpu_one_thread_per_second']:.3g} | "
+                          f"{row['quantlib_ratio']:.0f}x |")
+            print(f"| {name} | {len(instruments):,} | {nodes:.3e} | {label} | {seconds:.4f} | "
+                  f"{2.0 * nodes / seconds:.3e} | {flops / seconds / 1e9:.1f}{kernel} | {share} | {anchor}",
+                  flush=True)
+            rows.append(row)
+        worst = max(r["max_rel_difference"] for r in rows if r["dataset"] == name)
+        if worst > 1e-12:
+            print(f"WARNING: {name}: the engines differ by {worst:.2e} relative (more than 1e-12)")
+    anchored = [r["quantlib_ratio"] for r in rows if "quantlib_ratio" in r]
+    if anchored:
+        worst = min(anchored)
         print(f"cpu engine per core against QuantLib's tree engine: at least {worst:.0f}x "
               f"(target {TARGET_QUANTLIB:.0f}x: {'met' if worst >= TARGET_QUANTLIB else 'NOT met'})")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
     return rows
+
+
+def _anchor(engine, instruments, a, sigma, per_year, curve, args, threads) -> dict:
+    """QuantLib on one core against the cpu engine on one thread, on the dataset's first
+    `args.quantlib` instruments as callable / puttable bonds."""
+    import numba
+
+    from pricer.model import bond_book
+
+    k = min(args.quantlib, len(instruments))
+    sample = [replace(inst, product="callable" if inst.call else "puttable")
+              for inst in instruments[:k]]
+    # the sample REPLICAS times over in one call: a call's fixed cost spread as a book's
+    ours = bond_book.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
+                                np.tile(sigma[:k], REPLICAS), per_year, curve)
+    numba.set_num_threads(1)
+    try:
+        one, _ = _median(lambda: engine.price(ours), args.repeats)
+    finally:
+        numba.set_num_threads(threads)
+    one /= REPLICAS
+    theirs = _quantlib_seconds(sample, a[:k], sigma[:k], curve)
+    return dict(quantlib_per_second=k / theirs, cpu_one_thread_per_second=k / one,
+                quantlib_ratio=theirs / one)

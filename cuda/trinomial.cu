@@ -1,0 +1,329 @@
+// pricer's Hull–White trinomial kernels: whole books of bond options, one tree per instrument, FP64.
+// The plain reference beside them is pricer/engines/cpu/trinomial.py (value_one), whose arithmetic
+// they follow step for step: the forward induction of the Arrow–Debreu prices q (fitting the
+// displacement alpha_m of each step to the curve's discount P(0, (m + 1) dt)), then the backward
+// induction of the bond and of the option, with one e^{-alpha_m dt} a step (written by the forward
+// sweep to `shifts`, read back by the backward one) and e^{-j dr dt} per row.
+//
+// Tree geometry (docs/numerics.md): level m has the rows |j| <= w = min(m, jmax); a normal row j
+// branches to j + 1, j, j - 1 with pu, pm, pd; the edge rows +-jmax (present once w = jmax) branch
+// to jmax, jmax - 1, jmax - 2 (the top) and -jmax + 2, -jmax + 1, -jmax (the bottom) with their
+// own probabilities (hw1f.branching; here `probabilities`).
+//
+// Two strategies, the seeds' two (pricer/engines/gpu/trinomial.py lays out their inputs):
+//
+// hw_outer ("GPU-OUTER"): one thread per instrument, the whole induction in the thread, as the CPU
+//   engine does it. The instruments are sorted by width, then height (descending), so that a warp's
+//   32 trees are alike; each warp's working rows are padded to its widest tree and transposed
+//   (row i of array a of lane l at scratch[base + (a * width + i) * 32 + l]), so that the warp's
+//   loads and stores coalesce. Any width.
+//
+// hw_flat ("GPU-FLAT"): a block prices a bin of instruments, one thread per tree row (row r of
+//   instrument k is thread seg[k] + r of its block: its probabilities and e^{-j dr dt} stay in
+//   registers), the levels' values in shared memory. Bins are packed on the host (first fit, in
+//   the sorted order); a tree of at most 32 rows never crosses a warp, a wider one starts at a
+//   warp, so that each level's sum sum_j q_j e^{-j dr dt} is a segmented warp reduction (shuffles)
+//   and, past one warp, a sum of the warps' parts. The block runs to its tallest tree: the forward
+//   sweeps start together at m = 0, the backward sweeps end together at m = 0. Widths up to
+//   blockDim.x.
+//
+// Prices agree with the CPU engine to rounding (sums in another order; fused multiply-adds).
+
+#define FULL_MASK 0xffffffffu
+
+enum { OPTION = 0, CALLABLE = 1, PUTTABLE = 2 };
+
+struct Row {          // one row's branching (hw1f.branching)
+    double pu, pm, pd;
+    int offset;       // +1 bottom edge, -1 top edge, 0 normal
+};
+
+__device__ __forceinline__ Row probabilities(int j, int jmax, double M)
+{
+    Row p;
+    const double jm = j * M, jjmm = jm * jm;
+    if (j == jmax) {
+        p.offset = -1;
+        p.pu = 7.0 / 6.0 + (jjmm + 3.0 * jm) / 2.0;
+        p.pm = -1.0 / 3.0 - jjmm - 2.0 * jm;
+        p.pd = 1.0 / 6.0 + (jjmm + jm) / 2.0;
+    } else if (j == -jmax) {
+        p.offset = 1;
+        p.pu = 1.0 / 6.0 + (jjmm - jm) / 2.0;
+        p.pm = -1.0 / 3.0 - jjmm + 2.0 * jm;
+        p.pd = 7.0 / 6.0 + (jjmm - 3.0 * jm) / 2.0;
+    } else {
+        p.offset = 0;
+        p.pu = 1.0 / 6.0 + (jjmm + jm) / 2.0;
+        p.pm = 2.0 / 3.0 - jjmm;
+        p.pd = 1.0 / 6.0 + (jjmm - jm) / 2.0;
+    }
+    return p;
+}
+
+__device__ __forceinline__ void exercise_node(double bond, double& value, double strike,
+                                              double sign, int product)
+{
+    if (product == OPTION)
+        value = fmax(value, fmax(sign * (bond - strike), 0.0));
+    else if (product == CALLABLE)
+        value = fmin(value, strike);
+    else
+        value = fmax(value, strike);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU-OUTER
+// Thread s prices instrument inst[s] (s < n); warp s / 32's rows start at scratch[base[s / 32]]
+// and hold width[s / 32] rows in each of its 8 arrays.
+
+#define OUTER_ARRAYS 8
+enum { PU = 0, PM = 1, PD = 2, LOCAL = 3, Q0 = 4, Q1 = 5, V0 = 6, V1 = 7 };
+
+extern "C" __global__ void hw_outer(
+    int n, const int* __restrict__ inst, const long long* __restrict__ base,
+    const int* __restrict__ warp_width,
+    const double* __restrict__ a, const double* __restrict__ dt, const long long* __restrict__ steps,
+    const long long* __restrict__ jmax_of, const double* __restrict__ dr,
+    const double* __restrict__ strike, const double* __restrict__ sign,
+    const long long* __restrict__ product_of, const long long* __restrict__ starts,
+    const double* __restrict__ flows, const unsigned char* __restrict__ exercise,
+    const double* __restrict__ discount, double* __restrict__ shifts, double* __restrict__ scratch,
+    double* __restrict__ out)
+{
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= n)
+        return;
+    const int i = inst[s];
+    const int lane = s & 31;
+    const int W = warp_width[s >> 5];
+    double* S = scratch + base[s >> 5] + lane;
+#define AT(arr, row) S[((arr) * W + (row)) * 32]
+    const int jmax = (int)jmax_of[i], width = 2 * jmax + 1, N = (int)steps[i];
+    const double h = dt[i], step_dr = dr[i], M = expm1(-a[i] * h);
+    const long long at = starts[i];
+    for (int row = 0; row < width; ++row) {
+        const Row p = probabilities(row - jmax, jmax, M);
+        AT(PU, row) = p.pu;
+        AT(PM, row) = p.pm;
+        AT(PD, row) = p.pd;
+        AT(LOCAL, row) = exp(-(row - jmax) * step_dr * h);
+    }
+    // forward: level m's node j at index j + min(m, jmax) of q
+    int q = Q0, qn = Q1;
+    AT(q, 0) = 1.0;
+    for (int m = 0; m < N; ++m) {
+        const int w = min(m, jmax), wn = min(m + 1, jmax);
+        double total = 0.0;
+        for (int k = 0; k <= 2 * w; ++k)
+            total += AT(q, k) * AT(LOCAL, k - w + jmax);
+        const double alpha = (log(total) - log(discount[at + m + 1])) / h;
+        const double shift = exp(-alpha * h);
+        shifts[at + m] = shift;
+        for (int k = 0; k <= 2 * wn; ++k)
+            AT(qn, k) = 0.0;
+        for (int k = 0; k <= 2 * w; ++k) {
+            const int row = k - w + jmax;
+            const int offset = row == 0 ? 1 : (row == 2 * jmax ? -1 : 0);
+            const int centre = k - w + offset + wn;
+            const double v = AT(q, k) * (AT(LOCAL, row) * shift);
+            AT(qn, centre + 1) += v * AT(PU, row);
+            AT(qn, centre) += v * AT(PM, row);
+            AT(qn, centre - 1) += v * AT(PD, row);
+        }
+        const int t = q; q = qn; qn = t;
+    }
+    // backward: the bond in Q0/Q1, the instrument in V0/V1
+    const double K = strike[i], sg = sign[i];
+    const int product = (int)product_of[i];
+    int b = Q0, bn = Q1, v = V0, vn = V1;
+    int w = min(N, jmax);
+    for (int k = 0; k <= 2 * w; ++k) {       // ex-coupon at maturity: nothing left
+        double bond = 0.0, value = 0.0;
+        if (exercise[at + N])
+            exercise_node(bond, value, K, sg, product);
+        AT(b, k) = bond;
+        AT(v, k) = value;
+    }
+    for (int m = N - 1; m >= 0; --m) {
+        const int wn = w;
+        w = min(m, jmax);
+        const double flow = flows[at + m + 1];
+        const double carried = product != OPTION ? flow : 0.0;
+        { int t = b; b = bn; bn = t; t = v; v = vn; vn = t; }
+        for (int k = 0; k <= 2 * wn; ++k) {
+            AT(bn, k) += flow;
+            AT(vn, k) += carried;
+        }
+        const double shift = shifts[at + m];
+        const bool ex = exercise[at + m];
+        for (int k = 0; k <= 2 * w; ++k) {
+            const int row = k - w + jmax;
+            const int offset = row == 0 ? 1 : (row == 2 * jmax ? -1 : 0);
+            const int centre = k - w + offset + wn;
+            const double disc = shift * AT(LOCAL, row);
+            const double pu = AT(PU, row), pm = AT(PM, row), pd = AT(PD, row);
+            const double bond = disc * (pu * AT(bn, centre + 1) + pm * AT(bn, centre)
+                                        + pd * AT(bn, centre - 1));
+            double value = disc * (pu * AT(vn, centre + 1) + pm * AT(vn, centre)
+                                   + pd * AT(vn, centre - 1));
+            if (ex)
+                exercise_node(bond, value, K, sg, product);
+            AT(b, k) = bond;
+            AT(v, k) = value;
+        }
+    }
+    out[i] = AT(v, 0);
+#undef AT
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU-FLAT
+// Block b prices the instruments inst[block_first[b] .. block_first[b + 1] - 1]; instrument k's
+// rows are threads seg[k] .. seg[k] + 2 jmax of the block; block_steps[b] is its tallest tree.
+// One barrier a step in each sweep: the shared rows are double-buffered by the step's parity (a
+// thread writes step m + 1's buffer while another may still read step m's; it cannot write step
+// m + 2's before every thread has passed step m + 1's barrier, after its reads of step m). Every
+// thread of a tree computes the level's sum and its shift itself (the same numbers in the same
+// order), so no second barrier hands them out; the children's shares are summed before the shift
+// multiplies them (the CPU engine multiplies first: the prices agree to rounding). Shared memory:
+// 6 doubles a thread and 2 x 32 for the warps' parts.
+
+extern "C" __global__ void hw_flat(
+    const int* __restrict__ block_first, const int* __restrict__ seg,
+    const int* __restrict__ block_steps, const int* __restrict__ inst,
+    const double* __restrict__ a, const double* __restrict__ dt, const long long* __restrict__ steps,
+    const long long* __restrict__ jmax_of, const double* __restrict__ dr,
+    const double* __restrict__ strike, const double* __restrict__ sign,
+    const long long* __restrict__ product_of, const long long* __restrict__ starts,
+    const double* __restrict__ flows, const unsigned char* __restrict__ exercise,
+    const double* __restrict__ discount, double* __restrict__ shifts, double* __restrict__ out)
+{
+    extern __shared__ double shared[];
+    const int T = blockDim.x, t = threadIdx.x, lane = t & 31;
+
+    // this thread's tree and row (none: a padding thread, which only keeps the barriers)
+    const int lo = block_first[blockIdx.x], hi = block_first[blockIdx.x + 1];
+    int k = -1;
+    for (int x = lo; x < hi && seg[x] <= t; ++x)
+        k = x;
+    int i = 0, jmax = 0, N = 0, first = t, rows = 1;
+    if (k >= 0) {
+        i = inst[k];
+        jmax = (int)jmax_of[i];
+        first = seg[k];
+        rows = 2 * jmax + 1;
+        N = (int)steps[i];
+    }
+    const bool mine = k >= 0 && t - first < rows;
+    if (!mine) {
+        first = t;
+        rows = 1;
+        N = 0;
+        jmax = 0;
+    }
+    const int j = t - first - jmax, top = first + 2 * jmax;
+    const double h = mine ? dt[i] : 1.0;
+    const Row p = probabilities(j, jmax, mine ? expm1(-a[i] * h) : 0.0);
+    const double local = mine ? exp(-j * dr[i] * h) : 0.0;
+    const long long at = mine ? starts[i] : 0;
+    // the segmented reduction: lane l sums its tree's lanes l .. end - 1 of this warp; a tree of
+    // at most 32 rows lies in one warp (its sum is at its first lane), a wider one in whole warps
+    // (its parts at their lanes 0)
+    const int end = min(32, first + rows - (t & ~31));
+    const bool wide = rows > 32;
+    const int first_warp = first >> 5, parts = (rows + 31) >> 5;
+    const int tallest = block_steps[blockIdx.x];
+
+    double q = j == 0 ? 1.0 : 0.0;
+    double disc_next = (mine && N > 0) ? discount[at + 1] : 1.0;
+    for (int m = 0; m < tallest; ++m) {
+        double* U = shared + (m & 1) * 3 * T;
+        double* C = U + T;
+        double* D = C + T;
+        double* P = shared + 6 * T + (m & 1) * 32;
+        const bool live = mine && m < N;
+        const double disc = disc_next;
+        if (live && m + 1 < N)
+            disc_next = discount[at + m + 2];
+        const int w = min(m, jmax), wn = min(m + 1, jmax);
+        double x = (live && abs(j) <= w) ? q * local : 0.0;
+        U[t] = x * p.pu;
+        C[t] = x * p.pm;
+        D[t] = x * p.pd;
+        for (int d = 1; d < 32; d <<= 1) {
+            const double y = __shfl_down_sync(FULL_MASK, x, d);
+            if (lane + d < end)
+                x += y;
+        }
+        double total = __shfl_sync(FULL_MASK, x, first & 31);
+        if (wide && lane == 0)
+            P[t >> 5] = x;
+        __syncthreads();
+        if (live) {
+            if (wide) {
+                total = P[first_warp];
+                for (int part = 1; part < parts; ++part)
+                    total += P[first_warp + part];
+            }
+            const double shift = disc / total;
+            if (t == first)
+                shifts[at + m] = shift;
+            if (abs(j) <= wn) {   // the children's shares arriving at row j
+                double sum = 0.0;
+                if (abs(j - 1) < jmax) sum += U[t - 1];
+                if (abs(j) < jmax) sum += C[t];
+                if (abs(j + 1) < jmax) sum += D[t + 1];
+                if (j == -jmax) sum += D[first];
+                if (j == 1 - jmax) sum += C[first];
+                if (j == 2 - jmax) sum += U[first];
+                if (j == jmax) sum += U[top];
+                if (j == jmax - 1) sum += C[top];
+                if (j == jmax - 2) sum += D[top];
+                q = shift * sum;
+            }
+        }
+    }
+    __syncthreads();     // the shifts, written by each tree's first thread, read by all of it
+
+    const double K = mine ? strike[i] : 0.0, sg = mine ? sign[i] : 0.0;
+    const int product = mine ? (int)product_of[i] : OPTION;
+    double bond = 0.0, value = 0.0;      // ex-coupon at maturity: nothing left
+    if (mine && exercise[at + N])
+        exercise_node(bond, value, K, sg, product);
+    // step m's numbers, loaded a step ahead
+    double flow = 0.0, shift = 0.0;
+    bool ex = false;
+    if (mine && N > 0) {
+        flow = flows[at + N];
+        shift = shifts[at + N - 1];
+        ex = exercise[at + N - 1];
+    }
+    for (int m = tallest - 1; m >= 0; --m) {
+        double* Bn = shared + (m & 1) * 2 * T;
+        double* Vn = Bn + T;
+        const bool live = mine && m < N;
+        const double f = flow, s = shift;
+        const bool e = ex;
+        if (live) {
+            Bn[t] = bond + f;
+            Vn[t] = value + (product != OPTION ? f : 0.0);
+            if (m > 0) {
+                flow = flows[at + m];
+                shift = shifts[at + m - 1];
+                ex = exercise[at + m - 1];
+            }
+        }
+        __syncthreads();
+        if (live && abs(j) <= min(m, jmax)) {
+            const int centre = t + p.offset;
+            const double d = s * local;
+            bond = d * (p.pu * Bn[centre + 1] + p.pm * Bn[centre] + p.pd * Bn[centre - 1]);
+            value = d * (p.pu * Vn[centre + 1] + p.pm * Vn[centre] + p.pd * Vn[centre - 1]);
+            if (e)
+                exercise_node(bond, value, K, sg, product);
+        }
+    }
+    if (mine && j == 0)
+        out[i] = value;
+}

@@ -1,0 +1,99 @@
+"""The Hull–White family's GPU engine (cuda/trinomial.cu, pricer/engines/gpu/trinomial.py): the
+host layouts of both strategies (here), and GPU-OUTER, GPU-FLAT and `auto` against the CPU engine
+to 1e-12 on fresh random books and the seeds' datasets (marked gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pricer.model.bond_book as B
+from gpu_cases import needs_gpu
+from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+from pricer.engines.gpu.trinomial import (FLAT_MAX_ROWS, OUTER_ARRAYS, flat_bins, outer_layout,
+                                          sorted_order)
+from pricer.tools.bond_datasets import dataset
+from test_hw1f import random_curve, random_instruments
+
+
+def scale(prices):
+    """What a difference is relative to: the price, or 1 % of the face (100) where the price is
+    smaller. An option worth little beside its bond carries the bond's rounding (a difference of
+    two of the tree's values), so its own size is no measure of the engines' agreement."""
+    return np.maximum(np.abs(prices), 1.0)
+
+
+def random_book(rng, n: int):
+    """Trees from 3 rows (j_max = 1) to over FLAT_MAX_ROWS rows, mixed products and rights, on
+    a per-instrument curve."""
+    instruments = random_instruments(rng, n, maturity=(0.5, 12.0))
+    a = rng.choice([0.01, 0.05, 0.2, 1.0, 60.0], n) * rng.uniform(0.9, 1.1, n)
+    sigma = rng.uniform(0.003, 0.02, n)
+    per_year = rng.choice([2, 12, 52], n)
+    curves = [random_curve(rng, flat=bool(k % 2)) for k in range(n)]
+    return B.parameters(instruments, a, sigma, per_year, curves)
+
+
+def test_flat_bins_keep_trees_whole_and_within_warps(rng):
+    rows = np.sort(rng.choice([3, 7, 31, 33, 64, 129, 259, 511], 500))[::-1].astype(np.int32)
+    steps = rng.integers(1, 1200, 500).astype(np.int32)
+    for threads in (512, 1024):
+        first, seg, tallest = flat_bins(rows, steps, threads)
+        assert first[0] == 0 and first[-1] == rows.size and np.all(np.diff(first) > 0)
+        for b in range(first.size - 1):
+            ks = np.arange(first[b], first[b + 1])
+            lo, hi = seg[ks], seg[ks] + rows[ks]
+            assert np.all(lo >= 0) and np.all(hi <= threads)
+            assert np.all(lo[1:] >= hi[:-1])                       # no overlap, in order
+            narrow = rows[ks] <= 32
+            assert np.all(lo[narrow] // 32 == (hi[narrow] - 1) // 32)   # within one warp
+            assert np.all(lo[~narrow] % 32 == 0)                    # wide trees start a warp
+            assert tallest[b] == steps[ks].max()
+
+
+def test_outer_layout_pads_each_warp_to_its_widest_tree():
+    rows = np.array([101] * 33 + [7] * 40)
+    base, width, total = outer_layout(rows)
+    assert width.tolist() == [101, 101, 7]
+    assert base.tolist() == [0, 101 * 32 * OUTER_ARRAYS, 2 * 101 * 32 * OUTER_ARRAYS]
+    assert total == (2 * 101 + 7) * 32 * OUTER_ARRAYS
+
+
+def test_sorted_order_is_widest_then_tallest(rng):
+    params = random_book(rng, 60)
+    order = sorted_order(params)
+    key = list(zip(-params.jmax[order], -params.steps[order]))
+    assert key == sorted(key)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["outer", "flat", "auto"])
+def test_gpu_engine_is_the_cpu_engine(rng, strategy):
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    params = random_book(rng, 300)
+    rows = 2 * params.jmax + 1
+    assert rows.min() == 3 and rows.max() > FLAT_MAX_ROWS
+    want = HullWhiteCpuEngine().price(params)
+    engine = HullWhiteGpuEngine(strategy, flat_rows=257)
+    flat, outer = engine.split(params)
+    assert flat.size + outer.size == len(params)
+    got = engine.price(params)
+    err = np.abs(got - want) / scale(want)
+    worst = int(np.argmax(err))
+    assert err.max() <= 1e-12, (strategy, float(err.max()), want[worst], got[worst],
+                                int(params.jmax[worst]), int(params.steps[worst]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["U1", "R1", "R2", "R3", "S1", "S2"])
+def test_gpu_engine_on_the_datasets(name):
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    instruments, a, sigma, per_year, curve = dataset(name, 1500)
+    params = B.parameters(instruments, a, sigma, per_year, curve)
+    want = HullWhiteCpuEngine().price(params)
+    for strategy in ("outer", "flat"):
+        got = HullWhiteGpuEngine(strategy).price(params)
+        err = np.abs(got - want) / scale(want)
+        assert err.max() <= 1e-12, (name, strategy, float(err.max()))
