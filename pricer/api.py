@@ -86,15 +86,15 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
     with it), or a DataFrame or a dict of 1-D arrays with the /bond_options columns
     (docs/formats.md; text columns as names) and then `curves`: {name: (times, zero rates)} or
     {name: hw1f.YieldCurve}, `default` the curve of rows that name none (the only one, where
-    there is one). Bad input raises InputError naming the column and ids. The family has one
-    engine so far, the CPU's (`cpu`; `auto` is the same)."""
+    there is one). Bad input raises InputError naming the column and ids. `backend`: as for
+    options (serial and cpu: the CPU engine; gpu, batch, hybrid: the GPU's; auto: the GPU's where
+    one is usable)."""
     import pandas as pd
 
-    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+    from pricer.engines import get_bond_engine
     from pricer.io.bonds import book_from_columns, read_bond_book
 
-    if backend not in ("cpu", "auto"):
-        raise InputError(f"backend {backend!r}: bond options have the cpu engine only so far")
+    engine = get_bond_engine(backend)
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise InputError(f"threads must be a whole number >= 1, got {threads!r}")
     if isinstance(book, str):
@@ -107,7 +107,7 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
     if threads is not None:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    prices = HullWhiteCpuEngine().price(bonds.parameters())
+    prices = engine.price(bonds.parameters())
     wrong = ~np.isfinite(prices)
     if wrong.any():     # the bounds of bond_book.check_columns should make this unreachable
         raise InputError(f"{source}: the Hull–White trees of instrument id(s) "
@@ -115,22 +115,18 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
     return pd.DataFrame({"id": bonds.id, "price": prices})
 
 
-# a tree's per-step arrays (flows, discounts, exercise flags, alphas) and its scratch rows
-BOND_BYTES_PER_STEP, BOND_BYTES_PER_NODE_OF_WIDTH = 8 + 8 + 1 + 8, 10 * 8 + 8
-
-
 def _check_bond_memory(bonds, source: str) -> None:
     """InputError where the book's trees need more memory than this machine has available."""
     import numba
 
     from pricer.model.hw1f import jmax_of, steps_of
-    from pricer.run.memory import GIB, available_bytes
+    from pricer.run.memory import BOND_BYTES_PER_ROW, BOND_BYTES_PER_STEP, GIB, available_bytes
 
     cols = bonds.columns
     steps = steps_of(cols["maturity"], cols["steps_per_year"])
     widths = 2.0 * jmax_of(cols["mean_reversion"], cols["maturity"] / steps) + 1.0
     need = (float(steps.sum() + steps.size) * BOND_BYTES_PER_STEP
-            + numba.get_num_threads() * float(widths.max(initial=0.0)) * BOND_BYTES_PER_NODE_OF_WIDTH)
+            + numba.get_num_threads() * float(widths.max(initial=0.0)) * BOND_BYTES_PER_ROW)
     have = available_bytes()
     if need > have:
         raise InputError(f"{source}: its trees need ~{need / GIB:.2f} GiB of memory, this "

@@ -14,7 +14,7 @@ from pricer.engines.base import Engine, backend, backends, register, unregister
 from pricer.errors import InputError
 from pricer.files import cache_dir
 
-__all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine", "gpu_available",
+__all__ = ["get_bond_engine", "AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine", "gpu_available",
            "register", "resolve_backend", "set_local_rank", "unregister"]
 
 
@@ -121,6 +121,16 @@ def get_engine(name: str, **overrides) -> Engine:
     return backend(resolve_backend(name) if name != "auto" else "auto").factory(**overrides)
 
 
+def get_bond_engine(name: str) -> Engine:
+    """Backend `name`'s engine of the Hull–White family (`auto`: the GPU's where one is usable,
+    else the CPU's)."""
+    resolved = resolve_backend(name)
+    factory = backend(resolved).bonds
+    if factory is None:
+        raise InputError(f"backend {name!r} has no engine for bond options")
+    return factory()
+
+
 # ------------------------------------------------------------------------- the built-in backends
 
 def _serial(**overrides) -> Engine:
@@ -153,12 +163,31 @@ def _auto(**overrides) -> Engine:
         raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
 
 
+def _bonds_cpu(threads: int | None = None) -> Engine:
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+    return HullWhiteCpuEngine(threads)
+
+
+def _bonds_gpu() -> Engine:
+    from pricer.engines.gpu.runtime import GpuUnavailable
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    try:
+        return HullWhiteGpuEngine()
+    except GpuUnavailable as exc:
+        raise InputError(f"bond options on the GPU need a usable GPU: {exc}") from None
+
+
 register("auto", _auto, help="batch where a GPU is usable (a small share on the CPU), else cpu")
-register("serial", _serial, help="one core, the reference engine")
-register("cpu", _cpu, help="all the rank's cores (numba)")
+# `auto` resolves to batch or cpu before its bond engine is asked for
+register("serial", _serial, help="one core, the reference engine",
+         bonds=functools.partial(_bonds_cpu, 1))
+register("cpu", _cpu, help="all the rank's cores (numba)", bonds=_bonds_cpu)
 register("gpu", functools.partial(_gpu, "gpu"), needs_gpu=True,
-         help="batch kernels up to 16 383 steps, the GPU regimes above, down to level 0")
+         help="batch kernels up to 16 383 steps, the GPU regimes above, down to level 0",
+         bonds=_bonds_gpu)
 register("hybrid", functools.partial(_gpu, "hybrid"), needs_gpu=True,
-         help="as gpu, with small options and the regimes' last levels on the CPU")
+         help="as gpu, with small options and the regimes' last levels on the CPU",
+         bonds=_bonds_gpu)
 register("batch", functools.partial(_gpu, "batch"), needs_gpu=True,
-         help="whole books per launch; wider options through the regimes and a CPU tail")
+         help="whole books per launch; wider options through the regimes and a CPU tail",
+         bonds=_bonds_gpu)

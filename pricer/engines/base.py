@@ -223,17 +223,19 @@ class Backend:
     factory: Callable[..., Engine]   # factory(**overrides) -> Engine
     needs_gpu: bool = False
     help: str = ""
+    bonds: Callable[[], Engine] | None = None   # its engine of the Hull–White family, if any
 
 
 _BACKENDS: dict[str, Backend] = {}
 
 
 def register(name: str, factory: Callable[..., Engine], needs_gpu: bool = False,
-             help: str = "") -> None:
+             help: str = "", bonds: Callable[[], Engine] | None = None) -> None:
     """Make backend `name` known to `pricer price --backend`, job files and get_engine.
     factory(**overrides) builds the engine; overrides are the run's GPU settings (t1, t2), which an
-    engine without them should accept and ignore."""
-    _BACKENDS[name] = Backend(name, factory, needs_gpu, help)
+    engine without them should accept and ignore. bonds() builds its engine of the Hull–White
+    family (pricer/model/bond_book.py's HullWhiteParams in, prices out), where it has one."""
+    _BACKENDS[name] = Backend(name, factory, needs_gpu, help, bonds)
 
 
 def unregister(name: str) -> None:

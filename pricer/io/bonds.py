@@ -31,23 +31,33 @@ OPTIONAL = {"product": "option", "exercise_frequency": 0.0, "curve": ""}
 @dataclass
 class BondBook:
     """A book of bond options: ids, the columns as hw1f takes them (text as codes, the curve as an
-    index into `curves`), and the curves with their names."""
+    index into `curves`), the curves with their names, and each row's status (0: to be priced;
+    else, read with invalid="skip", the first rule it breaks: bond_book.REASONS)."""
     id: np.ndarray
     columns: dict
     curves: list
     curve_names: list
+    status: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.id.size)
 
     def parameters(self) -> bond_book.HullWhiteParams:
+        """The trees of the rows to be priced."""
+        if self.status is not None and self.status.any():
+            keep = self.status == 0
+            return bond_book.tree_parameters({k: v[keep] for k, v in self.columns.items()},
+                                             self.curves, self.id[keep])
         return bond_book.tree_parameters(self.columns, self.curves, self.id)
 
 
 def book_from_columns(columns: dict, curves: dict, default: str | None = None,
-                      source: str = "book") -> BondBook:
+                      source: str = "book", invalid: str = "refuse") -> BondBook:
     """A BondBook from columns (a dict of 1-D arrays or a DataFrame: the file's columns, text as
-    names) and curves ({name: (times, rates)} or {name: YieldCurve}), checked as a file is."""
+    names) and curves ({name: (times, rates)} or {name: YieldCurve}), checked as a file is.
+    invalid="skip": rows whose values break a rule of bond_book.check_columns are kept with their
+    status instead of refusing the book (a column of the wrong type, names that are not known and
+    duplicate ids still refuse it)."""
     if hasattr(columns, "to_dict") and hasattr(columns, "columns"):
         columns = {name: columns[name].to_numpy() for name in columns.columns}
     if not isinstance(columns, dict) or not isinstance(curves, dict):
@@ -97,11 +107,13 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
             raise InputError(f"{source}: column {name} must be 1-D with a value per id ({n}); "
                              f"it has shape {raw.shape}", column=name)
         cols[name] = _typed(raw, name, ids, source, names, default)
+    if invalid == "skip":
+        return BondBook(ids.astype(np.int64), cols, made, names, bond_book.statuses(cols, made))
     try:
         bond_book.check_columns(cols, made, ids)
     except InputError as exc:
         raise exc.prefixed(f"{source}: ") from None
-    return BondBook(ids.astype(np.int64), cols, made, names)
+    return BondBook(ids.astype(np.int64), cols, made, names, np.zeros(n, dtype=np.int8))
 
 
 def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: list,
@@ -143,8 +155,9 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
     return values
 
 
-def read_bond_book(path: str) -> BondBook:
-    """Read and validate a book of bond options; any problem raises InputError naming it."""
+def read_bond_book(path: str, invalid: str = "refuse") -> BondBook:
+    """Read and validate a book of bond options; any problem raises InputError naming it
+    (invalid="skip": see book_from_columns)."""
     check_input_file(path)
     if not h5py.is_hdf5(path):
         raise InputError(f"{path}: not an HDF5 file")
@@ -171,7 +184,22 @@ def read_bond_book(path: str) -> BondBook:
             default = default.decode()
         except UnicodeDecodeError:
             raise InputError(f"{path}: /{CURVES}'s default curve name is not UTF-8") from None
-    return book_from_columns(columns, curves, default, source=path)
+    return book_from_columns(columns, curves, default, source=path, invalid=invalid)
+
+
+def has_bond_options(path: str) -> tuple[bool, bool]:
+    """(whether the file holds /bond_options, whether it holds /portfolio): what a run prices.
+    A file that cannot be opened as HDF5 says (False, False), and the option run's read names
+    the problem (a path that is not a regular file is never opened here: a FIFO never ends)."""
+    import os
+
+    try:
+        if not isinstance(path, str) or not os.path.isfile(path) or not h5py.is_hdf5(path):
+            return False, False
+        with h5py.File(path, "r") as f:
+            return GROUP in f, "portfolio" in f
+    except (OSError, ValueError, RuntimeError):
+        return False, False
 
 
 def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | None = None) -> None:

@@ -83,6 +83,25 @@ def columns_of(instruments, a, sigma, steps_per_year, curve=0) -> dict:
                 steps_per_year=every(steps_per_year), curve=every(curve, np.int64))
 
 
+INTEGER_COLUMNS = ("frequency", "exercise", "product", "curve")
+
+
+def matrix_of(cols: dict) -> np.ndarray:
+    """The columns as one (n, len(BOND_COLUMNS)) float64 matrix, a row per instrument: what a
+    run scatters to its ranks (codes and flags are exact in float64)."""
+    return np.ascontiguousarray(np.column_stack([np.asarray(cols[name], dtype=np.float64)
+                                                 for name in BOND_COLUMNS]))
+
+
+def columns_of_matrix(matrix: np.ndarray) -> dict:
+    """matrix_of's inverse."""
+    cols = {name: matrix[:, k] for k, name in enumerate(BOND_COLUMNS)}
+    for name in INTEGER_COLUMNS:
+        cols[name] = cols[name].astype(np.int64)
+    cols["call"] = cols["call"] != 0.0
+    return cols
+
+
 def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
     """The HullWhiteParams of a list of BondOption (columns_of) on one curve or a list of them
     (one per instrument)."""
@@ -90,6 +109,20 @@ def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams
         return tree_parameters(columns_of(instruments, a, sigma, steps_per_year,
                                           np.arange(len(instruments))), list(curves))
     return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves])
+
+
+def tree_nodes(cols: dict) -> np.ndarray:
+    """Tree nodes a sweep per instrument (HullWhiteParams.nodes) from its columns alone, without
+    building the trees: the run's cost model (rows that break a rule count one node)."""
+    maturity = np.asarray(cols["maturity"], dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        steps = steps_of(maturity, np.asarray(cols["steps_per_year"], dtype=np.float64))
+        jmax = np.maximum(1.0, np.ceil(JMAX_FACTOR / (np.asarray(cols["mean_reversion"],
+                                                                  np.float64) * (maturity / steps))))
+        levels = steps + 1.0
+        growing = np.minimum(levels, jmax)
+        nodes = growing * growing + (levels - growing) * (2.0 * jmax + 1.0)
+    return np.where(np.isfinite(nodes) & (nodes >= 1.0), nodes, 1.0)
 
 
 def _exclusive(counts: np.ndarray) -> np.ndarray:
@@ -104,19 +137,17 @@ def _each(counts: np.ndarray):
     return owner, np.arange(owner.size) - np.repeat(_exclusive(counts), counts)
 
 
-def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> None:
-    """A book's columns (BOND_COLUMNS) that no tree can price, refused by column and ids
-    (InputError), rule by rule."""
-    n = int(np.shape(cols["maturity"])[0])
-    ids = np.arange(n) if ids is None else np.asarray(ids)
-
+def _rules(cols: dict, curves: list) -> list:
+    """Every rule a book's columns (BOND_COLUMNS) must keep: (column, rows that break it, why),
+    in the order check_columns applies them; a row's status (statuses) is its first broken
+    rule's number, counted from 1."""
     def col(name):
         return np.asarray(cols[name], dtype=np.float64)
 
     kind = np.asarray(cols["exercise"])
     first, last, maturity = col("first_exercise"), col("last_exercise"), col("maturity")
     dated = kind != EXERCISES.index("european")
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         steps = steps_of(maturity, col("steps_per_year"))
         rules = [
             ("maturity", ~((maturity > 0.0) & (maturity <= MAX_MATURITY)),
@@ -153,8 +184,31 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
                                  <= MAX_JMAX),
              f"gives a tree wider than {2 * MAX_JMAX + 1} nodes (j_max = 0.184 / (a dt))"),
         ]
-    for column, bad, why in rules:
-        bad = np.asarray(bad, dtype=bool)
+    return [(column, np.asarray(bad, dtype=bool), why) for column, bad, why in rules]
+
+
+# a skipped row's status (--invalid skip): the number of the first rule it breaks (_rules' order)
+REASONS = {k + 1: f"{column} {why}" for k, (column, _, why) in enumerate(_rules(
+    {name: np.zeros(0, dtype=np.int64 if name in INTEGER_COLUMNS else np.float64)
+     for name in BOND_COLUMNS}, []))}
+
+
+def statuses(cols: dict, curves: list) -> np.ndarray:
+    """Each row's status (int8): 0 where no rule is broken, else its first broken rule's code
+    (REASONS)."""
+    n = int(np.shape(cols["maturity"])[0])
+    out = np.zeros(n, dtype=np.int8)
+    for code, (_, bad, _) in reversed(list(enumerate(_rules(cols, curves), start=1))):
+        out[bad] = code
+    return out
+
+
+def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> None:
+    """A book's columns (BOND_COLUMNS) that no tree can price, refused by column and ids
+    (InputError), rule by rule."""
+    n = int(np.shape(cols["maturity"])[0])
+    ids = np.arange(n) if ids is None else np.asarray(ids)
+    for column, bad, why in _rules(cols, curves):
         if bad.any():
             raise InputError(f"bond_options: {column} {why}; instrument id(s) "
                              f"{first_ids(ids, bad)} (first value "

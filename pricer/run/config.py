@@ -9,6 +9,7 @@ any work: a job file's values arrive without argparse's checks, so every key is 
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from dataclasses import dataclass, fields
 
@@ -210,3 +211,29 @@ def _shown(value) -> str:
 def _require(ok: bool, name: str, value, what: str) -> None:
     if not ok:
         raise InputError(f"{name} must be {what}, got {_shown(value)}")
+
+
+def kept(cfg: RunConfig) -> str:
+    """What a run that cannot write its results keeps of its prices."""
+    if cfg.checkpoint:
+        return (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
+                f"{cfg.task} {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
+                f"run's other settings) writes them elsewhere without pricing again")
+    return ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
+            "are priced, so that a run that cannot write its results can be finished")
+
+
+def configure_threads(threads: int | None, ranks_here: int) -> int:
+    """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe:
+    `threads`, else SLURM_CPUS_PER_TASK, else the cores / the ranks on this node."""
+    import numba
+
+    if threads is None:
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus and cpus.isdigit():
+            threads = int(cpus)
+        else:
+            threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads

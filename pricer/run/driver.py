@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import OutputError
+from pricer.io.bonds import has_bond_options
 from pricer.io.checkpoint import Checkpoint
 from pricer.io.portfolio import MATRIX_COLUMNS, matrix_columns
 from pricer.io.results import utc_now, write_results
@@ -35,7 +36,8 @@ from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict)
 from pricer.run.checks import tree_names
-from pricer.run.config import RunConfig
+from pricer.run import bond_run
+from pricer.run.config import RunConfig, configure_threads, kept
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults, polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
@@ -110,8 +112,22 @@ class Agreed:
 
 def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     """Price cfg.input into cfg.output on every rank of comm; returns the summary on rank 0.
-    `prepare`, if given, runs on rank 0 first (a job's portfolio generation)."""
+    `prepare`, if given, runs on rank 0 first (a job's portfolio generation). A file's bond
+    options (/bond_options) are priced first (bond_run.py), then its options, if any; one file
+    holds both results."""
     comm = comm or MPI.COMM_WORLD
+    bonds = None
+    if prepare is None:
+        found = comm.bcast(has_bond_options(cfg.input) if comm.Get_rank() == ROOT else None,
+                           root=ROOT)
+        if found[0]:
+            bonds = bond_run.price_file_bonds(cfg, comm, with_options=found[1])
+            if not found[1]:
+                return bonds
+    return _run_options(cfg, comm, prepare, bonds)
+
+
+def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     t_start = time.perf_counter()
     stages = {}
@@ -149,11 +165,11 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     plan = agreed.plan
     values = plan.assemble(full)
     _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start,
-           provenance(agreed.hosts, agreed.gpus))
+           provenance(agreed.hosts, agreed.gpus), bonds)
     for lock in plan.locks:
         lock.release()
     stages["write"] = time.perf_counter() - t
-    notes = plan.notes + agreed.notes
+    notes = plan.notes + agreed.notes + (bonds.lines() if bonds is not None else [])
     if cfg.implied:
         status = values[:, -1].astype(np.int8)
         from pricer.model.implied import statuses_text
@@ -258,7 +274,7 @@ def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray
 
 
 def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, engine_name: str,
-           size: int, wall: float, origin: dict) -> None:
+           size: int, wall: float, origin: dict, bonds=None) -> None:
     """Rank 0: the results file, with its provenance (`origin`: provenance.provenance) and the
     ranks' stats. A failure says what was kept (OutputError)."""
     try:
@@ -266,7 +282,7 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
     except OSError as exc:
         raise OutputError(f"{cfg.input}: the input could not be read again for its sha256 "
                           f"({exc.strerror or exc}), so the results were not written; "
-                          f"{_kept(cfg)}") from None
+                          f"{kept(cfg)}") from None
     attrs = {**origin, "backend": engine_name, "tree": ",".join(plan.trees), "ranks": size,
              "partition": cfg.partition, "distribute": cfg.distribute, "wall_seconds": wall,
              "utc_time": utc_now(), "input_sha256": input_sha256,
@@ -288,12 +304,14 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
         extra["status"] = extra["status"].astype(np.int8)
     if "iterations" in extra:
         extra["iterations"] = np.nan_to_num(extra["iterations"]).astype(np.int64)   # 0 skipped
+    if bonds is not None:
+        attrs.update(bond_run.bond_attrs(bonds))
     try:
         write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra,
-                      scenarios=scenarios)
+                      scenarios=scenarios, bonds=bonds.table() if bonds is not None else None)
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
         raise OutputError(f"{cfg.output}: the results could not be written "
-                          f"({exc.strerror or exc}); {_kept(cfg)}") from None
+                          f"({exc.strerror or exc}); {kept(cfg)}") from None
 
 
 def status_reasons(cfg: RunConfig) -> dict:
@@ -303,32 +321,6 @@ def status_reasons(cfg: RunConfig) -> dict:
     from pricer.model.implied import REASONS as SEARCH
 
     return {**REASONS, 0: "converged", **SEARCH}
-
-
-def _kept(cfg: RunConfig) -> str:
-    """What a run that cannot write its results keeps of its prices."""
-    if cfg.checkpoint:
-        return (f"every chunk's prices are kept in the checkpoint {cfg.checkpoint}: `pricer "
-                f"{cfg.task} {cfg.input} -o OTHER.h5 --checkpoint {cfg.checkpoint}` (with this "
-                f"run's other settings) writes them elsewhere without pricing again")
-    return ("the prices are lost; run with --checkpoint DIR to keep them on disk as they "
-            "are priced, so that a run that cannot write its results can be finished")
-
-
-def configure_threads(threads: int | None, ranks_here: int) -> int:
-    """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe:
-    `threads`, else SLURM_CPUS_PER_TASK, else the cores / the ranks on this node."""
-    import numba
-
-    if threads is None:
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus and cpus.isdigit():
-            threads = int(cpus)
-        else:
-            threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads
 
 
 def start_engine(cfg: RunConfig) -> StartedEngine:

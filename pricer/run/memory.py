@@ -44,6 +44,10 @@ SEARCH_BYTES_PER_OPTION = 8 + 320
 # parameters, prepared meanwhile (pricer/run/pricing.run_chunks)
 CHUNK_ARRAY_BYTES = (30 + 18) * 8
 ENGINE_BYTES_PER_STEP = 4 * 8
+# bond options (the Hull–White family): a tree's per-step arrays (flows, discounts, exercise
+# flags, the shifts e^{-alpha dt}) and a thread's working rows per row of its widest tree
+BOND_BYTES_PER_STEP = 8 + 8 + 1 + 8
+BOND_BYTES_PER_ROW = 10 * 8 + 8
 INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns every rank reads whole
 GIB = float(1 << 30)
 

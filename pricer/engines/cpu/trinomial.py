@@ -134,16 +134,21 @@ def _value_all(a, dt, steps, jmax, dr, strike, sign, product, starts, flows, exe
 
 
 class HullWhiteCpuEngine(Engine):
-    """The family's CPU engine on all of numba's threads."""
+    """The family's CPU engine on all of numba's threads (or at most `threads`)."""
 
     name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+        if threads == 1:
+            self.name = "serial"
 
     def price(self, params: HullWhiteParams, levels=None) -> np.ndarray:
         out = np.empty(len(params))
         if len(params) == 0:
             return out
         order = np.argsort(-params.nodes(), kind="stable")
-        threads = max(1, min(numba.get_num_threads(), len(params)))
+        threads = max(1, min(numba.get_num_threads(), self.threads or len(params), len(params)))
         p = params
         _value_all(p.a, p.dt, p.steps, p.jmax, p.dr, p.strike, p.sign, p.product, p.starts,
                    p.flows, p.exercise, p.discount, order, threads, out)

@@ -1,0 +1,151 @@
+"""`pricer price` on books of bond options (pricer/run/bond_run.py): real files, the real CLI,
+real `mpiexec` with several ranks; prices against pricer.price_bonds (the CPU engine in this
+process), files with options and bond options together, bad input, --invalid skip, checkpoints
+with a rank that fails, and the GPU backends (marked gpu)."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from gpu_cases import needs_gpu
+from helpers import run_pricer
+from pricer.io.results import read_results
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    """An R1-like book of 120 bond options, and its prices by pricer.price_bonds."""
+    import pricer
+    folder = tmp_path_factory.mktemp("bonds")
+    path = folder / "r1.h5"
+    gen = run_pricer(["generate", "--bonds", "R1", "--count", "120", "--seed", "5", "-o", path])
+    assert gen.returncode == 0, gen.stderr
+    return path, pricer.price_bonds(str(path))
+
+
+def _mixed(tmp_path, bonds_path):
+    """A file with a generated /portfolio and the book's /bond_options and /curves."""
+    path = tmp_path / "mixed.h5"
+    gen = run_pricer(["generate", "--dist", "random", "--count", "300", "--seed", "3", "-o", path])
+    assert gen.returncode == 0, gen.stderr
+    with h5py.File(bonds_path, "r") as src, h5py.File(path, "a") as dst:
+        for group in ("bond_options", "curves"):
+            src.copy(group, dst)
+    return path
+
+
+@pytest.mark.parametrize("ranks", [None, 2, 3])
+def test_bond_book_priced_by_any_rank_count(tmp_path, book, ranks):
+    path, want = book
+    out = tmp_path / "out.h5"
+    run = run_pricer(["price", path, "-o", out, "--chunk-nodes", "2e6"], ranks=ranks, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "priced 120 bond options" in run.stdout
+    got = read_results(out)
+    np.testing.assert_array_equal(got["bonds"]["id"], want.id.to_numpy())
+    np.testing.assert_array_equal(got["bonds"]["price"], want.price.to_numpy())   # bitwise
+    assert (got["bonds"]["status"] == 0).all()
+    assert int(got["attrs"]["ranks"]) == (ranks or 1) and got["attrs"]["bond_backend"] == "cpu"
+
+
+def test_options_and_bond_options_in_one_file(tmp_path, book):
+    path, want = book
+    mixed = _mixed(tmp_path, path)
+    alone = run_pricer(["price", mixed, "-o", tmp_path / "options.h5"], timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    # the option run alone: the same file with its bonds left out
+    only = tmp_path / "only.h5"
+    with h5py.File(mixed, "r") as src, h5py.File(only, "w") as dst:
+        src.copy("portfolio", dst)
+    ref = run_pricer(["price", only, "-o", tmp_path / "ref.h5"], timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    both = read_results(tmp_path / "options.h5")
+    options = read_results(tmp_path / "ref.h5")
+    np.testing.assert_array_equal(both["id"], options["id"])
+    np.testing.assert_array_equal(both["price"], options["price"])
+    np.testing.assert_array_equal(both["bonds"]["price"], want.price.to_numpy())
+    assert "priced 300 options" in alone.stdout and "priced 120 bond options" in alone.stdout
+    # two groups need HDF5: refused before any work, nothing written
+    csv = run_pricer(["price", mixed, "-o", tmp_path / "both.csv"], ranks=2, timeout=300)
+    assert csv.returncode == 2 and "HDF5 only" in csv.stderr, csv.stderr
+    assert "Traceback" not in csv.stderr and not (tmp_path / "both.csv").exists()
+
+
+def test_bond_book_to_csv(tmp_path, book):
+    path, want = book
+    run = run_pricer(["price", path, "-o", tmp_path / "b.csv"], timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = read_results(tmp_path / "b.csv")
+    np.testing.assert_array_equal(got["price"], want.price.to_numpy())
+
+
+def _spoiled(tmp_path, path, bad: dict):
+    """A copy of the book with rows of columns overwritten: {column: {row: value}}."""
+    out = tmp_path / "bad.h5"
+    with h5py.File(path, "r") as src, h5py.File(out, "w") as dst:
+        for group in ("bond_options", "curves"):
+            src.copy(group, dst)
+        for column, rows in bad.items():
+            values = dst["bond_options"][column][()]
+            for row, value in rows.items():
+                values[row] = value
+            dst["bond_options"][column][...] = values
+    return out
+
+
+def test_bad_bond_rows_refused_on_every_rank_or_skipped(tmp_path, book):
+    path, want = book
+    bad = _spoiled(tmp_path, path, {"volatility": {7: -0.01}, "maturity": {30: np.nan}})
+    ids = want.id.to_numpy()
+    refused = run_pricer(["price", bad, "-o", tmp_path / "x.h5"], ranks=2, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "maturity" in refused.stderr and str(ids[30]) in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "x.h5").exists()
+    skipped = run_pricer(["price", bad, "-o", tmp_path / "s.h5", "--invalid", "skip"], ranks=2,
+                         timeout=300)
+    assert skipped.returncode == 0, skipped.stderr
+    got = read_results(tmp_path / "s.h5")["bonds"]
+    assert got["status"][7] == 13 and got["status"][30] == 1     # bond_book.REASONS' codes
+    assert np.isnan(got["price"][[7, 30]]).all()
+    keep = np.setdiff1d(np.arange(ids.size), [7, 30])
+    np.testing.assert_array_equal(got["price"][keep], want.price.to_numpy()[keep])
+    assert "2 of 120 bond options not priced" in skipped.stdout
+
+
+def test_bond_options_only_settings_refused(tmp_path, book):
+    path, _ = book
+    run = run_pricer(["price", path, "-o", tmp_path / "g.h5", "--greeks"], ranks=2, timeout=300)
+    assert run.returncode == 2 and "--greeks" in run.stderr, run.stderr
+    assert not (tmp_path / "g.h5").exists()
+
+
+def test_a_failed_rank_keeps_its_chunks_and_the_resume_prices_the_rest(tmp_path, book):
+    path, want = book
+    ckpt = tmp_path / "ckpt"
+    args = ["price", path, "-o", tmp_path / "c.h5", "--checkpoint", ckpt, "--chunk-nodes", "2e6"]
+    failed = run_pricer(args, ranks=2, timeout=300, extra_env={"PRICER_FAULT": "raise:1:2"})
+    assert failed.returncode != 0 and "rank 1 failed after 2 chunk(s)" in failed.stderr
+    assert not (tmp_path / "c.h5").exists()
+    saved = len(list(ckpt.glob("chunk-*.bin")))
+    assert saved >= 2
+    resumed = run_pricer(args, ranks=2, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "from the checkpoint" in resumed.stdout
+    got = read_results(tmp_path / "c.h5")["bonds"]
+    np.testing.assert_array_equal(got["price"], want.price.to_numpy())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bond_book_on_the_gpu_under_mpi(tmp_path, book):
+    path, want = book
+    run = run_pricer(["price", path, "-o", tmp_path / "g.h5", "--backend", "batch"], ranks=2,
+                     timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = read_results(tmp_path / "g.h5")
+    assert got["attrs"]["bond_backend"] == "batch"
+    ref = want.price.to_numpy()
+    err = np.abs(got["bonds"]["price"] - ref) / np.maximum(np.abs(ref), 1.0)
+    assert err.max() <= 1e-12
