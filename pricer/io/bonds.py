@@ -120,8 +120,15 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
            default: str | None) -> np.ndarray:
     """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64."""
     if name in TEXT or name == "curve":
+        import pandas as pd
+
+        # a few names, many rows: each name decoded once
+        if raw.dtype.kind in "SU":      # fixed-length strings
+            uniques, codes = np.unique(raw, return_inverse=True)
+        else:                           # variable-length: Python objects, hashed
+            codes, uniques = pd.factorize(raw, use_na_sentinel=False)
         try:
-            text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in raw],
+            text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in uniques],
                             dtype=object).astype(str)
         except UnicodeDecodeError:
             raise InputError(f"{source}: column {name} holds text that is not UTF-8",
@@ -129,13 +136,14 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
         known = curves if name == "curve" else list(TEXT[name])
         if name == "curve":
             text = np.where(text == "", default if default is not None else "", text)
-        bad = ~np.isin(text, known)
+        bad = ~np.isin(text, known)[codes]
         if bad.any():
             what = "a curve of the file" if name == "curve" else f"one of {', '.join(known)}"
             raise InputError(f"{source}: {name} must name {what}; instrument id(s) "
-                             f"{first_ids(ids, bad)} have {str(text[bad][0])!r}", column=name,
-                             ids=ids[bad])
-        return np.array([known.index(t) for t in text], dtype=np.int64)
+                             f"{first_ids(ids, bad)} have {str(text[codes[bad][0]])!r}",
+                             column=name, ids=ids[bad])
+        return np.array([known.index(t) if t in known else -1 for t in text],
+                        dtype=np.int64)[codes]
     if raw.dtype.kind not in "biuf":
         raise InputError(f"{source}: column {name} must be numbers, not {raw.dtype}",
                          column=name)
@@ -212,15 +220,12 @@ def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | 
             g = f.create_group(GROUP)
             g.attrs["schema"] = SCHEMA
             g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
-            text = h5py.string_dtype("utf-8")
             for name in bond_book.BOND_COLUMNS:
                 values = np.asarray(columns[name])
-                if name in TEXT:
-                    g.create_dataset(name, data=np.array([TEXT[name][v] for v in values],
-                                                         dtype=object), dtype=text)
-                elif name == "curve":
-                    g.create_dataset(name, data=np.array([names[v] for v in values],
-                                                         dtype=object), dtype=text)
+                if name in TEXT or name == "curve":   # fixed-length (UTF-8 bytes): one array
+                    known = np.array([t.encode() for t in (TEXT[name] if name in TEXT
+                                                           else names)])
+                    g.create_dataset(name, data=known[values])
                 else:
                     g.create_dataset(name, data=values)
             c = f.create_group(CURVES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit, prange
 
 from pricer.errors import InputError, first_ids
 from pricer.model.hw1f import EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, jmax_of, steps_of
@@ -216,6 +217,56 @@ def check_columns(cols: dict, curves: list, ids: np.ndarray | None = None) -> No
                              ids=ids[bad])
 
 
+BERMUDAN, AMERICAN = EXERCISES.index("bermudan"), EXERCISES.index("american")
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, frequency,
+                maturity, kind, first, last, every, flows, exercise, discount):
+    """Every instrument's per-step arrays (HullWhiteParams), an instrument a thread at a time:
+    the discounts P(0, m dt) of its curve (YieldCurve.discount: zero rates interpolated linearly,
+    flat beyond the ends), its cash flows (coupons on their nearest steps, summed where two meet,
+    then the face at maturity: hw1f.cash_flows) and its exercise steps (hw1f.exercise_steps)."""
+    for i in prange(starts.size):
+        lo, n, h = starts[i], steps[i], dt[i]
+        c = curve[i]
+        xs, ys = times[bounds[c]:bounds[c + 1]], rates[bounds[c]:bounds[c + 1]]
+        last_point, j = xs.size - 1, 0
+        for m in range(n + 1):
+            t = m * h
+            # np.interp's arithmetic, its segment found by walking (t grows with m)
+            while j < last_point and xs[j + 1] <= t:
+                j += 1
+            if t < xs[0]:
+                r = ys[0]
+            elif j == last_point:
+                r = ys[last_point]
+            else:
+                r = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (t - xs[j]) + ys[j]
+            discount[lo + m] = np.exp(-r * t)
+            flows[lo + m] = 0.0
+            exercise[lo + m] = False
+        f = frequency[i]
+        if f > 0 and coupon[i] != 0.0:
+            amount = face[i] * coupon[i] / f
+            for k in range(int(np.floor(maturity[i] * f + 1e-9)) + 1):
+                t = maturity[i] - k / f
+                if t > 1e-12:
+                    flows[lo + int(np.rint(t / h))] += amount
+        flows[lo + n] += face[i]
+        if kind[i] == AMERICAN:
+            a = max(int(np.ceil(first[i] / h - 1e-9)), 0)
+            b = min(int(np.floor(last[i] / h + 1e-9)), n)
+            for m in range(a, b + 1):
+                exercise[lo + m] = True
+        else:
+            dates = int(np.floor((last[i] - first[i]) * every[i] + 1e-9)) + 1 \
+                if kind[i] == BERMUDAN else 1
+            for k in range(dates):
+                t = first[i] + (k / every[i] if k > 0 else 0.0)
+                exercise[lo + min(max(int(np.rint(t / h)), 0), n)] = True
+
+
 def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step), vectorised over the book; bad columns refused first
@@ -227,45 +278,22 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> 
     dt = maturity / steps
     starts = _exclusive(steps + 1)
     total = int(steps.sum()) + n
-    owner, m = _each(steps + 1)
-    discount = np.empty(total)
-    curve = np.asarray(cols["curve"], dtype=np.int64)[owner]
-    for c in np.unique(curve):
-        rows = curve == c
-        discount[rows] = curves[int(c)].discount(m[rows] * dt[owner[rows]])
-    face, coupon = np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64)
-    frequency = np.asarray(cols["frequency"], dtype=np.int64)
-    paying = (frequency > 0) & (coupon != 0.0)
-    counts = np.where(paying, np.floor(maturity * np.maximum(frequency, 1) + 1e-9) + 1,
-                      0).astype(np.int64)
-    who, k = _each(counts)
-    times = maturity[who] - k / frequency[who]
-    who, times = who[times > 1e-12], times[times > 1e-12]
-    flows = np.zeros(total)
-    np.add.at(flows, starts[who] + np.rint(times / dt[who]).astype(np.int64),
-              face[who] * coupon[who] / frequency[who])
-    flows[starts + steps] += face
-    exercise = np.zeros(total, dtype=np.bool_)
-    kind = np.asarray(cols["exercise"], dtype=np.int64)
-    first = np.asarray(cols["first_exercise"], np.float64)
-    last = np.asarray(cols["last_exercise"], np.float64)
-    dated = kind != EXERCISES.index("american")
-    counts = np.where(kind == EXERCISES.index("bermudan"),
-                      np.floor((last - first) * np.asarray(cols["exercise_frequency"], np.float64)
-                               + 1e-9) + 1, 1)
-    counts = np.where(dated, counts, 0).astype(np.int64)
-    who, k = _each(counts)
-    every = np.asarray(cols["exercise_frequency"], np.float64)[who]
-    with np.errstate(divide="ignore", invalid="ignore"):   # a european's k is 0, its every any
-        times = first[who] + np.where(k > 0, k / every, 0.0)
-    exercise[starts[who] + np.clip(np.rint(times / dt[who]).astype(np.int64), 0, steps[who])] = True
-    ranged = np.flatnonzero(~dated)
-    lo = np.maximum(np.ceil(first[ranged] / dt[ranged] - 1e-9), 0).astype(np.int64)
-    hi = np.minimum(np.floor(last[ranged] / dt[ranged] + 1e-9), steps[ranged]).astype(np.int64)
-    marks = np.zeros(total + 1, dtype=np.int64)
-    np.add.at(marks, starts[ranged] + lo, (hi >= lo).astype(np.int64))
-    np.add.at(marks, starts[ranged] + hi + 1, -(hi >= lo).astype(np.int64))
-    exercise |= np.cumsum(marks[:-1]) > 0
+    index = np.asarray(cols["curve"], dtype=np.int64)
+    used = np.unique(index)
+    points = [curves[int(c)] for c in used]
+    curve_at = np.zeros(len(curves), dtype=np.int64)    # a used curve's slot among `points`
+    curve_at[used] = np.arange(used.size)
+    bounds = _exclusive(np.array([c.times.size for c in points] + [0], dtype=np.int64))
+    flows, exercise, discount = (np.empty(total), np.empty(total, dtype=np.bool_),
+                                 np.empty(total))
+    _fill_steps(starts, steps, dt, curve_at[index],
+                np.concatenate([c.times for c in points]), np.concatenate([c.rates for c in points]),
+                bounds, np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64),
+                np.asarray(cols["frequency"], dtype=np.int64), maturity,
+                np.asarray(cols["exercise"], dtype=np.int64),
+                np.asarray(cols["first_exercise"], np.float64),
+                np.asarray(cols["last_exercise"], np.float64),
+                np.asarray(cols["exercise_frequency"], np.float64), flows, exercise, discount)
     a = np.asarray(cols["mean_reversion"], dtype=np.float64)
     sigma = np.asarray(cols["volatility"], dtype=np.float64)
     return HullWhiteParams(

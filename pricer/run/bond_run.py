@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,15 +227,26 @@ def _compute(comm, cfg, local: np.ndarray, curves: list, chunks: list, engine,
         else np.zeros(local.shape[0], dtype=np.int8)
     values[:, 1] = status
     done, nodes = 0, 0.0
+
+    def prepared(k: int):
+        a, b, _ = chunks[k]
+        keep = np.flatnonzero(status[a:b] == 0) + a
+        if not keep.size:
+            return keep, None
+        return keep, bond_book.tree_parameters({key: v[keep] for key, v in cols.items()}, curves)
+
+    # the next chunk's trees are built on a thread while the engine prices this one
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-bonds")
     try:
         if checkpoint is not None:
             checkpoint = Checkpoint(checkpoint).attach()
         inject(faults, rank, done)
         watch.poll()
-        for a, b, chunk in chunks:
-            keep = np.flatnonzero(status[a:b] == 0) + a
-            if keep.size:
-                params = bond_book.tree_parameters({k: v[keep] for k, v in cols.items()}, curves)
+        ahead = pool.submit(prepared, 0) if chunks else None
+        for k, (a, b, chunk) in enumerate(chunks):
+            keep, params = ahead.result()
+            ahead = pool.submit(prepared, k + 1) if k + 1 < len(chunks) else None
+            if params is not None:
                 values[keep, 0] = engine.price(params)
                 nodes += float(params.nodes().sum())
             if checkpoint is not None:
@@ -245,7 +257,9 @@ def _compute(comm, cfg, local: np.ndarray, curves: list, chunks: list, engine,
             if done < len(chunks):
                 watch.poll()
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
+        pool.shutdown(wait=False, cancel_futures=True)
         watch.failed(done, exc)
+    pool.shutdown(wait=False)
     watch.barrier()
     return values, nodes
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from pricer.errors import InputError
-from pricer.model import bond_book, hw1f
+from pricer.model import hw1f
 
 DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
 # the instruments as objects, their columns and the file's rows while a dataset is written
-GENERATE_BYTES_PER_INSTRUMENT = 2048
+GENERATE_BYTES_PER_INSTRUMENT = 512    # the columns, and the text columns' objects as written
 STEPS_PER_YEAR = 12
 WIDTHS, HEIGHTS = (7, 511), (13, 1200)
 CURVE = hw1f.YieldCurve(np.array([0.25, 1.0, 2.0, 5.0, 10.0, 30.0, 100.0]),
@@ -82,8 +82,9 @@ def shapes(name: str, count: int | None, rng) -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(_odd(widths), 511), heights
 
 
-def dataset(name: str, count: int | None = None, seed: int = 2026):
-    """(instruments, a, sigma, steps_per_year, curve) of a dataset (module doc)."""
+def dataset_columns(name: str, count: int | None = None, seed: int = 2026) -> dict:
+    """A dataset (module doc) as a book's columns (bond_book.BOND_COLUMNS) on curve 0 (CURVE),
+    vectorised: what `pricer generate --bonds` writes."""
     rng = np.random.default_rng(seed)
     widths, heights = shapes(name, count, rng)
     n = widths.size
@@ -91,16 +92,30 @@ def dataset(name: str, count: int | None = None, seed: int = 2026):
     coupon = rng.uniform(0.0, 0.08, n)
     strike = rng.uniform(90.0, 110.0, n)
     call = rng.random(n) < 0.5
-    instruments = []
-    for k in range(n):
-        mat = float(maturity[k])
-        first, last = (1.0, mat - 1.0) if mat >= 2.0 else (mat / 2.0, mat / 2.0)
-        instruments.append(hw1f.BondOption(face=100.0, coupon=float(coupon[k]), frequency=2,
-                                           maturity=mat, strike=float(strike[k]),
-                                           call=bool(call[k]), exercise="bermudan", first=first,
-                                           last=last, every=1.0))
     sigma = rng.uniform(0.005, 0.02, n)
-    return instruments, mean_reversion(widths), sigma, STEPS_PER_YEAR, CURVE
+    long = maturity >= 2.0
+    return dict(face=np.full(n, 100.0), coupon=coupon, frequency=np.full(n, 2, dtype=np.int64),
+                maturity=maturity, strike=strike, call=call,
+                exercise=np.full(n, hw1f.EXERCISES.index("bermudan"), dtype=np.int64),
+                first_exercise=np.where(long, 1.0, maturity / 2.0),
+                last_exercise=np.where(long, maturity - 1.0, maturity / 2.0),
+                exercise_frequency=np.ones(n), product=np.zeros(n, dtype=np.int64),
+                mean_reversion=mean_reversion(widths), volatility=sigma,
+                steps_per_year=np.full(n, float(STEPS_PER_YEAR)),
+                curve=np.zeros(n, dtype=np.int64))
+
+
+def dataset(name: str, count: int | None = None, seed: int = 2026):
+    """(instruments, a, sigma, steps_per_year, curve) of a dataset (module doc): its columns as
+    hw1f.BondOption objects."""
+    cols = dataset_columns(name, count, seed)
+    instruments = [hw1f.BondOption(face=100.0, coupon=float(c), frequency=2, maturity=float(m),
+                                   strike=float(k), call=bool(x), exercise="bermudan",
+                                   first=float(f), last=float(last), every=1.0)
+                   for c, m, k, x, f, last in zip(cols["coupon"], cols["maturity"],
+                                                  cols["strike"], cols["call"],
+                                                  cols["first_exercise"], cols["last_exercise"])]
+    return (instruments, cols["mean_reversion"], cols["volatility"], STEPS_PER_YEAR, CURVE)
 
 
 def write_dataset(path: str, name: str, count: int | None = None, seed: int = 2026,
@@ -123,8 +138,7 @@ def write_dataset(path: str, name: str, count: int | None = None, seed: int = 20
     if need > have:
         raise InputError(f"--count {count}: generating it needs ~{need / GIB:.2f} GiB of memory, "
                          f"this machine has {have / GIB:.2f} GiB available")
-    instruments, a, sigma, per_year, curve = dataset(name, count, seed)
-    columns = bond_book.columns_of(instruments, a, sigma, per_year)
-    write_bond_book(path, np.arange(1, len(instruments) + 1), columns, {"default": curve},
-                    default="default")
-    print(f"wrote {path}: {len(instruments)} bond options ({name}, seed {seed})", flush=True)
+    columns = dataset_columns(name, count, seed)
+    n = columns["maturity"].size
+    write_bond_book(path, np.arange(1, n + 1), columns, {"default": CURVE}, default="default")
+    print(f"wrote {path}: {n} bond options ({name}, seed {seed})", flush=True)
