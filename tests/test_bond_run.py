@@ -40,7 +40,8 @@ def _mixed(tmp_path, bonds_path):
 def test_bond_book_priced_by_any_rank_count(tmp_path, book, ranks):
     path, want = book
     out = tmp_path / "out.h5"
-    run = run_pricer(["price", path, "-o", out, "--chunk-nodes", "2e6"], ranks=ranks, timeout=300)
+    run = run_pricer(["price", path, "-o", out, "--chunk-nodes", "2e6", "--backend", "cpu"],
+                     ranks=ranks, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "priced 120 bond options" in run.stdout
     got = read_results(out)
@@ -53,13 +54,14 @@ def test_bond_book_priced_by_any_rank_count(tmp_path, book, ranks):
 def test_options_and_bond_options_in_one_file(tmp_path, book):
     path, want = book
     mixed = _mixed(tmp_path, path)
-    alone = run_pricer(["price", mixed, "-o", tmp_path / "options.h5"], timeout=300)
+    alone = run_pricer(["price", mixed, "-o", tmp_path / "options.h5", "--backend", "cpu"],
+                       timeout=300)
     assert alone.returncode == 0, alone.stderr
     # the option run alone: the same file with its bonds left out
     only = tmp_path / "only.h5"
     with h5py.File(mixed, "r") as src, h5py.File(only, "w") as dst:
         src.copy("portfolio", dst)
-    ref = run_pricer(["price", only, "-o", tmp_path / "ref.h5"], timeout=300)
+    ref = run_pricer(["price", only, "-o", tmp_path / "ref.h5", "--backend", "cpu"], timeout=300)
     assert ref.returncode == 0, ref.stderr
     both = read_results(tmp_path / "options.h5")
     options = read_results(tmp_path / "ref.h5")
@@ -75,15 +77,15 @@ def test_options_and_bond_options_in_one_file(tmp_path, book):
 
 def test_bond_book_to_csv(tmp_path, book):
     path, want = book
-    run = run_pricer(["price", path, "-o", tmp_path / "b.csv"], timeout=300)
+    run = run_pricer(["price", path, "-o", tmp_path / "b.csv", "--backend", "cpu"], timeout=300)
     assert run.returncode == 0, run.stderr
     got = read_results(tmp_path / "b.csv")
     np.testing.assert_array_equal(got["price"], want.price.to_numpy())
 
 
-def _spoiled(tmp_path, path, bad: dict):
+def _spoiled(tmp_path, path, bad: dict, name: str = "bad.h5"):
     """A copy of the book with rows of columns overwritten: {column: {row: value}}."""
-    out = tmp_path / "bad.h5"
+    out = tmp_path / name
     with h5py.File(path, "r") as src, h5py.File(out, "w") as dst:
         for group in ("bond_options", "curves"):
             src.copy(group, dst)
@@ -103,7 +105,8 @@ def test_bad_bond_rows_refused_on_every_rank_or_skipped(tmp_path, book):
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "maturity" in refused.stderr and str(ids[30]) in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "x.h5").exists()
-    skipped = run_pricer(["price", bad, "-o", tmp_path / "s.h5", "--invalid", "skip"], ranks=2,
+    skipped = run_pricer(["price", bad, "-o", tmp_path / "s.h5", "--invalid", "skip",
+                          "--backend", "cpu"], ranks=2,
                          timeout=300)
     assert skipped.returncode == 0, skipped.stderr
     got = read_results(tmp_path / "s.h5")["bonds"]
@@ -112,6 +115,18 @@ def test_bad_bond_rows_refused_on_every_rank_or_skipped(tmp_path, book):
     keep = np.setdiff1d(np.arange(ids.size), [7, 30])
     np.testing.assert_array_equal(got["price"][keep], want.price.to_numpy()[keep])
     assert "2 of 120 bond options not priced" in skipped.stdout
+    # a row that only the last rank reads: refused by that rank, every rank exits 2
+    late = _spoiled(tmp_path, path, {"coupon": {115: 3.0}}, "late.h5")
+    refused = run_pricer(["price", late, "-o", tmp_path / "y.h5", "--chunk-nodes", "2e6"],
+                         ranks=2, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "rank 1: " in refused.stderr and "coupon" in refused.stderr
+    assert str(ids[115]) in refused.stderr and not (tmp_path / "y.h5").exists()
+    # ids are checked whole by rank 0
+    twice = _spoiled(tmp_path, path, {"id": {40: int(ids[3])}}, "twice.h5")
+    refused = run_pricer(["price", twice, "-o", tmp_path / "z.h5"], ranks=2, timeout=300)
+    assert refused.returncode == 2 and f"duplicate id(s) {ids[3]}" in refused.stderr, \
+        refused.stderr
 
 
 def test_bond_options_only_settings_refused(tmp_path, book):
@@ -124,7 +139,8 @@ def test_bond_options_only_settings_refused(tmp_path, book):
 def test_a_failed_rank_keeps_its_chunks_and_the_resume_prices_the_rest(tmp_path, book):
     path, want = book
     ckpt = tmp_path / "ckpt"
-    args = ["price", path, "-o", tmp_path / "c.h5", "--checkpoint", ckpt, "--chunk-nodes", "2e6"]
+    args = ["price", path, "-o", tmp_path / "c.h5", "--checkpoint", ckpt, "--chunk-nodes", "2e6",
+            "--backend", "cpu"]
     failed = run_pricer(args, ranks=2, timeout=300, extra_env={"PRICER_FAULT": "raise:1:2"})
     assert failed.returncode != 0 and "rank 1 failed after 2 chunk(s)" in failed.stderr
     assert not (tmp_path / "c.h5").exists()

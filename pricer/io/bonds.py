@@ -163,9 +163,57 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
     return values
 
 
-def read_bond_book(path: str, invalid: str = "refuse") -> BondBook:
-    """Read and validate a book of bond options; any problem raises InputError naming it
-    (invalid="skip": see book_from_columns)."""
+def read_bond_book(path: str, invalid: str = "refuse", rows: slice = slice(None)) -> BondBook:
+    """Read and validate a book of bond options, or its rows `rows` (a run's rank reads its
+    own); any problem raises InputError naming it (invalid="skip": see book_from_columns)."""
+    columns, curves, default = _read(path, lambda f: {
+        name: ds[rows] for name, ds in f[GROUP].items() if isinstance(ds, h5py.Dataset)})
+    return book_from_columns(columns, curves, default, source=path, invalid=invalid)
+
+
+# what a run's plan reads of every row: the ids, and what a tree's nodes follow from
+INDEX_COLUMNS = ("id", "maturity", "steps_per_year", "mean_reversion")
+
+
+def read_bond_index(path: str) -> dict:
+    """The INDEX_COLUMNS of every row (numbers; float64 but the ids), with the book's shape
+    checked: its groups, every column there with one value per id, ids whole and unique. The rows
+    themselves are read and checked by read_bond_book."""
+    def index(f):
+        g = f[GROUP]
+        needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in g and c not in OPTIONAL]
+        if needed:
+            raise InputError(f"{path}: missing column(s) {', '.join(needed)}", column=needed[0])
+        shapes = {name: ds.shape for name, ds in g.items() if isinstance(ds, h5py.Dataset)}
+        n = shapes["id"][0] if len(shapes["id"]) == 1 else -1
+        odd = [name for name, shape in shapes.items() if shape != (n,)]
+        if odd:
+            raise InputError(f"{path}: column {odd[0]} must be 1-D with a value per id ({n}); "
+                             f"it has shape {shapes[odd[0]]}", column=odd[0])
+        return {name: g[name][()] for name in INDEX_COLUMNS}
+
+    out, _, _ = _read(path, index)
+    ids = np.asarray(out["id"])
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{path}: id must be a 1-D column of integers", column="id")
+    import pandas as pd
+
+    if not pd.Index(ids).is_unique:     # hashed: a sort of every id only where some repeat
+        unique, counts = np.unique(ids, return_counts=True)
+        raise InputError(f"{path}: duplicate id(s) {first_ids(unique, counts > 1)}",
+                         column="id", ids=unique[counts > 1])
+    for name in INDEX_COLUMNS[1:]:
+        if np.asarray(out[name]).dtype.kind not in "biuf":
+            raise InputError(f"{path}: column {name} must be numbers, not {out[name].dtype}",
+                             column=name)
+        out[name] = np.asarray(out[name], dtype=np.float64)
+    out["id"] = ids.astype(np.int64)
+    return out
+
+
+def _read(path: str, columns):
+    """(columns(f), curves, default curve name) of the book at path; InputError for a file
+    that is not such a book."""
     check_input_file(path)
     if not h5py.is_hdf5(path):
         raise InputError(f"{path}: not an HDF5 file")
@@ -175,8 +223,7 @@ def read_bond_book(path: str, invalid: str = "refuse") -> BondBook:
                 raise InputError(f"{path}: no /{GROUP} group")
             if CURVES not in f or not isinstance(f[CURVES], h5py.Group):
                 raise InputError(f"{path}: no /{CURVES} group (the yield curves)")
-            columns = {name: ds[()] for name, ds in f[GROUP].items()
-                       if isinstance(ds, h5py.Dataset)}
+            read = columns(f)
             curves = {}
             for name, g in f[CURVES].items():
                 if not (isinstance(g, h5py.Group) and "times" in g and "rates" in g):
@@ -192,7 +239,7 @@ def read_bond_book(path: str, invalid: str = "refuse") -> BondBook:
             default = default.decode()
         except UnicodeDecodeError:
             raise InputError(f"{path}: /{CURVES}'s default curve name is not UTF-8") from None
-    return book_from_columns(columns, curves, default, source=path, invalid=invalid)
+    return read, curves, default
 
 
 def has_bond_options(path: str) -> tuple[bool, bool]:

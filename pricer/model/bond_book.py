@@ -112,9 +112,11 @@ def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams
     return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves])
 
 
-def tree_nodes(cols: dict) -> np.ndarray:
-    """Tree nodes a sweep per instrument (HullWhiteParams.nodes) from its columns alone, without
-    building the trees: the run's cost model (rows that break a rule count one node)."""
+def tree_shapes(cols: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, j_max, tree nodes a sweep) of each instrument (float64) from the columns it
+    follows from (maturity, steps_per_year, mean_reversion) without building the trees: the
+    run's cost model. A row whose tree breaks a bound (check_columns) or is not a number gets
+    0 steps and 1 node: the rows' own checks refuse or skip it."""
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         steps = steps_of(maturity, np.asarray(cols["steps_per_year"], dtype=np.float64))
@@ -123,7 +125,9 @@ def tree_nodes(cols: dict) -> np.ndarray:
         levels = steps + 1.0
         growing = np.minimum(levels, jmax)
         nodes = growing * growing + (levels - growing) * (2.0 * jmax + 1.0)
-    return np.where(np.isfinite(nodes) & (nodes >= 1.0), nodes, 1.0)
+        ok = (np.isfinite(nodes) & (maturity > 0.0) & (steps >= 1.0) & (steps <= MAX_TREE_STEPS)
+              & (jmax <= MAX_JMAX))
+    return np.where(ok, steps, 0.0), np.where(ok, jmax, 0.0), np.where(ok, nodes, 1.0)
 
 
 def _exclusive(counts: np.ndarray) -> np.ndarray:

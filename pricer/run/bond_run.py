@@ -3,18 +3,23 @@ run's shape (driver.py) for the second family, on the same collectives, chunk gr
 files and failure handling. `pricer price` calls it for a file's /bond_options; the option run
 then prices the file's /portfolio, if any, and writes both (results.write_results).
 
-1. agree: rank 0 reads and checks the book (io/bonds.read_bond_book; with --invalid skip the rows
-   that break a rule keep their status instead), checks the memory, cuts the book into chunks by
-   tree nodes (checkpoint.chunk_grid over the trees' node counts, and at most CHUNK_STEPS tree
-   steps a chunk: its per-step arrays bound a chunk's memory, on the host and on a GPU), reads back
-   the chunks a checkpoint holds, and splits the others over the ranks by their nodes; one
-   verdict, so that bad input makes every rank exit 2.
-2. share: the rows to price as one float64 matrix (bond_book.matrix_of), by Scatterv; the
-   curves, by a broadcast.
+1. plan: rank 0 reads the book's index (io/bonds.read_bond_index: the ids, and the columns a
+   tree's size follows from) while every rank starts its engine; checks the memory, cuts the
+   book into chunks by tree nodes (checkpoint.chunk_grid over bond_book.tree_shapes' node
+   counts, and at most CHUNK_STEPS tree steps a chunk: its per-step arrays bound a chunk's
+   memory, on the host and on a GPU), finds the chunks a checkpoint holds, and splits the others
+   over the ranks by their nodes; one verdict.
+2. read: every rank reads and checks its own rows (io/bonds.read_bond_book of its span of the
+   file; with --invalid skip the rows that break a rule keep their status instead); one verdict,
+   so that bad input anywhere makes every rank exit 2, the lowest rank's message printed.
 3. compute: each rank prices its chunks with its backend's engine of the family
-   (engines.get_bond_engine), saving each to the checkpoint; a failure is reported to rank 0, which
-   names the rank and ends the job (faults.FailureWatch).
+   (engines.get_bond_engine), the next chunk's trees built on a thread meanwhile, saving each
+   chunk to the checkpoint; a failure is reported to rank 0, which names the rank and ends the
+   job (faults.FailureWatch).
 4. gather: one Gatherv of the (price, status) rows to rank 0.
+
+A rank's rows never travel: the file is read in parallel, and the run's serial part is rank 0's
+index (4 numbers a row) and the results.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from pricer.io.formats import HDF5, output_format
 from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model import bond_book
 from pricer.run import memory
-from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, distribute,
-                                    gather_rows, node_ranks, verdict)
+from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, gather_rows,
+                                    node_ranks, verdict)
 from pricer.run.config import configure_threads, kept
 from pricer.run.plan import claim
 from pricer.run.faults import FailureWatch, chunk_delay, inject, planned_faults
@@ -56,6 +61,7 @@ class BondResults:
     backend: str
     seconds: dict = field(default_factory=dict)
     reused: int = 0             # read back from the checkpoint
+    notes: list = field(default_factory=list)
 
     def table(self) -> dict:
         """The results' columns (write_results' bonds)."""
@@ -74,22 +80,19 @@ class BondResults:
             lines.append(f"--invalid skip: {skipped} of {self.status.size} bond options not "
                          "priced (" + "; ".join(f"{c} x {bond_book.REASONS[int(k)]}"
                                                 for k, c in zip(codes, counts)) + ")")
-        return lines
+        return lines + self.notes
 
 
 @dataclass
 class _Plan:
+    """Rank 0's decisions: the chunks to price and which rank prices which."""
     ids: np.ndarray             # every instrument's id, in the book's order
-    status: np.ndarray          # every instrument's status (int8)
-    matrix: np.ndarray          # the rows to price, in the book's order (the chunks not saved)
-    todo: np.ndarray            # their row numbers in the book
-    bounds: np.ndarray          # rank r prices matrix rows bounds[r]:bounds[r + 1]
-    cuts: np.ndarray            # chunk boundaries in matrix rows (every bound is one)
-    chunk_ids: np.ndarray       # each chunk's number in the checkpoint grid (-1: none)
-    reuse: list                 # [((a, b), chunk)] book rows read back from the checkpoint
+    grid: np.ndarray            # chunk boundaries in book rows
+    todo: np.ndarray            # the chunks to price (their numbers in the grid), in order
+    bounds: np.ndarray          # rank r prices chunks todo[bounds[r]:bounds[r + 1]]
+    reuse: np.ndarray           # the chunks read back from the checkpoint
     checkpoint: Checkpoint | None
-    curves: list
-    nodes: np.ndarray           # tree nodes (one sweep) of the matrix's rows
+    notes: list
 
 
 def checkpoint_folder(cfg, with_options: bool) -> str | None:
@@ -101,17 +104,13 @@ def checkpoint_folder(cfg, with_options: bool) -> str | None:
 
 
 def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _Plan:
-    from pricer.io.bonds import read_bond_book
+    """Rank 0: the book's index (read_bond_index: ids, and what each tree's size follows from),
+    the memory check, the chunk grid, the checkpoint's chunks, the ranks' shares by nodes."""
+    from pricer.io.bonds import read_bond_index
 
-    book = read_bond_book(cfg.input, invalid=cfg.invalid)
-    cols, status = book.columns, book.status
-    nodes = bond_book.tree_nodes(cols)
-    nodes[status != 0] = 1.0
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        steps = bond_book.steps_of(np.asarray(cols["maturity"], np.float64),
-                                   np.asarray(cols["steps_per_year"], np.float64))
-    steps = np.where(status == 0, steps, 0.0)
-    _check_memory(cfg, book, steps, node_ranks, size)
+    index = read_bond_index(cfg.input)
+    steps, jmax, nodes = bond_book.tree_shapes(index)
+    _check_memory(cfg, steps, jmax, node_ranks, size)
     chunk_nodes, chunk_rows = cfg.chunk_shape()
     grid = np.union1d(
         chunk_grid(nodes, chunk_nodes / 2.0, chunk_rows,
@@ -131,36 +130,37 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
             if failed:
                 notes.append(f"checkpoint: {failed} bond chunk file(s) failed their checks and "
                              "were priced again")
-    missing = np.flatnonzero(~done)
-    todo = np.flatnonzero(np.repeat(~done, np.diff(grid)))
-    lengths = np.diff(grid)[missing]
-    cuts = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    costs = np.add.reduceat(nodes, grid[:-1])[missing] if missing.size else np.zeros(0)
-    bounds = cuts[split_chunks(costs, size)]
-    reuse = [((int(grid[j]), int(grid[j + 1])), int(j)) for j in np.flatnonzero(done)]
-    matrix = bond_book.matrix_of({k: np.asarray(v)[todo] for k, v in cols.items()})
-    return _Plan(book.id, status, matrix, todo, bounds, cuts, missing.astype(np.int64), reuse,
-                 checkpoint, book.curves, nodes[todo])
+    todo = np.flatnonzero(~done).astype(np.int64)
+    costs = np.add.reduceat(nodes, grid[:-1])[todo] if todo.size else np.zeros(0)
+    return _Plan(index["id"], grid, todo, split_chunks(costs, size),
+                 np.flatnonzero(done).astype(np.int64), checkpoint, notes)
 
 
-def _check_memory(cfg, book, steps: np.ndarray, node_ranks: int, size: int) -> None:
-    """Refuse a book whose read, matrix and largest chunk's trees exceed the node's memory."""
-    n = len(book)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        widths = 2.0 * np.maximum(1.0, np.ceil(bond_book.JMAX_FACTOR / (
-            np.asarray(book.columns["mean_reversion"], np.float64)
-            * np.asarray(book.columns["maturity"], np.float64) / np.maximum(steps, 1.0)))) + 1.0
-    widths = np.where(book.status == 0, widths, 0.0)      # a skipped row builds no tree
+def _check_memory(cfg, steps: np.ndarray, jmax: np.ndarray, node_ranks: int, size: int) -> None:
+    """Refuse a book whose index, a rank's rows and a chunk's trees exceed the node's memory."""
+    n = steps.size
     threads = cfg.threads or 1
     chunk = min(float(steps.sum() + n), CHUNK_STEPS)
     working = (chunk * memory.BOND_BYTES_PER_STEP
-               + threads * float(widths.max(initial=0.0)) * memory.BOND_BYTES_PER_ROW)
+               + threads * float(2.0 * jmax.max(initial=0.0) + 1.0) * memory.BOND_BYTES_PER_ROW)
     share = -(-n // size)
-    row = len(bond_book.BOND_COLUMNS) * 8
-    other = share * (row + len(OUTPUTS) * 8) + working
-    root = n * (3 * row + 2 * len(OUTPUTS) * 8) + other
+    row = len(bond_book.BOND_COLUMNS) * 8 + 3 * 16      # the columns, as read and as typed
+    other = share * (2 * row + len(OUTPUTS) * 8) + working
+    root = n * (4 * 8 + 3 * len(OUTPUTS) * 8) + other   # the index, the gathered results
     room, source = memory.available_memory(node_ranks=node_ranks)
     memory.check(memory.Estimate(float(root), float(other), room, node_ranks, source), cfg.input)
+
+
+def _own_rows(cfg, grid: np.ndarray, chunks: np.ndarray):
+    """This rank's rows (the chunks `chunks`, in order), read and checked by it: (the BondBook
+    of the span from its first chunk to its last, the chunks as (a, b, chunk) rows of it)."""
+    from pricer.io.bonds import read_bond_book
+
+    if not chunks.size:
+        return None, []
+    lo, hi = int(grid[chunks[0]]), int(grid[chunks[-1] + 1])
+    book = read_bond_book(cfg.input, invalid=cfg.invalid, rows=slice(lo, hi))
+    return book, [(int(grid[j]) - lo, int(grid[j + 1]) - lo, int(j)) for j in chunks]
 
 
 def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondResults | None:
@@ -169,71 +169,78 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     rank, size = comm.Get_rank(), comm.Get_size()
     seconds = {}
     t = time.perf_counter()
-    plan, status, message, failure = attempt(
-        lambda: _make_plan(cfg, size, node_ranks, digest, folder)) if rank == ROOT \
-        else (None, 0, None, None)
-    started, s_status, s_message, s_failure = attempt(lambda: get_bond_engine(cfg.backend))
-    verdict(comm, status or s_status, message or s_message)
-    if failure is not None or s_failure is not None:
-        raise failure or s_failure
-    bounds, cuts, chunk_ids = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
-                               for name in ("bounds", "cuts", "chunk_ids"))
-    curves = comm.bcast(plan.curves if rank == ROOT else None, root=ROOT)
+    # rank 0 plans while every rank starts its engine (a GPU's context and kernels)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        planned = pool.submit(attempt, lambda: _make_plan(cfg, size, node_ranks, digest, folder)) \
+            if rank == ROOT else None
+        engine, status, message, failure = attempt(lambda: get_bond_engine(cfg.backend))
+        if planned is not None:
+            plan, p_status, p_message, p_failure = planned.result()
+            if p_status:
+                status, message, failure = p_status, p_message, p_failure
+    verdict(comm, status, message)
+    if failure is not None:
+        raise failure
+    grid, todo, bounds = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
+                          for name in ("grid", "todo", "bounds"))
+    seconds["plan"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    book, chunks, status, message, failure = None, [], 0, None, None
+    read, status, message, failure = attempt(
+        lambda: _own_rows(cfg, grid, todo[bounds[rank]:bounds[rank + 1]]))
+    verdict(comm, status, message)
+    if failure is not None:
+        raise failure
+    book, chunks = read
     seconds["read"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    local = distribute(comm, plan.matrix if rank == ROOT else None, bounds, "scatter",
-                       len(bond_book.BOND_COLUMNS))
-    seconds["distribute"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    mine = (cuts >= lo) & (cuts <= hi)
-    chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
-              zip(cuts[mine][:-1], cuts[mine][1:], chunk_ids[mine[:-1] & mine[1:]])]
-    values, nodes = _compute(comm, cfg, local, curves, chunks, started, folder)
+    values, nodes = _compute(comm, book, chunks, engine, folder)
     seconds["compute"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    full = gather_rows(comm, values, bounds)
+    lengths = np.diff(grid)[todo]
+    rows = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)[bounds]
+    full = gather_rows(comm, values, rows)
     total = comm.reduce(nodes, root=ROOT)
     seconds["gather"] = time.perf_counter() - t
     if rank != ROOT:
         return None
     n = plan.ids.size
-    price, result_status = np.full(n, np.nan), plan.status.copy()
-    price[plan.todo] = full[:, 0]
-    for (a, b), chunk in plan.reuse:
-        saved = plan.checkpoint.load(chunk, b - a, len(OUTPUTS))
-        price[a:b] = saved[:, 0]
-    wrong = (result_status == 0) & ~np.isfinite(price)
+    out = np.full((n, len(OUTPUTS)), np.nan)
+    if todo.size:
+        out[np.concatenate([np.arange(grid[j], grid[j + 1]) for j in todo])] = full
+    for j in plan.reuse:
+        a, b = int(grid[j]), int(grid[j + 1])
+        out[a:b] = plan.checkpoint.load(int(j), b - a, len(OUTPUTS))
+    status = out[:, 1].astype(np.int8)
+    wrong = (status == 0) & ~np.isfinite(out[:, 0])
     if wrong.any():         # the bounds of bond_book.check_columns should make this unreachable
         raise InputError(f"{cfg.input}: the Hull–White trees of bond option id(s) "
                          f"{first_ids(plan.ids, wrong)} gave no finite value", ids=plan.ids[wrong])
-    reused = int(sum(b - a for (a, b), _ in plan.reuse))
-    return BondResults(plan.ids, price, result_status, 2.0 * float(total), size,
-                       resolve_backend(cfg.backend), seconds, reused)
+    reused = int(sum(int(grid[j + 1] - grid[j]) for j in plan.reuse))
+    return BondResults(plan.ids, out[:, 0], status, 2.0 * float(total), size,
+                       resolve_backend(cfg.backend), seconds, reused, plan.notes)
 
 
-def _compute(comm, cfg, local: np.ndarray, curves: list, chunks: list, engine,
-             checkpoint: str | None) -> tuple[np.ndarray, float]:
-    """This rank's rows, chunk by chunk: (rows, 2) of price and status, and the tree nodes it
-    priced (one sweep). A failure ends the job, named by rank 0 (FailureWatch)."""
+def _compute(comm, book, chunks: list, engine, checkpoint: str | None) -> tuple[np.ndarray, float]:
+    """This rank's chunks of `book`: (rows, 2) of price and status, and the tree nodes it priced
+    (one sweep). A failure ends the job, named by rank 0 (FailureWatch)."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
-    values = np.full((local.shape[0], len(OUTPUTS)), np.nan)
-    cols = bond_book.columns_of_matrix(local)
-    status = bond_book.statuses(cols, curves) if cfg.invalid == "skip" \
-        else np.zeros(local.shape[0], dtype=np.int8)
-    values[:, 1] = status
+    rows = sum(b - a for a, b, _ in chunks)
+    values = np.full((rows, len(OUTPUTS)), np.nan)
+    at = np.concatenate(([0], np.cumsum([b - a for a, b, _ in chunks]))).astype(np.int64)
     done, nodes = 0, 0.0
 
     def prepared(k: int):
         a, b, _ = chunks[k]
-        keep = np.flatnonzero(status[a:b] == 0) + a
+        keep = np.flatnonzero(book.status[a:b] == 0) + a
         if not keep.size:
             return keep, None
-        return keep, bond_book.tree_parameters({key: v[keep] for key, v in cols.items()}, curves)
+        return keep, bond_book.tree_parameters({key: v[keep] for key, v in book.columns.items()},
+                                               book.curves)
 
     # the next chunk's trees are built on a thread while the engine prices this one
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-bonds")
@@ -246,11 +253,13 @@ def _compute(comm, cfg, local: np.ndarray, curves: list, chunks: list, engine,
         for k, (a, b, chunk) in enumerate(chunks):
             keep, params = ahead.result()
             ahead = pool.submit(prepared, k + 1) if k + 1 < len(chunks) else None
+            mine = values[at[k]:at[k + 1]]
+            mine[:, 1] = book.status[a:b]
             if params is not None:
-                values[keep, 0] = engine.price(params)
+                mine[keep - a, 0] = engine.price(params)
                 nodes += float(params.nodes().sum())
             if checkpoint is not None:
-                checkpoint.save(chunk, values[a:b])
+                checkpoint.save(chunk, mine)
             done += 1
             chunk_delay()
             inject(faults, rank, done)
@@ -280,8 +289,7 @@ def price_file_bonds(cfg, comm, with_options: bool):
         unsupported = [flag for flag, on in (("implied-vol", cfg.implied),
                                              ("--greeks", cfg.greeks),
                                              ("--richardson", cfg.richardson),
-                                             ("scenarios", cfg.scenarios),
-                                             ("--distribute read", cfg.distribute == "read"))
+                                             ("scenarios", cfg.scenarios))
                        if on]
         if unsupported and not with_options:
             raise InputError(f"{cfg.input}: holds bond options only; {', '.join(unsupported)} "
