@@ -79,6 +79,15 @@ def test_gpu_engine_is_the_cpu_engine(rng, strategy):
     flat, outer = engine.split(params)
     assert flat.size + outer.size == len(params)
     got = engine.price(params)
+    # two calls in flight, on the engine's two slots (Engine.start, Engine.finish), and a third
+    # started in the first's slot once it is finished
+    other = random_book(rng, 40)
+    alone = engine.price(other)
+    first, second = engine.start(params), engine.start(other)
+    np.testing.assert_array_equal(engine.finish(first), got)
+    third = engine.start(params)
+    np.testing.assert_array_equal(engine.finish(second), alone)
+    np.testing.assert_array_equal(engine.finish(third), got)
     err = np.abs(got - want) / scale(want)
     worst = int(np.argmax(err))
     assert err.max() <= 1e-12, (strategy, float(err.max()), want[worst], got[worst],

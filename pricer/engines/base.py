@@ -62,6 +62,17 @@ class Engine:
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
+    def start(self, params):
+        """Begin pricing `params` and return a handle for finish(); an engine that works beside
+        its caller (a GPU's kernels) returns at once, so that the caller can prepare and start the
+        next call meanwhile. Once it returns, the engine no longer reads `params` (the caller
+        may reuse their storage). By default the pricing is done here."""
+        return self.price(params)
+
+    def finish(self, started) -> np.ndarray:
+        """The prices of a start()ed call, in the order given."""
+        return started
+
     def price_rows(self, params: LatticeParams, rows: np.ndarray,
                    levels: np.ndarray | None = None) -> np.ndarray:
         """Prices of options `rows` of params, in that order (an engine that can read rows in

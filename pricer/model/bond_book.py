@@ -271,10 +271,28 @@ def _fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fr
                 exercise[lo + min(max(int(np.rint(t / h)), 0), n)] = True
 
 
-def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> HullWhiteParams:
+class StepBuffers:
+    """Per-step arrays reused from one tree_parameters call to the next (grown, never shrunk):
+    a run's chunks fill the same pages instead of fresh ones (whose first touch, a page fault a
+    page, costs as much as the fill). A call's HullWhiteParams hold views of them, valid until
+    the next call."""
+
+    def __init__(self):
+        self.flows = self.exercise = self.discount = np.empty(0)
+
+    def arrays(self, total: int):
+        if self.flows.size < total:
+            size = total * 5 // 4
+            self.flows, self.discount = np.empty(size), np.empty(size)
+            self.exercise = np.empty(size, dtype=np.bool_)
+        return self.flows[:total], self.exercise[:total], self.discount[:total]
+
+
+def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
+                    buffers: StepBuffers | None = None) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step), vectorised over the book; bad columns refused first
-    (check_columns)."""
+    (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays."""
     check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size
@@ -288,8 +306,7 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None) -> 
     curve_at = np.zeros(len(curves), dtype=np.int64)    # a used curve's slot among `points`
     curve_at[used] = np.arange(used.size)
     bounds = _exclusive(np.array([c.times.size for c in points] + [0], dtype=np.int64))
-    flows, exercise, discount = (np.empty(total), np.empty(total, dtype=np.bool_),
-                                 np.empty(total))
+    flows, exercise, discount = (buffers or StepBuffers()).arrays(total)
     _fill_steps(starts, steps, dt, curve_at[index],
                 np.concatenate([c.times for c in points]), np.concatenate([c.rates for c in points]),
                 bounds, np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64),

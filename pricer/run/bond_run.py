@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from pricer import __version__
@@ -48,6 +49,7 @@ from pricer.run.faults import FailureWatch, chunk_delay, inject, planned_faults
 
 CHUNK_STEPS = 1 << 24        # tree steps a chunk: 25 bytes each on the host, as many on a GPU
 OUTPUTS = ("price", "status")
+TREE_THREADS = 4
 
 
 @dataclass
@@ -196,8 +198,9 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     seconds["read"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    values, nodes = _compute(comm, book, chunks, engine, folder)
+    values, nodes, waited = _compute(comm, book, chunks, engine, folder)
     seconds["compute"] = time.perf_counter() - t
+    waits = comm.gather(waited, root=ROOT)
 
     t = time.perf_counter()
     lengths = np.diff(grid)[todo]
@@ -220,13 +223,33 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
         raise InputError(f"{cfg.input}: the Hull–White trees of bond option id(s) "
                          f"{first_ids(plan.ids, wrong)} gave no finite value", ids=plan.ids[wrong])
     reused = int(sum(int(grid[j + 1] - grid[j]) for j in plan.reuse))
+    notes = plan.notes + ([f"bond compute: the ranks waited {min(waits):.3f}-{max(waits):.3f}s "
+                           "for their chunks' trees (built beside the GPU)"]
+                          if engine.uses_gpu else [])
     return BondResults(plan.ids, out[:, 0], status, 2.0 * float(total), size,
-                       resolve_backend(cfg.backend), seconds, reused, plan.notes)
+                       resolve_backend(cfg.backend), seconds, reused, notes)
 
 
-def _compute(comm, book, chunks: list, engine, checkpoint: str | None) -> tuple[np.ndarray, float]:
-    """This rank's chunks of `book`: (rows, 2) of price and status, and the tree nodes it priced
-    (one sweep). A failure ends the job, named by rank 0 (FailureWatch)."""
+class _InTurn:
+    """ThreadPoolExecutor's submit and shutdown, the work done at once on the calling thread."""
+
+    def submit(self, work, *args):
+        from concurrent.futures import Future
+        future = Future()
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised again by result()
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
+
+def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
+    """This rank's chunks of `book`: (rows, 2) of price and status, the tree nodes it priced (one
+    sweep) and the seconds it waited for a chunk's trees. A failure ends the job, named by rank 0
+    (FailureWatch)."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
     rows = sum(b - a for a, b, _ in chunks)
@@ -234,30 +257,43 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None) -> tuple[
     at = np.concatenate(([0], np.cumsum([b - a for a, b, _ in chunks]))).astype(np.int64)
     done, nodes = 0, 0.0
 
+    # the trees' builder: the rank's share of the cores (config.configure_threads); beside a GPU,
+    # at most TREE_THREADS, which leave the engine's host work its cores (docs/decisions.md)
+    threads = numba.get_num_threads()
+    if engine.uses_gpu:
+        threads = min(threads, TREE_THREADS)
+    waited = 0.0
+    storage = bond_book.StepBuffers()     # one chunk's trees at a time (below)
+
     def prepared(k: int):
+        numba.set_num_threads(threads)     # numba's count is per thread: this one's, set
         a, b, _ = chunks[k]
         keep = np.flatnonzero(book.status[a:b] == 0) + a
         if not keep.size:
             return keep, None
         return keep, bond_book.tree_parameters({key: v[keep] for key, v in book.columns.items()},
-                                               book.curves)
+                                               book.curves, buffers=storage)
 
-    # the next chunk's trees are built on a thread while the engine prices this one
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-bonds")
+    # a GPU's next chunk's trees are built on a thread while it prices this one (a CPU engine
+    # has the cores itself: its chunks' trees are built in turn, on the same thread)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-bonds") \
+        if engine.uses_gpu else _InTurn()
     try:
         if checkpoint is not None:
             checkpoint = Checkpoint(checkpoint).attach()
         inject(faults, rank, done)
         watch.poll()
         ahead = pool.submit(prepared, 0) if chunks else None
-        for k, (a, b, chunk) in enumerate(chunks):
-            keep, params = ahead.result()
-            ahead = pool.submit(prepared, k + 1) if k + 1 < len(chunks) else None
+        pending = None                  # the chunk started on the engine, not finished
+
+        def complete(k, keep, call):
+            nonlocal done, nodes
+            a, b, chunk = chunks[k]
             mine = values[at[k]:at[k + 1]]
             mine[:, 1] = book.status[a:b]
-            if params is not None:
-                mine[keep - a, 0] = engine.price(params)
-                nodes += float(params.nodes().sum())
+            if call is not None:
+                mine[keep - a, 0] = engine.finish(call[0])
+                nodes += call[1]
             if checkpoint is not None:
                 checkpoint.save(chunk, mine)
             done += 1
@@ -265,12 +301,28 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None) -> tuple[
             inject(faults, rank, done)
             if done < len(chunks):
                 watch.poll()
+
+        # chunk k is started on the engine before chunk k - 1 is finished (Engine.start): a GPU
+        # copies k's trees while it prices k - 1's. Once start() returns, the engine holds its
+        # own copy (or the prices): only then is chunk k + 1 built, in the same storage
+        for k in range(len(chunks)):
+            t = time.perf_counter()
+            keep, params = ahead.result()
+            waited += time.perf_counter() - t
+            call = None if params is None else (engine.start(params),
+                                                float(params.nodes().sum()))
+            ahead = pool.submit(prepared, k + 1) if k + 1 < len(chunks) else None
+            if pending is not None:
+                complete(*pending)
+            pending = (k, keep, call)
+        if pending is not None:
+            complete(*pending)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         pool.shutdown(wait=False, cancel_futures=True)
         watch.failed(done, exc)
     pool.shutdown(wait=False)
     watch.barrier()
-    return values, nodes
+    return values, nodes, waited
 
 
 def price_file_bonds(cfg, comm, with_options: bool):

@@ -105,6 +105,7 @@ class HullWhiteGpuEngine(Engine):
         self._flat.set_attribute(self.rt.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  flat_shared_bytes(FLAT_MAX_ROWS))
         self.kernel_seconds = 0.0    # the last call's kernels (CUDA events), for the bench
+        self._slots, self._slot = [_Slot(self.rt), _Slot(self.rt)], 0
 
     def split(self, params: HullWhiteParams) -> tuple[np.ndarray, np.ndarray]:
         """(GPU-FLAT's instruments, GPU-OUTER's), each in the sorted order."""
@@ -115,56 +116,112 @@ class HullWhiteGpuEngine(Engine):
         return order[flat], order[~flat]
 
     def price(self, params: HullWhiteParams, levels=None) -> np.ndarray:
-        import pycuda.gpuarray as ga
+        return self.finish(self.start(params))
 
-        n = len(params)
-        if n == 0:
-            return np.empty(0)
+    def start(self, params: HullWhiteParams) -> "_Call":
+        """Sort, pack, copy and launch (module doc) on the stream of one of two slots, and return
+        without waiting for the kernels: a caller that starts the next call before it finishes
+        this one has that call's copies run beside these kernels (the slots' streams do not wait
+        for each other). At most two calls may be started and not finished."""
+        self._slot ^= 1
+        slot = self._slots[self._slot]
+        call = _Call(slot, len(params))
+        if call.n == 0:
+            return call
         flat, outer = self.split(params)
         p = params
-        dev = [ga.to_gpu(np.ascontiguousarray(x)) for x in (
-            p.a, p.dt, p.steps, p.jmax, p.dr, p.strike, p.sign, p.product, p.starts, p.flows,
-            p.exercise.view(np.uint8), p.discount)]
-        shifts = ga.empty(p.flows.size, np.float64)
-        out = ga.empty(n, np.float64)
-        stream = self.rt.stream
-        keep = []                   # the launches' arguments, alive until the stream is done
-        cuda = self.rt.cuda
-        started, ended = cuda.Event(), cuda.Event()
-        self.kernel_seconds = 0.0
+        dev = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
+            ("a", p.a), ("dt", p.dt), ("steps", p.steps), ("jmax", p.jmax), ("dr", p.dr),
+            ("strike", p.strike), ("sign", p.sign), ("product", p.product),
+            ("starts", p.starts), ("flows", p.flows), ("exercise", p.exercise.view(np.uint8)),
+            ("discount", p.discount))]
+        shifts = slot.buffer("shifts", p.flows.size * 8)
+        out = slot.buffer("out", call.n * 8)
+        call.out = out
+        slot.started.record(slot.stream)
         if flat.size:
             rows = (2 * p.jmax[flat] + 1).astype(np.int32)
             threads = int(min(FLAT_MAX_ROWS, max(self.flat_threads,
                                                  -(-int(rows.max()) // 32) * 32)))
             first, seg, tallest = flat_bins(rows, p.steps[flat].astype(np.int32), threads)
-            keep += [ga.to_gpu(x) for x in (first, seg, tallest, flat)]
-            started.record(stream)
-            self._flat(*keep[-4:], *dev, shifts, out, block=(threads, 1, 1),
+            args = [slot.put(name, x) for name, x in (("first", first), ("seg", seg),
+                                                      ("tallest", tallest), ("flat", flat))]
+            self._flat(*args, *dev, shifts, out, block=(threads, 1, 1),
                        grid=(int(tallest.size), 1), shared=flat_shared_bytes(threads),
-                       stream=stream)
-            ended.record(stream)
-            ended.synchronize()
-            self.kernel_seconds += ended.time_since(started) / 1e3
+                       stream=slot.stream)
         if outer.size:
             base, width, total = outer_layout(2 * p.jmax[outer] + 1)
-            # launches of whole warps whose scratch fits SCRATCH_BYTES (at least one warp each)
+            # launches of whole warps whose scratch fits SCRATCH_BYTES (at least one warp each),
+            # one after the other on the slot's stream, in the slot's one scratch buffer
             ends = np.append(base[1:], total)
-            lo = 0
+            lo, launches = 0, []
             while lo < base.size:
                 hi = max(int(np.searchsorted(ends, base[lo] + SCRATCH_BYTES // 8, side="right")),
                          lo + 1)
-                inst = outer[lo * 32:hi * 32]
-                args = [ga.to_gpu(inst), ga.to_gpu(base[lo:hi] - base[lo]),
-                        ga.to_gpu(width[lo:hi]), ga.empty(int(ends[hi - 1] - base[lo]), np.float64)]
-                started.record(stream)
-                self._outer(np.int32(inst.size), *args[:3], *dev, shifts, args[3], out,
-                            block=(OUTER_THREADS, 1, 1),
-                            grid=(-(-inst.size // OUTER_THREADS), 1), stream=stream)
-                ended.record(stream)
-                ended.synchronize()         # frees this launch's scratch before the next's
-                self.kernel_seconds += ended.time_since(started) / 1e3
+                launches.append((lo, hi))
                 lo = hi
-        result = out.get(stream=stream)
-        stream.synchronize()
-        del keep
+            scratch = slot.buffer("scratch", 8 * max(int(ends[hi - 1] - base[lo]) for lo, hi
+                                                     in launches))
+            outer_d = slot.put("outer", outer)
+            base_d, width_d = slot.put("base", base), slot.put("width", width)
+            for lo, hi in launches:
+                count = min(hi * 32, outer.size) - lo * 32
+                self._outer(np.int32(count), np.uintp(int(outer_d) + 4 * lo * 32),
+                            np.uintp(int(base_d) + 8 * lo), np.uintp(int(width_d) + 4 * lo),
+                            *dev, shifts, scratch, out,
+                            np.int64(base[lo]), block=(OUTER_THREADS, 1, 1),
+                            grid=(-(-count // OUTER_THREADS), 1), stream=slot.stream)
+        slot.ended.record(slot.stream)
+        return call
+
+    def finish(self, call: "_Call") -> np.ndarray:
+        """The prices of a started call (start), once its kernels are done; the host waits
+        asleep, not spinning."""
+        result = np.empty(call.n)
+        if call.n == 0:
+            return result
+        slot = call.slot
+        slot.ended.synchronize()
+        self.kernel_seconds = slot.ended.time_since(slot.started) / 1e3
+        self.rt.cuda.memcpy_dtoh(result, call.out)
         return result
+
+
+class _Call:
+    """A started call: its slot, its size, its prices' device buffer."""
+
+    def __init__(self, slot, n: int):
+        self.slot, self.n, self.out = slot, n, None
+
+
+class _Slot:
+    """One of the engine's two sets of device buffers (grown, never shrunk) and its stream,
+    which does not wait for the other slot's (CU_STREAM_NON_BLOCKING)."""
+
+    def __init__(self, rt):
+        cuda = rt.cuda
+        self.rt = rt
+        self.stream = cuda.Stream(flags=1)
+        self.started = cuda.Event()
+        self.ended = cuda.Event(cuda.event_flags.BLOCKING_SYNC)
+        self.buffers: dict = {}
+
+    def buffer(self, name: str, nbytes: int):
+        """Device buffer `name` of at least nbytes (grown by a quarter more than asked, so that
+        chunks of about one size allocate once)."""
+        have = self.buffers.get(name)
+        if have is None or have[1] < nbytes:
+            if have is not None:
+                self.rt.free(have[0])
+            size = max(nbytes, 8) * 5 // 4
+            have = self.buffers[name] = (self.rt.alloc(size), size)
+        return have[0]
+
+    def put(self, name: str, host: np.ndarray):
+        """host's bytes copied into buffer `name` on this slot's stream. From pageable memory
+        (numpy's) CUDA returns once the bytes are staged: the host array may then be reused,
+        which Engine.start promises its caller."""
+        device = self.buffer(name, host.nbytes)
+        if host.nbytes:
+            self.rt.cuda.memcpy_htod_async(device, host, self.stream)
+        return device
