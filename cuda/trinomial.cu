@@ -74,8 +74,9 @@ __device__ __forceinline__ void exercise_node(double bond, double& value, double
 
 // ---------------------------------------------------------------------------------------------
 // GPU-OUTER
-// Thread s prices instrument inst[s] (s < n); warp s / 32's rows start at scratch[base[s / 32]]
-// and hold width[s / 32] rows in each of its 8 arrays.
+// Thread s prices instrument inst[s] (s < n); warp s / 32's rows start at
+// scratch[base[s / 32] - base0] and hold width[s / 32] rows in each of its 8 arrays (a launch of
+// a book's warps from the one whose rows start at base0).
 
 #define OUTER_ARRAYS 8
 enum { PU = 0, PM = 1, PD = 2, LOCAL = 3, Q0 = 4, Q1 = 5, V0 = 6, V1 = 7 };
@@ -89,7 +90,7 @@ extern "C" __global__ void hw_outer(
     const long long* __restrict__ product_of, const long long* __restrict__ starts,
     const double* __restrict__ flows, const unsigned char* __restrict__ exercise,
     const double* __restrict__ discount, double* __restrict__ shifts, double* __restrict__ scratch,
-    double* __restrict__ out)
+    double* __restrict__ out, long long base0)
 {
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= n)
@@ -97,7 +98,7 @@ extern "C" __global__ void hw_outer(
     const int i = inst[s];
     const int lane = s & 31;
     const int W = warp_width[s >> 5];
-    double* S = scratch + base[s >> 5] + lane;
+    double* S = scratch + (base[s >> 5] - base0) + lane;
 #define AT(arr, row) S[((arr) * W + (row)) * 32]
     const int jmax = (int)jmax_of[i], width = 2 * jmax + 1, N = (int)steps[i];
     const double h = dt[i], step_dr = dr[i], M = expm1(-a[i] * h);
@@ -326,4 +327,77 @@ extern "C" __global__ void hw_flat(
     }
     if (mine && j == 0)
         out[i] = value;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The per-step arrays, filled on the GPU from what they follow from (pricer/model/bond_book.py's
+// fill_steps, the same arithmetic): thread i writes instrument i's steps starts[i] ..
+// starts[i] + steps[i] of discount (P(0, m dt): its curve's zero rate at m dt, np.interp's
+// formula, flat beyond the ends), flows (coupons on their nearest steps, summed where two meet,
+// then the face at maturity) and exercise (its exercise steps). A book's copies are then its
+// instruments' numbers only, not 17 bytes a step.
+
+enum { AMERICAN = 2, BERMUDAN = 1 };
+
+extern "C" __global__ void hw_fill(
+    int n, const long long* __restrict__ starts, const long long* __restrict__ steps,
+    const double* __restrict__ dt, const long long* __restrict__ curve,
+    const double* __restrict__ times, const double* __restrict__ rates,
+    const long long* __restrict__ bounds, const double* __restrict__ face,
+    const double* __restrict__ coupon, const long long* __restrict__ frequency,
+    const double* __restrict__ maturity, const long long* __restrict__ kind,
+    const double* __restrict__ first, const double* __restrict__ last,
+    const double* __restrict__ every, double* __restrict__ flows,
+    unsigned char* __restrict__ exercise, double* __restrict__ discount)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    const long long lo = starts[i];
+    const int N = (int)steps[i];
+    const double h = dt[i];
+    const double* xs = times + bounds[curve[i]];
+    const double* ys = rates + bounds[curve[i]];
+    const int last_point = (int)(bounds[curve[i] + 1] - bounds[curve[i]]) - 1;
+    int j = 0;
+    for (int m = 0; m <= N; ++m) {
+        const double t = m * h;
+        while (j < last_point && xs[j + 1] <= t)
+            ++j;
+        double r;
+        if (t < xs[0])
+            r = ys[0];
+        else if (j == last_point)
+            r = ys[last_point];
+        else
+            r = __dadd_rn(__dmul_rn(__ddiv_rn(ys[j + 1] - ys[j], xs[j + 1] - xs[j]), t - xs[j]),
+                          ys[j]);
+        discount[lo + m] = exp(-r * t);
+        flows[lo + m] = 0.0;
+        exercise[lo + m] = 0;
+    }
+    const long long f = frequency[i];
+    if (f > 0 && coupon[i] != 0.0) {
+        const double amount = face[i] * coupon[i] / (double)f;
+        const int count = (int)floor(__dmul_rn(maturity[i], (double)f) + 1e-9) + 1;
+        for (int k = 0; k < count; ++k) {
+            const double t = maturity[i] - (double)k / (double)f;
+            if (t > 1e-12)
+                flows[lo + (long long)rint(t / h)] += amount;
+        }
+    }
+    flows[lo + N] += face[i];
+    if (kind[i] == AMERICAN) {
+        const int a = max((int)ceil(first[i] / h - 1e-9), 0);
+        const int b = min((int)floor(last[i] / h + 1e-9), N);
+        for (int m = a; m <= b; ++m)
+            exercise[lo + m] = 1;
+    } else {
+        const int dates = kind[i] == BERMUDAN
+            ? (int)floor(__dmul_rn(last[i] - first[i], every[i]) + 1e-9) + 1 : 1;
+        for (int k = 0; k < dates; ++k) {
+            const double t = first[i] + (k > 0 ? (double)k / every[i] : 0.0);
+            exercise[lo + min(max((int)rint(t / h), 0), N)] = 1;
+        }
+    }
 }

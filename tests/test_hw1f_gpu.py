@@ -23,15 +23,19 @@ def scale(prices):
     return np.maximum(np.abs(prices), 1.0)
 
 
-def random_book(rng, n: int):
-    """Trees from 3 rows (j_max = 1) to over FLAT_MAX_ROWS rows, mixed products and rights, on
-    a per-instrument curve."""
+def random_columns(rng, n: int):
+    """(columns, curves) of a book whose trees go from 3 rows (j_max = 1) to over FLAT_MAX_ROWS
+    rows, mixed products and rights, on a curve per instrument."""
     instruments = random_instruments(rng, n, maturity=(0.5, 12.0))
     a = rng.choice([0.01, 0.05, 0.2, 1.0, 60.0], n) * rng.uniform(0.9, 1.1, n)
     sigma = rng.uniform(0.003, 0.02, n)
     per_year = rng.choice([2, 12, 52], n)
     curves = [random_curve(rng, flat=bool(k % 2)) for k in range(n)]
-    return B.parameters(instruments, a, sigma, per_year, curves)
+    return B.columns_of(instruments, a, sigma, per_year, np.arange(n)), curves
+
+
+def random_book(rng, n: int):
+    return B.tree_parameters(*random_columns(rng, n))
 
 
 def test_flat_bins_keep_trees_whole_and_within_warps(rng):
@@ -71,7 +75,8 @@ def test_sorted_order_is_widest_then_tallest(rng):
 @pytest.mark.parametrize("strategy", ["outer", "flat", "auto"])
 def test_gpu_engine_is_the_cpu_engine(rng, strategy):
     from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
-    params = random_book(rng, 300)
+    cols, curves = random_columns(rng, 300)
+    params = B.tree_parameters(cols, curves)
     rows = 2 * params.jmax + 1
     assert rows.min() == 3 and rows.max() > FLAT_MAX_ROWS
     want = HullWhiteCpuEngine().price(params)
@@ -88,6 +93,9 @@ def test_gpu_engine_is_the_cpu_engine(rng, strategy):
     third = engine.start(params)
     np.testing.assert_array_equal(engine.finish(second), alone)
     np.testing.assert_array_equal(engine.finish(third), got)
+    # the per-step arrays filled on the GPU (hw_fill) rather than on the host (fill_steps)
+    filled = engine.price(B.tree_parameters(cols, curves, fill=False))
+    assert np.max(np.abs(filled - got) / scale(got)) <= 1e-13
     err = np.abs(got - want) / scale(want)
     worst = int(np.argmax(err))
     assert err.max() <= 1e-12, (strategy, float(err.max()), want[worst], got[worst],

@@ -40,9 +40,16 @@ class HullWhiteParams:
     sign: np.ndarray        # +1 call, -1 put
     product: np.ndarray     # int64: PRODUCT_CODES
     starts: np.ndarray      # int64
-    flows: np.ndarray       # the bond's payments at each step
-    exercise: np.ndarray    # bool: whether the option may be exercised at each step
-    discount: np.ndarray    # P(0, m dt) from the instrument's curve
+    flows: np.ndarray | None     # the bond's payments at each step
+    exercise: np.ndarray | None  # bool: whether the option may be exercised at each step
+    discount: np.ndarray | None  # P(0, m dt) from the instrument's curve
+    schedule: tuple = ()    # fill_steps' arguments after dt: what the per-step arrays follow from
+                            # (None above where tree_parameters left them to the engine)
+
+    @property
+    def total_steps(self) -> int:
+        """Entries of the per-step arrays: every instrument's steps + 1."""
+        return int(self.starts[-1] + self.steps[-1] + 1) if self.steps.size else 0
 
     def __len__(self) -> int:
         return int(self.steps.size)
@@ -225,8 +232,8 @@ BERMUDAN, AMERICAN = EXERCISES.index("bermudan"), EXERCISES.index("american")
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def _fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, frequency,
-                maturity, kind, first, last, every, flows, exercise, discount):
+def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, frequency,
+               maturity, kind, first, last, every, flows, exercise, discount):
     """Every instrument's per-step arrays (HullWhiteParams), an instrument a thread at a time:
     the discounts P(0, m dt) of its curve (YieldCurve.discount: zero rates interpolated linearly,
     flat beyond the ends), its cash flows (coupons on their nearest steps, summed where two meet,
@@ -289,10 +296,12 @@ class StepBuffers:
 
 
 def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
-                    buffers: StepBuffers | None = None) -> HullWhiteParams:
+                    buffers: StepBuffers | None = None, fill: bool = True) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step), vectorised over the book; bad columns refused first
-    (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays."""
+    (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays;
+    fill=False leaves them to the engine (the `schedule`: a GPU fills them in its memory,
+    cuda/trinomial.cu's hw_fill, as fill_steps does here)."""
     check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size
@@ -306,15 +315,18 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
     curve_at = np.zeros(len(curves), dtype=np.int64)    # a used curve's slot among `points`
     curve_at[used] = np.arange(used.size)
     bounds = _exclusive(np.array([c.times.size for c in points] + [0], dtype=np.int64))
-    flows, exercise, discount = (buffers or StepBuffers()).arrays(total)
-    _fill_steps(starts, steps, dt, curve_at[index],
-                np.concatenate([c.times for c in points]), np.concatenate([c.rates for c in points]),
-                bounds, np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64),
+    schedule = (curve_at[index], np.concatenate([c.times for c in points] + [np.zeros(0)]),
+                np.concatenate([c.rates for c in points] + [np.zeros(0)]), bounds,
+                np.asarray(cols["face"], np.float64), np.asarray(cols["coupon"], np.float64),
                 np.asarray(cols["frequency"], dtype=np.int64), maturity,
                 np.asarray(cols["exercise"], dtype=np.int64),
                 np.asarray(cols["first_exercise"], np.float64),
                 np.asarray(cols["last_exercise"], np.float64),
-                np.asarray(cols["exercise_frequency"], np.float64), flows, exercise, discount)
+                np.asarray(cols["exercise_frequency"], np.float64))
+    flows = exercise = discount = None
+    if fill:
+        flows, exercise, discount = (buffers or StepBuffers()).arrays(total)
+        fill_steps(starts, steps, dt, *schedule, flows, exercise, discount)
     a = np.asarray(cols["mean_reversion"], dtype=np.float64)
     sigma = np.asarray(cols["volatility"], dtype=np.float64)
     return HullWhiteParams(
@@ -322,4 +334,4 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
         strike=np.asarray(cols["strike"], dtype=np.float64),
         sign=np.where(np.asarray(cols["call"], dtype=np.bool_), 1.0, -1.0),
         product=np.asarray(cols["product"], dtype=np.int64), starts=starts, flows=flows,
-        exercise=exercise, discount=discount)
+        exercise=exercise, discount=discount, schedule=schedule)

@@ -264,6 +264,7 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
         threads = min(threads, TREE_THREADS)
     waited = 0.0
     storage = bond_book.StepBuffers()     # one chunk's trees at a time (below)
+    fills = getattr(engine, "fills_steps", False)   # a GPU fills the per-step arrays itself
 
     def prepared(k: int):
         numba.set_num_threads(threads)     # numba's count is per thread: this one's, set
@@ -272,7 +273,7 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
         if not keep.size:
             return keep, None
         return keep, bond_book.tree_parameters({key: v[keep] for key, v in book.columns.items()},
-                                               book.curves, buffers=storage)
+                                               book.curves, buffers=storage, fill=not fills)
 
     # a GPU's next chunk's trees are built on a thread while it prices this one (a CPU engine
     # has the cores itself: its chunks' trees are built in turn, on the same thread)

@@ -32,6 +32,7 @@ FLAT_THREADS = 512            # GPU-FLAT's block, unless a tree needs more
 def flat_shared_bytes(threads: int) -> int:
     """GPU-FLAT's shared memory (cuda/trinomial.cu): 6 doubles a thread, 2 x 32 for the parts."""
     return (6 * threads + 64) * 8
+FILL_THREADS = 128
 SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 
 
@@ -89,6 +90,7 @@ class HullWhiteGpuEngine(Engine):
 
     name = "gpu"
     uses_gpu = True
+    fills_steps = True      # takes tree_parameters(..., fill=False): fills the steps itself
 
     def __init__(self, strategy: str = "auto", flat_rows: int = FLAT_MAX_ROWS, runtime=None,
                  flat_threads: int = FLAT_THREADS):
@@ -102,6 +104,7 @@ class HullWhiteGpuEngine(Engine):
         self.rt = runtime or GpuRuntime.get()
         module = self.rt.module([], "trinomial.cu")
         self._outer, self._flat = module.get_function("hw_outer"), module.get_function("hw_flat")
+        self._fill = module.get_function("hw_fill")
         self._flat.set_attribute(self.rt.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  flat_shared_bytes(FLAT_MAX_ROWS))
         self.kernel_seconds = 0.0    # the last call's kernels (CUDA events), for the bench
@@ -133,9 +136,22 @@ class HullWhiteGpuEngine(Engine):
         dev = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
             ("a", p.a), ("dt", p.dt), ("steps", p.steps), ("jmax", p.jmax), ("dr", p.dr),
             ("strike", p.strike), ("sign", p.sign), ("product", p.product),
-            ("starts", p.starts), ("flows", p.flows), ("exercise", p.exercise.view(np.uint8)),
-            ("discount", p.discount))]
-        shifts = slot.buffer("shifts", p.flows.size * 8)
+            ("starts", p.starts))]
+        total = p.total_steps
+        if p.flows is None:         # filled here from the schedule (tree_parameters, fill=False)
+            steps = [slot.buffer("flows", 8 * total), slot.buffer("exercise", total),
+                     slot.buffer("discount", 8 * total)]
+            schedule = [slot.put(f"schedule{k}", np.ascontiguousarray(x))
+                        for k, x in enumerate(p.schedule)]
+            self._fill(np.int32(call.n), dev[8], dev[2], dev[1], *schedule, *steps,
+                       block=(FILL_THREADS, 1, 1), grid=(-(-call.n // FILL_THREADS), 1),
+                       stream=slot.stream)
+        else:
+            steps = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
+                ("flows", p.flows), ("exercise", p.exercise.view(np.uint8)),
+                ("discount", p.discount))]
+        dev += steps
+        shifts = slot.buffer("shifts", total * 8)
         out = slot.buffer("out", call.n * 8)
         call.out = out
         slot.started.record(slot.stream)
