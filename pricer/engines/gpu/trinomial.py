@@ -26,7 +26,7 @@ STRATEGIES = ("auto", "outer", "flat")
 OUTER_ARRAYS = 8              # cuda/trinomial.cu: the rows each GPU-OUTER thread keeps
 OUTER_THREADS = 128
 FLAT_MAX_ROWS = 1024          # a block's threads: GPU-FLAT's widest tree
-FLAT_THREADS = 512            # GPU-FLAT's block, unless a tree needs more
+FLAT_THREADS = 1024           # GPU-FLAT's block (docs/decisions.md)
 
 
 def flat_shared_bytes(threads: int) -> int:
