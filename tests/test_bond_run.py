@@ -153,6 +153,19 @@ def test_a_failed_rank_keeps_its_chunks_and_the_resume_prices_the_rest(tmp_path,
     np.testing.assert_array_equal(got["price"], want.price.to_numpy())
 
 
+def test_a_rank_that_stops_advancing_ends_the_run(tmp_path, book):
+    """A rank whose main thread hangs (PRICER_FAULT=hang, as on a wedged GPU): the stall watchdog
+    names it and every rank exits, nothing written."""
+    path, _ = book
+    out = tmp_path / "h.h5"
+    run = run_pricer(["price", path, "-o", out, "--chunk-nodes", "2e6", "--backend", "cpu",
+                      "--stall-timeout", "2"], ranks=2, timeout=120,
+                     extra_env={"PRICER_FAULT": "hang:1:2"})   # past the first chunk's cold start
+    assert run.returncode != 0 and "rank 1" in run.stderr and "has finished no chunk" in \
+        run.stderr, run.stderr
+    assert not out.exists()
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_bond_book_on_the_gpu_under_mpi(tmp_path, book):

@@ -45,11 +45,13 @@ from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, 
                                     node_ranks, verdict)
 from pricer.run.config import configure_threads, kept
 from pricer.run.plan import claim
-from pricer.run.faults import FailureWatch, chunk_delay, inject, planned_faults
+from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
+                               planned_faults)
+from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
 CHUNK_STEPS = 1 << 24        # tree steps a chunk: 25 bytes each on the host, as many on a GPU
 OUTPUTS = ("price", "status")
-TREE_THREADS = 4
+TREE_THREADS = 4             # the threads that build a chunk's trees beside a GPU
 
 
 @dataclass
@@ -114,6 +116,7 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
     steps, jmax, nodes = bond_book.tree_shapes(index)
     _check_memory(cfg, steps, jmax, node_ranks, size)
     chunk_nodes, chunk_rows = cfg.chunk_shape()
+    # a chunk's nodes as the option run counts them (one lattice's), against two sweeps a tree
     grid = np.union1d(
         chunk_grid(nodes, chunk_nodes / 2.0, chunk_rows,
                    prefix=np.concatenate(([0.0], np.cumsum(nodes)))),
@@ -198,7 +201,7 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     seconds["read"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    values, nodes, waited = _compute(comm, book, chunks, engine, folder)
+    values, nodes, waited = _compute(comm, cfg, book, chunks, engine, folder)
     seconds["compute"] = time.perf_counter() - t
     waits = comm.gather(waited, root=ROOT)
 
@@ -246,12 +249,23 @@ class _InTurn:
         pass
 
 
-def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
+def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
     """This rank's chunks of `book`: (rows, 2) of price and status, the tree nodes it priced (one
     sweep) and the seconds it waited for a chunk's trees. A failure ends the job, named by rank 0
-    (FailureWatch)."""
+    (FailureWatch); so does a rank that finishes no chunk within its limit (watchdog.py: each
+    chunk's limit from its nodes, both sweeps)."""
     rank = comm.Get_rank()
     watch, faults = FailureWatch(comm), planned_faults(rank)
+    stall = StallWatch(comm, cfg.stall_timeout,
+                       lambda message: abort_job(comm, message, in_thread=True))
+    if chunks:
+        _, _, tree = bond_book.tree_shapes(book.columns)
+        tree = np.where(book.status == 0, tree, 0.0)
+        limits = chunk_limits([2.0 * float(tree[a:b].sum()) for a, b, _ in chunks],
+                              cfg.stall_timeout)
+    else:
+        limits = []
+    stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     rows = sum(b - a for a, b, _ in chunks)
     values = np.full((rows, len(OUTPUTS)), np.nan)
     at = np.concatenate(([0], np.cumsum([b - a for a, b, _ in chunks]))).astype(np.int64)
@@ -298,10 +312,12 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
             if checkpoint is not None:
                 checkpoint.save(chunk, mine)
             done += 1
+            stall.done(chunk)
             chunk_delay()
             inject(faults, rank, done)
             if done < len(chunks):
                 watch.poll()
+                stall.begin(limits[done])
 
         # chunk k is started on the engine before chunk k - 1 is finished (Engine.start): a GPU
         # copies k's trees while it prices k - 1's. Once start() returns, the engine holds its
@@ -320,9 +336,15 @@ def _compute(comm, book, chunks: list, engine, checkpoint: str | None):
             complete(*pending)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         pool.shutdown(wait=False, cancel_futures=True)
-        watch.failed(done, exc)
+        try:
+            watch.failed(done, exc)
+        finally:              # alone, failed() raises SystemExit: the watchdog must not outlive it
+            stall.abandon()
     pool.shutdown(wait=False)
+    stall.finished()
+    inject(faults, rank, END)
     watch.barrier()
+    stall.stop()
     return values, nodes, waited
 
 
