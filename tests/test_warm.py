@@ -1,5 +1,5 @@
-"""`pricer warm`: on an empty numba cache it compiles every CPU kernel a book can need, so that
-the runs after it, in fresh processes, compile nothing (numba's compile events, which a cache
+"""`pricer warm`: on an empty numba cache it compiles every CPU kernel a book can need (options'
+and bond options'), so that the runs after it, in fresh processes, compile nothing (numba's compile events, which a cache
 load does not raise); prices are those of a run on a cold cache."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 
 from helpers import ROOT, env, run_pricer
 
@@ -19,6 +18,7 @@ import numpy as np
 from numba.core import event
 import pricer
 from pricer.tools.generate import generate
+import pricer.tools.warm
 from pricer.tools.warm import warm_books
 
 rng = np.random.default_rng(int(sys.argv[1]))
@@ -37,6 +37,10 @@ with event.install_recorder("numba:compile") as rec:
         market = dict(cols, market_price=prices["price"].fillna(1.0).to_numpy())
         pricer.implied_volatility(market, backend=backend, invalid="skip")
         print(backend, np.isfinite(prices["price"]).sum())
+    bonds = pricer.tools.warm.warm_bond_book()
+    for backend in ("cpu", "serial"):
+        from pricer.engines import get_bond_engine
+        assert np.isfinite(get_bond_engine(backend).price(bonds)).all()
 compiled = sorted({ev.data["dispatcher"].py_func.__qualname__ for _, ev in rec.buffer})
 print("compiled:", ",".join(compiled))
 """

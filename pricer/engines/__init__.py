@@ -14,8 +14,8 @@ from pricer.engines.base import Engine, backend, backends, register, unregister
 from pricer.errors import InputError
 from pricer.files import cache_dir
 
-__all__ = ["get_bond_engine", "AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine", "gpu_available",
-           "register", "resolve_backend", "set_local_rank", "unregister"]
+__all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_bond_engine", "get_engine",
+           "gpu_available", "register", "resolve_backend", "set_local_rank", "unregister"]
 
 
 def _key_numba_cache_by_source() -> None:

@@ -114,13 +114,13 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     """Price cfg.input into cfg.output on every rank of comm; returns the summary on rank 0.
     `prepare`, if given, runs on rank 0 first (a job's portfolio generation). A file's bond
     options (/bond_options) are priced first (bond_run.py), then its options, if any; one file
-    holds both results."""
+    holds both results (implied volatilities are the options' alone)."""
     comm = comm or MPI.COMM_WORLD
     bonds = None
     if prepare is None:
         found = comm.bcast(has_bond_options(cfg.input) if comm.Get_rank() == ROOT else None,
                            root=ROOT)
-        if found[0]:
+        if found[0] and not (cfg.implied and found[1]):
             bonds = bond_run.price_file_bonds(cfg, comm, with_options=found[1])
             if not found[1]:
                 return bonds

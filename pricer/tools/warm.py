@@ -7,7 +7,8 @@ shared. `pricer warm` prices a few small books on each backend, chosen so that t
 every path a book can: lattices of 16 to 2 048 steps in pairs and alone, American and European
 calls and puts, with and without the Greeks; one option alone; lattices whose node tables are
 centred or clamped (kernels.node_tables); one wide enough to share its levels among the threads;
-and the implied volatilities of the first book (pricer.model.implied's kernels). Run it once per
+and the implied volatilities of the first book (pricer.model.implied's kernels); and a few bond
+options on Hull–White trees (warm_bond_book) on the backend's engine of that family. Run it once per
 machine type, at install time or before a job, pointed at the caches the runs will use.
 """
 
@@ -17,7 +18,7 @@ import time
 
 import numpy as np
 
-from pricer.engines import backend, backends, get_engine, gpu_available
+from pricer.engines import backend, backends, get_bond_engine, get_engine, gpu_available
 from pricer.engines.cpu.parallel import LEVEL_PARALLEL_MIN_STEPS
 from pricer.io.portfolio import portfolio_from_columns
 from pricer.run.checks import checked_matrix
@@ -84,6 +85,24 @@ def warm(names: list[str], report=print) -> list[tuple[str, float]]:
                             task="implied-vol" if greeks is None else "price").check()
             portfolio = portfolio_from_columns(book, cfg.input)
             price_checked(engine, cfg, checked_matrix(cfg, portfolio), portfolio.id)
+        if backend(name).bonds is not None:
+            get_bond_engine(name).price(warm_bond_book())
         spent.append((name, time.perf_counter() - start))
         report(f"{name}: {spent[-1][1]:.1f} s")
     return spent
+
+
+def warm_bond_book():
+    """The trees of a few bond options that take every path of the Hull–White engines: each
+    exercise style and product, coupons and none, a narrow and a wide tree."""
+    from pricer.model import bond_book, hw1f
+
+    curve = hw1f.YieldCurve(np.array([1.0, 10.0]), np.array([0.02, 0.03]))
+    instruments = [hw1f.BondOption(face=100.0, coupon=c, frequency=f, maturity=5.0, strike=100.0,
+                                   call=call, exercise=e, first=1.0, last=4.0, every=1.0,
+                                   product=p)
+                   for c, f, call, e, p in ((0.04, 2, True, "european", "option"),
+                                            (0.0, 0, False, "bermudan", "callable"),
+                                            (0.03, 4, True, "american", "puttable"))]
+    return bond_book.parameters(instruments * 2, np.array([0.5, 0.5, 0.5, 0.02, 0.02, 0.02]),
+                                0.01, 12, curve)
