@@ -115,6 +115,9 @@ def test_bad_bond_rows_refused_on_every_rank_or_skipped(tmp_path, book):
     keep = np.setdiff1d(np.arange(ids.size), [7, 30])
     np.testing.assert_array_equal(got["price"][keep], want.price.to_numpy()[keep])
     assert "2 of 120 bond options not priced" in skipped.stdout
+    info = run_pricer(["info", tmp_path / "s.h5"])
+    assert info.returncode == 0 and "no options, 120 bond options" in info.stdout, info.stderr
+    assert "(2 NaN)" in info.stdout and "13 (volatility must be > 0" in info.stdout
     # a row that only the last rank reads: refused by that rank, every rank exits 2
     late = _spoiled(tmp_path, path, {"coupon": {115: 3.0}}, "late.h5")
     refused = run_pricer(["price", late, "-o", tmp_path / "y.h5", "--chunk-nodes", "2e6"],

@@ -123,9 +123,11 @@ def _describe_results(path: str) -> list[str]:
     attrs, units = dict(r["attrs"]), r.get("units", {})
     order = ("price",) + GREEKS + ("status",)
     columns = sorted((name for name in r if name not in ("attrs", "run", "units", "id",
-                                                          "scenarios")),
+                                                          "scenarios", "bonds")),
                      key=lambda name: order.index(name) if name in order else len(order))
-    lines = [f"{path}: results ({attrs.pop('schema', '?')}), {r['price'].size} options"]
+    options = f"{r['price'].size} options" if "price" in r else "no options"
+    bonds = f", {r['bonds']['price'].size} bond options" if "bonds" in r else ""
+    lines = [f"{path}: results ({attrs.pop('schema', '?')}), {options}{bonds}"]
     for name in columns:
         unit = f" [{units[name]}]" if units.get(name) else ""
         if name == "status":
@@ -136,6 +138,14 @@ def _describe_results(path: str) -> list[str]:
                 for code, count in zip(codes, counts)))
         else:
             lines.append(_range(name, r[name]) + unit)
+    if "bonds" in r:
+        b = r["bonds"]
+        reasons = json.loads(attrs.pop("bond_status_reasons", "{}") or "{}")
+        lines.append(_range("bonds: price", b["price"]))
+        codes, counts = np.unique(b["status"], return_counts=True)
+        lines.append("  bonds: status: " + "; ".join(
+            f"{int(code)} ({'priced' if code == 0 else reasons.get(str(int(code)), '?')}) "
+            f"{count}" for code, count in zip(codes, counts)))
     if "scenarios" in r:
         s = r["scenarios"]
         lines.append(f"  scenarios: {s['price'].shape[1]} ("
