@@ -401,6 +401,28 @@ def test_implied_vol_job_under_srun(cluster, tmp_path):
     assert (got["status"] == 0).sum() > 280
 
 
+def test_bond_book_job_under_srun(cluster, tmp_path):
+    """A job whose book is a file of bond options: priced on the job's 2 ranks, bitwise the
+    Python API's."""
+    import pricer
+    from pricer.io.results import read_results
+    from pricer.tools.bond_datasets import write_dataset
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "submit").mkdir()
+    write_dataset(str(tmp_path / "job" / "bonds.h5"), "S2", 200, seed=4)
+    (tmp_path / "job" / "job.toml").write_text(
+        '[portfolio]\npath = "bonds.h5"\n\n[pricing]\nbackend = "cpu"\n\n'
+        '[output]\npath = "b.h5"\n')
+    jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
+                         extra_env=_venv_env())
+    text = _finished(cluster, jid, tmp_path / "submit")
+    assert "priced 200 bond options" in text and "on 2 rank(s)" in text
+    got = read_results(str(tmp_path / "job" / "b.h5"))["bonds"]
+    want = pricer.price_bonds(str(tmp_path / "job" / "bonds.h5"))
+    assert np.array_equal(got["price"], want["price"].to_numpy())
+
+
 def test_cpu_script_bad_job_exits_2(cluster, job_dirs):
     """A job spec pricer refuses fails the Slurm job with pricer's exit code 2 and its message."""
     job, submit = job_dirs
