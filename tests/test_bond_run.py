@@ -5,6 +5,8 @@ with a rank that fails, and the GPU backends (marked gpu)."""
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -130,6 +132,88 @@ def test_bad_bond_rows_refused_on_every_rank_or_skipped(tmp_path, book):
     refused = run_pricer(["price", twice, "-o", tmp_path / "z.h5"], ranks=2, timeout=300)
     assert refused.returncode == 2 and f"duplicate id(s) {ids[3]}" in refused.stderr, \
         refused.stderr
+
+
+def _no_value(path, src):
+    """A copy of the book whose row 140 keeps every bound yet its tree gives no finite value
+    (a = 0.001, sigma = 1, a year a step over 500 years, on a curve of -100 %)."""
+    import shutil
+    shutil.copy(src, path)
+    with h5py.File(path, "a") as f:
+        g = f["bond_options"]
+        for column, value in dict(mean_reversion=0.001, volatility=1.0, steps_per_year=1.0,
+                                  maturity=500.0, first_exercise=0.0, last_exercise=500.0,
+                                  coupon=0.0, strike=0.0, frequency=0).items():
+            x = g[column][()]
+            x[140] = value
+            g[column][...] = x
+        for column, value in (("exercise", b"european"), ("curve", b"neg")):
+            x = g[column][()].astype("S8")
+            x[140] = value
+            del g[column]
+            g.create_dataset(column, data=x)
+        f["curves"].create_dataset("neg/times", data=[1.0])
+        f["curves"].create_dataset("neg/rates", data=[-1.0])
+    return path
+
+
+def test_rows_no_tree_can_value_and_odd_files(tmp_path):
+    """A tree that gives no finite value, in a file with options too, on 2 ranks: refused by
+    every rank (exit 2, no rank left waiting), or skipped with its status; flags and whole
+    numbers that break their rule are skipped row by row; ids beyond int64 and an empty book on
+    a bad curve are refused."""
+    book = tmp_path / "b.h5"
+    assert run_pricer(["generate", "--bonds", "S2", "--count", "150", "--seed", "5", "-o",
+                       book]).returncode == 0
+    mixed = _no_value(tmp_path / "nf.h5", _mixed(tmp_path, book))
+    refused = run_pricer(["price", mixed, "-o", tmp_path / "x.h5", "--backend", "cpu",
+                          "--chunk-nodes", "2e5"], ranks=2, timeout=120)
+    assert refused.returncode == 2 and "gave no finite value" in refused.stderr, refused.stderr
+    assert "id(s) 141 " in refused.stderr and not (tmp_path / "x.h5").exists()
+    skipped = run_pricer(["price", mixed, "-o", tmp_path / "s.h5", "--backend", "cpu",
+                          "--chunk-nodes", "2e5", "--invalid", "skip"], ranks=2, timeout=120)
+    assert skipped.returncode == 0, skipped.stderr
+    got = read_results(tmp_path / "s.h5")
+    reasons = json.loads(got["attrs"]["bond_status_reasons"])
+    assert reasons[str(got["bonds"]["status"][140])] == "gives no finite value on its tree"
+    flags = tmp_path / "flags.h5"
+    with h5py.File(book, "r") as src, h5py.File(flags, "w") as dst:
+        for group in ("bond_options", "curves"):
+            src.copy(group, dst)
+        g = dst["bond_options"]
+        call, frequency = g["call"][()].astype(np.int64), g["frequency"][()].astype(float)
+        call[3], frequency[4] = 2, 2.5
+        for name, values in (("call", call), ("frequency", frequency)):
+            del g[name]
+            g.create_dataset(name, data=values)
+    skipped = run_pricer(["price", flags, "-o", tmp_path / "f.h5", "--backend", "cpu",
+                          "--invalid", "skip"], timeout=120)
+    assert skipped.returncode == 0, skipped.stderr
+    got = read_results(tmp_path / "f.h5")
+    reasons = json.loads(got["attrs"]["bond_status_reasons"])
+    assert reasons[str(got["bonds"]["status"][3])].startswith("call must be")
+    assert reasons[str(got["bonds"]["status"][4])].startswith("frequency must be")
+    assert (got["bonds"]["status"][5:] == 0).all()
+    big = tmp_path / "big.h5"
+    with h5py.File(book, "r") as src, h5py.File(big, "w") as dst:
+        for group in ("bond_options", "curves"):
+            src.copy(group, dst)
+        ids = dst["bond_options"]["id"][()].astype(np.uint64)
+        ids[0] = 2**64 - 1
+        del dst["bond_options"]["id"]
+        dst["bond_options"].create_dataset("id", data=ids)
+    refused = run_pricer(["price", big, "-o", tmp_path / "y.h5", "--backend", "cpu"])
+    assert refused.returncode == 2 and "within int64" in refused.stderr, refused.stderr
+    empty = tmp_path / "empty.h5"
+    with h5py.File(book, "r") as src, h5py.File(empty, "w") as dst:
+        src.copy("curves", dst)
+        g = dst.create_group("bond_options")
+        for name, ds in src["bond_options"].items():
+            g.create_dataset(name, data=ds[:0])
+        dst["curves"].attrs["default"] = "nosuch"
+    refused = run_pricer(["price", empty, "-o", tmp_path / "z.h5", "--backend", "cpu"],
+                         ranks=2, timeout=120)
+    assert refused.returncode == 2 and "nosuch" in refused.stderr, refused.stderr
 
 
 def test_bond_options_only_settings_refused(tmp_path, book):

@@ -92,9 +92,7 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
     if needed:
         raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
-    ids = np.asarray(columns["id"])
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"{source}: id must be a 1-D column of integers", column="id")
+    ids = _ids(np.asarray(columns["id"]), source)
     n = ids.size
     unique, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
@@ -106,7 +104,7 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
         if raw.shape != (n,):
             raise InputError(f"{source}: column {name} must be 1-D with a value per id ({n}); "
                              f"it has shape {raw.shape}", column=name)
-        cols[name] = _typed(raw, name, ids, source, names, default)
+        cols[name] = _typed(raw, name, ids, source, names, default, invalid == "skip")
     if invalid == "skip":
         return BondBook(ids.astype(np.int64), cols, made, names, bond_book.statuses(cols, made))
     try:
@@ -116,9 +114,22 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     return BondBook(ids.astype(np.int64), cols, made, names, np.zeros(n, dtype=np.int8))
 
 
+def _ids(ids: np.ndarray, source: str) -> np.ndarray:
+    """The id column as int64: 1-D whole numbers within int64."""
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{source}: id must be a 1-D column of integers", column="id")
+    if ids.dtype.kind == "u" and ids.size and ids.max() > np.iinfo(np.int64).max:
+        big = ids > np.iinfo(np.int64).max
+        raise InputError(f"{source}: id must be within int64; id(s) {first_ids(ids, big)}",
+                         column="id", ids=ids[big])
+    return ids.astype(np.int64)
+
+
 def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: list,
-           default: str | None) -> np.ndarray:
-    """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64."""
+           default: str | None, skip: bool = False) -> np.ndarray:
+    """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64.
+    skip: a flag or whole-number column's values are kept as float64 for the rows' rules
+    (bond_book.statuses) to judge, row by row."""
     if name in TEXT or name == "curve":
         import pandas as pd
 
@@ -147,6 +158,8 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
     if raw.dtype.kind not in "biuf":
         raise InputError(f"{source}: column {name} must be numbers, not {raw.dtype}",
                          column=name)
+    if skip and (name in FLAGS or name in INTEGER):
+        return raw.astype(np.float64)
     if name in FLAGS:
         flag = (raw == 0) | (raw == 1)
         if not flag.all():
@@ -185,7 +198,9 @@ def read_bond_index(path: str) -> dict:
         if needed:
             raise InputError(f"{path}: missing column(s) {', '.join(needed)}", column=needed[0])
         shapes = {name: ds.shape for name, ds in g.items() if isinstance(ds, h5py.Dataset)}
-        n = shapes["id"][0] if len(shapes["id"]) == 1 else -1
+        if len(shapes.get("id", ())) != 1:
+            raise InputError(f"{path}: id must be a 1-D column of integers", column="id")
+        n = shapes["id"][0]
         odd = [name for name, shape in shapes.items() if shape != (n,)]
         if odd:
             raise InputError(f"{path}: column {odd[0]} must be 1-D with a value per id ({n}); "
@@ -193,9 +208,7 @@ def read_bond_index(path: str) -> dict:
         return {name: g[name][()] for name in INDEX_COLUMNS}
 
     out, _, _ = _read(path, index)
-    ids = np.asarray(out["id"])
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"{path}: id must be a 1-D column of integers", column="id")
+    ids = _ids(np.asarray(out["id"]), path)
     import pandas as pd
 
     if not pd.Index(ids).is_unique:     # hashed: a sort of every id only where some repeat
@@ -207,7 +220,7 @@ def read_bond_index(path: str) -> dict:
             raise InputError(f"{path}: column {name} must be numbers, not {out[name].dtype}",
                              column=name)
         out[name] = np.asarray(out[name], dtype=np.float64)
-    out["id"] = ids.astype(np.int64)
+    out["id"] = ids
     return out
 
 

@@ -94,22 +94,6 @@ def columns_of(instruments, a, sigma, steps_per_year, curve=0) -> dict:
 INTEGER_COLUMNS = ("frequency", "exercise", "product", "curve")
 
 
-def matrix_of(cols: dict) -> np.ndarray:
-    """The columns as one (n, len(BOND_COLUMNS)) float64 matrix, a row per instrument: what a
-    run scatters to its ranks (codes and flags are exact in float64)."""
-    return np.ascontiguousarray(np.column_stack([np.asarray(cols[name], dtype=np.float64)
-                                                 for name in BOND_COLUMNS]))
-
-
-def columns_of_matrix(matrix: np.ndarray) -> dict:
-    """matrix_of's inverse."""
-    cols = {name: matrix[:, k] for k, name in enumerate(BOND_COLUMNS)}
-    for name in INTEGER_COLUMNS:
-        cols[name] = cols[name].astype(np.int64)
-    cols["call"] = cols["call"] != 0.0
-    return cols
-
-
 def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
     """The HullWhiteParams of a list of BondOption (columns_of) on one curve or a list of them
     (one per instrument)."""
@@ -195,6 +179,8 @@ def _rules(cols: dict, curves: list) -> list:
             ("mean_reversion", ~(JMAX_FACTOR * steps / (col("mean_reversion") * maturity)
                                  <= MAX_JMAX),
              f"gives a tree wider than {2 * MAX_JMAX + 1} nodes (j_max = 0.184 / (a dt))"),
+            ("call", ~np.isin(np.asarray(cols["call"], dtype=np.float64), (0.0, 1.0)),
+             "must be true or false (1 or 0)"),
         ]
     return [(column, np.asarray(bad, dtype=bool), why) for column, bad, why in rules]
 
@@ -203,6 +189,11 @@ def _rules(cols: dict, curves: list) -> list:
 REASONS = {k + 1: f"{column} {why}" for k, (column, _, why) in enumerate(_rules(
     {name: np.zeros(0, dtype=np.int64 if name in INTEGER_COLUMNS else np.float64)
      for name in BOND_COLUMNS}, []))}
+
+
+# a row whose tree gave no finite value (a run refuses it, or skips it with --invalid skip)
+NO_VALUE = len(REASONS) + 1
+REASONS[NO_VALUE] = "gives no finite value on its tree"
 
 
 def statuses(cols: dict, curves: list) -> np.ndarray:

@@ -110,9 +110,10 @@ def checkpoint_folder(cfg, with_options: bool) -> str | None:
 def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _Plan:
     """Rank 0: the book's index (read_bond_index: ids, and what each tree's size follows from),
     the memory check, the chunk grid, the checkpoint's chunks, the ranks' shares by nodes."""
-    from pricer.io.bonds import read_bond_index
+    from pricer.io.bonds import read_bond_book, read_bond_index
 
     index = read_bond_index(cfg.input)
+    read_bond_book(cfg.input, rows=slice(0, 0))     # the curves and the default, checked here
     steps, jmax, nodes = bond_book.tree_shapes(index)
     _check_memory(cfg, steps, jmax, node_ranks, size)
     chunk_nodes, chunk_rows = cfg.chunk_shape()
@@ -135,6 +136,10 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
             if failed:
                 notes.append(f"checkpoint: {failed} bond chunk file(s) failed their checks and "
                              "were priced again")
+            for j in np.flatnonzero(done):      # a saved tree that gave no finite value
+                a, b = int(grid[j]), int(grid[j + 1])
+                _no_finite_value(cfg, index["id"][a:b],
+                                 checkpoint.load(int(j), b - a, len(OUTPUTS))[:, 1])
     todo = np.flatnonzero(~done).astype(np.int64)
     costs = np.add.reduceat(nodes, grid[:-1])[todo] if todo.size else np.zeros(0)
     return _Plan(index["id"], grid, todo, split_chunks(costs, size),
@@ -203,6 +208,13 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     t = time.perf_counter()
     values, nodes, waited = _compute(comm, cfg, book, chunks, engine, folder)
     seconds["compute"] = time.perf_counter() - t
+    # a tree that gives no finite value (the bounds of check_columns should make it unreachable):
+    # skipped with its status, or the run refused by every rank together (no rank left waiting)
+    mine = np.concatenate([book.id[a:b] for a, b, _ in chunks]) if chunks else np.zeros(0, int)
+    _, status, message, failure = attempt(lambda: _no_finite_value(cfg, mine, values[:, 1]))
+    verdict(comm, status, message)
+    if failure is not None:
+        raise failure
     waits = comm.gather(waited, root=ROOT)
 
     t = time.perf_counter()
@@ -221,10 +233,6 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
         a, b = int(grid[j]), int(grid[j + 1])
         out[a:b] = plan.checkpoint.load(int(j), b - a, len(OUTPUTS))
     status = out[:, 1].astype(np.int8)
-    wrong = (status == 0) & ~np.isfinite(out[:, 0])
-    if wrong.any():         # the bounds of bond_book.check_columns should make this unreachable
-        raise InputError(f"{cfg.input}: the Hull–White trees of bond option id(s) "
-                         f"{first_ids(plan.ids, wrong)} gave no finite value", ids=plan.ids[wrong])
     reused = int(sum(int(grid[j + 1] - grid[j]) for j in plan.reuse))
     notes = plan.notes + ([f"bond compute: the ranks waited {min(waits):.3f}-{max(waits):.3f}s "
                            "for their chunks' trees (built beside the GPU)"]
@@ -247,6 +255,15 @@ class _InTurn:
 
     def shutdown(self, wait=True, cancel_futures=False):
         pass
+
+
+def _no_finite_value(cfg, ids: np.ndarray, status: np.ndarray) -> None:
+    """Without --invalid skip, InputError naming the rows whose tree gave no finite value
+    (status bond_book.NO_VALUE, which a chunk's rows get as it is finished and saved)."""
+    wrong = status == bond_book.NO_VALUE
+    if cfg.invalid != "skip" and wrong.any():
+        raise InputError(f"{cfg.input}: the Hull–White trees of bond option id(s) "
+                         f"{first_ids(ids, wrong)} gave no finite value", ids=ids[wrong])
 
 
 def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
@@ -309,6 +326,9 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
             if call is not None:
                 mine[keep - a, 0] = engine.finish(call[0])
                 nodes += call[1]
+                wrong = (mine[:, 1] == 0) & ~np.isfinite(mine[:, 0])
+                mine[wrong, 1] = bond_book.NO_VALUE     # refused after the compute stage,
+                mine[wrong, 0] = np.nan                 # unless --invalid skip
             if checkpoint is not None:
                 checkpoint.save(chunk, mine)
             done += 1

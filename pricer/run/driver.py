@@ -116,15 +116,26 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     options (/bond_options) are priced first (bond_run.py), then its options, if any; one file
     holds both results (implied volatilities are the options' alone)."""
     comm = comm or MPI.COMM_WORLD
-    bonds = None
+    bonds, notes = None, []
     if prepare is None:
+        # every rank expands the paths alike ({array_task}): one verdict if it cannot
+        _, status, message, failure = attempt(cfg.expand_placeholders)
+        verdict(comm, status, message)
+        if failure is not None:
+            raise failure
         found = comm.bcast(has_bond_options(cfg.input) if comm.Get_rank() == ROOT else None,
                            root=ROOT)
-        if found[0] and not (cfg.implied and found[1]):
+        if found[0] and cfg.implied and found[1]:
+            notes.append(f"{cfg.input}'s bond options (/bond_options) were not priced: "
+                         "implied volatilities are solved for its options")
+        elif found[0]:
             bonds = bond_run.price_file_bonds(cfg, comm, with_options=found[1])
             if not found[1]:
                 return bonds
-    return _run_options(cfg, comm, prepare, bonds)
+    summary = _run_options(cfg, comm, prepare, bonds)
+    if summary is not None:
+        summary.notes += notes
+    return summary
 
 
 def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
