@@ -196,7 +196,6 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     seconds["plan"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    book, chunks, status, message, failure = None, [], 0, None, None
     read, status, message, failure = attempt(
         lambda: _own_rows(cfg, grid, todo[bounds[rank]:bounds[rank + 1]]))
     verdict(comm, status, message)
