@@ -119,14 +119,13 @@ def _check_bond_memory(bonds, source: str) -> None:
     """InputError where the book's trees need more memory than this machine has available."""
     import numba
 
-    from pricer.model.hw1f import jmax_of, steps_of
+    from pricer.model.bond_book import tree_shapes
     from pricer.run.memory import BOND_BYTES_PER_ROW, BOND_BYTES_PER_STEP, GIB, available_bytes
 
-    cols = bonds.columns
-    steps = steps_of(cols["maturity"], cols["steps_per_year"])
-    widths = 2.0 * jmax_of(cols["mean_reversion"], cols["maturity"] / steps) + 1.0
+    steps, jmax, _ = tree_shapes(bonds.columns)
     need = (float(steps.sum() + steps.size) * BOND_BYTES_PER_STEP
-            + numba.get_num_threads() * float(widths.max(initial=0.0)) * BOND_BYTES_PER_ROW)
+            + numba.get_num_threads() * float(2.0 * jmax.max(initial=0.0) + 1.0)
+            * BOND_BYTES_PER_ROW)
     have = available_bytes()
     if need > have:
         raise InputError(f"{source}: its trees need ~{need / GIB:.2f} GiB of memory, this "

@@ -372,6 +372,15 @@ def test_cpu_script_mpiexec_and_flag_overrides(cluster, job_dirs, reference):
     assert np.array_equal(_prices(job / "counted.h5"), reference)
 
 
+def _cpu_job(cluster, tmp_path, job_toml: str) -> str:
+    """tmp_path/job/job.toml (the book already in tmp_path/job) submitted with cpu.sbatch from
+    tmp_path/submit; its output once it completed."""
+    (tmp_path / "job" / "job.toml").write_text(job_toml)
+    jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
+                         extra_env=_venv_env())
+    return _finished(cluster, jid, tmp_path / "submit")
+
+
 def test_implied_vol_job_under_srun(cluster, tmp_path):
     """pricing.task = "implied-vol": the job's implied volatilities are the Python API's, bitwise."""
     import pricer
@@ -384,12 +393,9 @@ def test_implied_vol_job_under_srun(cluster, tmp_path):
     book = generate("random", 300, seed=12, min_steps=16, max_steps=400)
     with_market_prices(book)
     write_portfolio(str(tmp_path / "job" / "book.h5"), book)
-    (tmp_path / "job" / "job.toml").write_text(
-        '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\ntask = "implied-vol"\n\n'
-        '[output]\npath = "iv.h5"\n')
-    jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
-                         extra_env=_venv_env())
-    text = _finished(cluster, jid, tmp_path / "submit")
+    text = _cpu_job(cluster, tmp_path,
+                    '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\n'
+                    'task = "implied-vol"\n\n[output]\npath = "iv.h5"\n')
     assert "solved the implied volatilities of 300 options" in text and "on 2 rank(s)" in text
     got = read_results(str(tmp_path / "job" / "iv.h5"))
     columns = {name: getattr(book, name) for name in ("id", "spot", "strike", "maturity", "rate",
@@ -411,12 +417,8 @@ def test_bond_book_job_under_srun(cluster, tmp_path):
     (tmp_path / "job").mkdir()
     (tmp_path / "submit").mkdir()
     write_dataset(str(tmp_path / "job" / "bonds.h5"), "S2", 200, seed=4)
-    (tmp_path / "job" / "job.toml").write_text(
-        '[portfolio]\npath = "bonds.h5"\n\n[pricing]\nbackend = "cpu"\n\n'
-        '[output]\npath = "b.h5"\n')
-    jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
-                         extra_env=_venv_env())
-    text = _finished(cluster, jid, tmp_path / "submit")
+    text = _cpu_job(cluster, tmp_path, '[portfolio]\npath = "bonds.h5"\n\n[pricing]\n'
+                    'backend = "cpu"\n\n[output]\npath = "b.h5"\n')
     assert "priced 200 bond options" in text and "on 2 rank(s)" in text
     got = read_results(str(tmp_path / "job" / "b.h5"))["bonds"]
     want = pricer.price_bonds(str(tmp_path / "job" / "bonds.h5"))

@@ -89,9 +89,7 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
                          f"{', '.join(names)}")
     if default is None and len(names) == 1:
         default = names[0]
-    needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
-    if needed:
-        raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
+    _check_present(columns, source)
     ids = _ids(np.asarray(columns["id"]), source)
     n = ids.size
     unique, counts = np.unique(ids, return_counts=True)
@@ -112,6 +110,13 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     except InputError as exc:
         raise exc.prefixed(f"{source}: ") from None
     return BondBook(ids.astype(np.int64), cols, made, names, np.zeros(n, dtype=np.int8))
+
+
+def _check_present(columns, source: str) -> None:
+    """InputError naming the columns a book lacks (all but OPTIONAL's are needed)."""
+    needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
+    if needed:
+        raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
 
 
 def _ids(ids: np.ndarray, source: str) -> np.ndarray:
@@ -194,9 +199,7 @@ def read_bond_index(path: str) -> dict:
     themselves are read and checked by read_bond_book."""
     def index(f):
         g = f[GROUP]
-        needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in g and c not in OPTIONAL]
-        if needed:
-            raise InputError(f"{path}: missing column(s) {', '.join(needed)}", column=needed[0])
+        _check_present(g, path)
         shapes = {name: ds.shape for name, ds in g.items() if isinstance(ds, h5py.Dataset)}
         if len(shapes.get("id", ())) != 1:
             raise InputError(f"{path}: id must be a 1-D column of integers", column="id")

@@ -185,14 +185,15 @@ def _rules(cols: dict, curves: list) -> list:
     return [(column, np.asarray(bad, dtype=bool), why) for column, bad, why in rules]
 
 
-# a skipped row's status (--invalid skip): the number of the first rule it breaks (_rules' order)
-REASONS = {k + 1: f"{column} {why}" for k, (column, _, why) in enumerate(_rules(
+# a row's status: 0 priced; skipped (--invalid skip), the number of the first rule it breaks
+# (_rules' order)
+REASONS = {0: "priced", **{k + 1: f"{column} {why}" for k, (column, _, why) in enumerate(_rules(
     {name: np.zeros(0, dtype=np.int64 if name in INTEGER_COLUMNS else np.float64)
-     for name in BOND_COLUMNS}, []))}
+     for name in BOND_COLUMNS}, []))}}
 
 
 # a row whose tree gave no finite value (a run refuses it, or skips it with --invalid skip)
-NO_VALUE = len(REASONS) + 1
+NO_VALUE = max(REASONS) + 1
 REASONS[NO_VALUE] = "gives no finite value on its tree"
 
 

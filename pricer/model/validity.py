@@ -119,8 +119,9 @@ def status_of(matrix: np.ndarray) -> np.ndarray:
     return np.where(codes <= SKIPPED, SKIPPED - codes, PRICED).astype(np.int8)
 
 
-def reasons_text(status: np.ndarray) -> str:
-    """'2 options: 1 (a value is NaN ...), 1 (...)': the skipped options by reason."""
+def reasons_text(status: np.ndarray, reasons: dict = REASONS) -> str:
+    """'1 with status 3: a value is NaN ...; ...': the skipped rows by reason (`reasons`: the
+    family's codes, these of options by default)."""
     codes, counts = np.unique(status[status != PRICED], return_counts=True)
-    return "; ".join(f"{count} with status {code}: {REASONS[int(code)]}"
+    return "; ".join(f"{count} with status {code}: {reasons[int(code)]}"
                      for code, count in zip(codes, counts))

@@ -40,6 +40,7 @@ from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model import bond_book
+from pricer.model.validity import reasons_text
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, gather_rows,
                                     node_ranks, verdict)
@@ -80,10 +81,8 @@ class BondResults:
                  f"bond stages: {stages}"]
         skipped = int((self.status != 0).sum())
         if skipped:
-            codes, counts = np.unique(self.status[self.status != 0], return_counts=True)
             lines.append(f"--invalid skip: {skipped} of {self.status.size} bond options not "
-                         "priced (" + "; ".join(f"{c} x {bond_book.REASONS[int(k)]}"
-                                                for k, c in zip(codes, counts)) + ")")
+                         f"priced ({reasons_text(self.status, bond_book.REASONS)})")
         return lines + self.notes
 
 

@@ -131,21 +131,13 @@ def _describe_results(path: str) -> list[str]:
     for name in columns:
         unit = f" [{units[name]}]" if units.get(name) else ""
         if name == "status":
-            codes, counts = np.unique(r[name], return_counts=True)
-            reasons = json.loads(attrs.get("status_reasons", "{}") or "{}")
-            lines.append(f"  status{unit}: " + "; ".join(
-                f"{int(code)} ({reasons.get(str(int(code)), '?')}) {count}"
-                for code, count in zip(codes, counts)))
+            lines.append(_statuses(f"status{unit}", r[name], attrs.get("status_reasons")))
         else:
             lines.append(_range(name, r[name]) + unit)
     if "bonds" in r:
         b = r["bonds"]
-        reasons = json.loads(attrs.pop("bond_status_reasons", "{}") or "{}")
         lines.append(_range("bonds: price", b["price"]))
-        codes, counts = np.unique(b["status"], return_counts=True)
-        lines.append("  bonds: status: " + "; ".join(
-            f"{int(code)} ({'priced' if code == 0 else reasons.get(str(int(code)), '?')}) "
-            f"{count}" for code, count in zip(codes, counts)))
+        lines.append(_statuses("bonds: status", b["status"], attrs.pop("bond_status_reasons", None)))
     if "scenarios" in r:
         s = r["scenarios"]
         lines.append(f"  scenarios: {s['price'].shape[1]} ("
@@ -159,6 +151,15 @@ def _describe_results(path: str) -> list[str]:
             lines.append(f"  rank {rank}: {int(opts)} options, {float(nodes):.4g} nodes, "
                          f"{float(sec):.3f}s")
     return lines
+
+
+def _statuses(label: str, status: np.ndarray, reasons) -> str:
+    """'  LABEL: 0 (priced) 118; 13 (volatility must be ...) 2': the rows by status code, each
+    with its reason (`reasons`: the file's JSON of them)."""
+    reasons = json.loads(reasons or "{}")
+    codes, counts = np.unique(status, return_counts=True)
+    return f"  {label}: " + "; ".join(f"{int(code)} ({reasons.get(str(int(code)), '?')}) {count}"
+                                      for code, count in zip(codes, counts))
 
 
 def _attributes(attrs: dict) -> list[str]:
