@@ -1,8 +1,10 @@
 """`pricer bench trinomial`: the Hull–White family's engines on the seeds' seven datasets
 (pricer/tools/bond_datasets.py), as the papers measure them, beside QuantLib.
 
-For each dataset: the trees' parameters are built (bond_book.parameters, reported, not timed), then
-each engine prices the whole dataset `repeats` times after a warm-up; the median wall time counts.
+For each dataset: the trees' parameters are built (bond_book.tree_parameters, reported, not
+timed; for a GPU engine without the per-step arrays, which it fills in its own memory as the bond
+run has it do), then each engine prices the whole dataset `repeats` times after a warm-up; the
+median wall time counts.
 Reported per engine: seconds, tree nodes per second (the forward and the backward sweep each
 count every node of the tree: 2 x HullWhiteParams.nodes()), and GFLOP^SPEC/s.
 
@@ -33,7 +35,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pricer.tools.bond_datasets import DATASETS, dataset
+from pricer.tools.bond_datasets import CURVE, DATASETS, dataset, dataset_columns
 
 FLOPS_FORWARD, FLOPS_BACKWARD = 13, 18
 TARGET_QUANTLIB = 30.0
@@ -113,10 +115,9 @@ def _engines(names: str, flat_rows: int | None, flat_threads: int | None):
         if name == "cpu":
             out[name] = HullWhiteCpuEngine()
         else:
-            from pricer.engines.gpu.trinomial import FLAT_MAX_ROWS, HullWhiteGpuEngine
-            out[name] = HullWhiteGpuEngine(name, flat_rows=flat_rows or FLAT_MAX_ROWS,
-                                           **({"flat_threads": flat_threads} if flat_threads
-                                              else {}))
+            from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+            out[name] = HullWhiteGpuEngine(name, flat_rows=flat_rows,
+                                           flat_threads=flat_threads)
     return out
 
 
@@ -139,8 +140,8 @@ def bench_trinomial(args) -> list[dict]:
               f"{2 * bound:.3e} nodes/s (both sweeps) at {FLOPS_FORWARD + FLOPS_BACKWARD} "
               "GFLOP^SPEC a node")
     print(f"cpu engine on {threads} thread(s); GFLOP^SPEC: {FLOPS_FORWARD} forward + "
-          f"{FLOPS_BACKWARD} backward per node; GPU seconds include the sort, the packing and the "
-          "copies both ways")
+          f"{FLOPS_BACKWARD} backward per node; GPU seconds include the sort, the packing, the "
+          "per-step arrays' fill and the copies both ways")
     print("| dataset | instruments | nodes (one sweep) | engine | s | nodes/s (both sweeps) "
           "| GFLOP^SPEC/s | share of FP64 bound | QuantLib, one core: instruments/s "
           "| cpu, one thread | ratio |")
@@ -148,22 +149,24 @@ def bench_trinomial(args) -> list[dict]:
     rows = []
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         t0 = time.perf_counter()
-        instruments, a, sigma, per_year, curve = dataset(name, args.count)
-        params = bond_book.parameters(instruments, a, sigma, per_year, curve)
+        cols = dataset_columns(name, args.count)
+        params = bond_book.tree_parameters(cols, [CURVE])
+        unfilled = bond_book.tree_parameters(cols, [CURVE], fill=False)
         setup = time.perf_counter() - t0
         nodes = float(params.nodes().sum())
-        faces = np.array([inst.face for inst in instruments])
+        faces = cols["face"]
         flops = nodes * (FLOPS_FORWARD + FLOPS_BACKWARD)
         reference = None
         for label, engine in engines.items():
-            seconds, prices = _median(lambda: engine.price(params), args.repeats)
+            given = unfilled if getattr(engine, "fills_steps", False) else params
+            seconds, prices = _median(lambda: engine.price(given), args.repeats)
             if reference is None:
                 reference = prices
             # relative to the price, or to 1 % of the face where the price is smaller (an option
             # worth little beside its bond carries the bond's rounding)
             agree = float(np.max(np.abs(prices - reference)
                                  / np.maximum(np.abs(reference), 0.01 * faces)))
-            row = dict(dataset=name, engine=label, instruments=len(instruments), nodes=nodes,
+            row = dict(dataset=name, engine=label, instruments=len(faces), nodes=nodes,
                        setup_seconds=setup, seconds=seconds, nodes_per_second=2.0 * nodes / seconds,
                        gflops_spec=flops / seconds / 1e9, threads=threads,
                        max_rel_difference=agree)
@@ -176,11 +179,11 @@ def bench_trinomial(args) -> list[dict]:
                           f"{flops / engine.kernel_seconds / 1e9:.0f})")
             anchor = "— | — | — |"
             if label == "cpu" and args.quantlib:
-                row.update(_anchor(cpu, instruments, a, sigma, per_year, curve, args, threads))
+                row.update(_anchor(cpu, *dataset(name, args.count), args, threads))
                 anchor = (f"{row['quantlib_per_second']:.3g} | "
                           f"{row['cpu_one_thread_per_second']:.3g} | "
                           f"{row['quantlib_ratio']:.0f}x |")
-            print(f"| {name} | {len(instruments):,} | {nodes:.3e} | {label} | {seconds:.4f} | "
+            print(f"| {name} | {len(faces):,} | {nodes:.3e} | {label} | {seconds:.4f} | "
                   f"{2.0 * nodes / seconds:.3e} | {flops / seconds / 1e9:.1f}{kernel} | {share} | {anchor}",
                   flush=True)
             rows.append(row)
