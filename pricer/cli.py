@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a backend to warm (repeatable; default: every backend this machine "
                         "can run)")
 
-    p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for gpu/hybrid")
+    p = sub.add_parser("calibrate", help="time the GPU regimes here and cache T1/T2/VT/K for "
+                       "gpu/hybrid and the bond family's GPU-FLAT rule")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
     p.add_argument("--out", default=None, metavar="FILE.json",
                    help="also write the calibration (values and timings) here")

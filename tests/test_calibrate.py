@@ -28,7 +28,8 @@ from pricer.model.lattice import lattice_parameters
 from pricer.tools.generate import generate
 
 FAKE = "Fake GPU 9000 (80GB) / PCIe"
-VALUES = dict(t1=20_000, t2=128, tiled_vt=4, tiled_k=128, cpu_max_steps=700)
+VALUES = dict(t1=20_000, t2=128, tiled_vt=4, tiled_k=128, cpu_max_steps=700, hw_flat_rows=256,
+              hw_flat_threads=512)
 # the warp shape an older calibration also stored (GpuConfig's defaults are 8 and 64)
 OLD_WARP = dict(warp_vt=4, warp_k=32)
 
@@ -80,7 +81,9 @@ def test_bad_files_are_ignored_with_a_warning(cache):
                  json.dumps(record(dict(VALUES, tiled_k=4 * 256))), # tiled_k must be < 256 * tiled_vt
                  json.dumps(record(dict(VALUES, tiled_vt=1.5))),
                  json.dumps(record(dict(VALUES, t1=-1))),
-                 json.dumps(record(dict(VALUES, fma=True)))):
+                 json.dumps(record(dict(VALUES, fma=True))),
+                 json.dumps(record(dict(VALUES, hw_flat_rows=2000))),     # a block's 1 024
+                 json.dumps(record(dict(VALUES, hw_flat_threads=100)))):  # whole warps
         path.write_text(text)
         with pytest.warns(RuntimeWarning, match="ignoring the calibration"):
             assert load_calibration(FAKE) is None
@@ -105,6 +108,18 @@ def test_retired_keys_are_ignored(cache):
         assert (e.config.warp_vt, e.config.warp_k) == (GpuConfig().warp_vt, GpuConfig().warp_k)
     with pytest.raises(ValueError, match="unknown key"):
         store_calibration(record(dict(VALUES, **OLD_WARP)))
+
+
+def test_a_calibration_without_the_bond_rule_loads(cache):
+    """A file written before the Hull-White family's rule was calibrated: its values load, the
+    rule is GpuConfig's."""
+    old = {k: v for k, v in VALUES.items() if not k.startswith("hw_")}
+    cache.mkdir(parents=True)
+    calibration_path(FAKE).write_text(json.dumps(record(old)))
+    assert load_calibration(FAKE)[0] == old
+    config, _ = effective_config(FAKE)
+    assert (config.hw_flat_rows, config.hw_flat_threads) == (GpuConfig().hw_flat_rows,
+                                                             GpuConfig().hw_flat_threads)
 
 
 def test_precedence(cache, monkeypatch):
@@ -223,6 +238,13 @@ def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
     engine = GpuEngine("hybrid")
     assert engine.calibration == path
     assert {k: getattr(engine.config, k) for k in CALIBRATED} == saved["values"]
+    assert "hw" in saved["timings"] and 2 <= saved["values"]["hw_flat_rows"] <= 1024
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    bonds = HullWhiteGpuEngine()
+    assert bonds.calibration == path
+    assert (bonds.flat_rows, bonds.flat_threads) == (saved["values"]["hw_flat_rows"],
+                                                     saved["values"]["hw_flat_threads"])
+    assert HullWhiteGpuEngine(flat_threads=512).flat_threads == 512
     override = GpuEngine("hybrid", t1=saved["values"]["t1"] + 1, t2=0)
     assert (override.config.t1, override.config.t2) == (saved["values"]["t1"] + 1, 0)
     assert override.config.tiled_vt == saved["values"]["tiled_vt"]

@@ -86,7 +86,12 @@ def dataset_columns(name: str, count: int | None = None, seed: int = 2026) -> di
     """A dataset (module doc) as a book's columns (bond_book.BOND_COLUMNS) on curve 0 (CURVE),
     vectorised: what `pricer generate --bonds` writes."""
     rng = np.random.default_rng(seed)
-    widths, heights = shapes(name, count, rng)
+    return columns_of_shapes(*shapes(name, count, rng), rng)
+
+
+def columns_of_shapes(widths, heights, rng) -> dict:
+    """Instruments as the datasets' (module doc) with trees of these (odd) widths and heights at
+    monthly steps, as a book's columns on curve 0 (CURVE)."""
     n = widths.size
     maturity = heights / STEPS_PER_YEAR
     coupon = rng.uniform(0.0, 0.08, n)

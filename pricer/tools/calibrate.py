@@ -14,6 +14,14 @@ median of the repeats, or wall time of a portfolio for the CPU crossover):
   T2 is the edge that minimises the summed (CPU - pers) of the bands below it.
 - cpu_max_steps: bench_gpu.crossover (portfolios of one N: hybrid, every option on the GPU, against
   the all-cores `cpu` engine); the largest N kept on the CPU that minimises the summed time.
+- hw_flat_rows, hw_flat_threads (the Hull-White family; wall time of the engine's whole call, the
+  per-step arrays filled on the GPU as in a run): for bands of tree widths [lo, hi) (rows,
+  doubling), a book of `hw_count` instruments of widths uniform in the band and heights uniform
+  in [13, 1 200] monthly steps, priced by GPU-OUTER and by GPU-FLAT; hw_flat_rows is the band
+  edge below which GPU-FLAT and above which GPU-OUTER minimise the summed time. hw_flat_threads:
+  GPU-FLAT in blocks of 512 and of 1 024 threads on the datasets U2, R1 and S1 (their trees'
+  shapes; pricer/tools/bond_datasets.py), books of about `hw_steps` tree steps (a bond run's
+  chunks are at most 2^24); 1 024 unless 512 is faster in sum by more than 3 % (PAYS).
 The values go to the calibration cache (pricer/engines/gpu/calibration.py), which the GPU engines
 read.
 """
@@ -38,13 +46,17 @@ FULL = dict(
     t1_edges=(10_000, 20_000, 40_000, 80_000, 160_000, 320_000, 640_000),
     t2_edges=(0, 32, 64, 128, 256, 512, 1024, 2048, 4096),
     cpu_sizes=(100, 200, 300, 500, 750, 1000, 1500, 2000, 3000),
-    repeats=5, band_repeats=21, count=128)
+    repeats=5, band_repeats=21, count=128,
+    hw_edges=(3, 33, 65, 129, 257, 513, 1025), hw_count=4000, hw_steps=1 << 23)
 QUICK = dict(
     tiled_n=200_000, tiled=((4, 256), (8, 256), (16, 512)),
     t1_edges=(10_000, 20_000, 40_000, 80_000, 160_000),
     t2_edges=(0, 64, 128, 256, 512, 1024, 2048),
     cpu_sizes=(100, 300, 500, 1000, 2000),
-    repeats=3, band_repeats=11, count=128)
+    repeats=3, band_repeats=11, count=128,
+    hw_edges=(3, 33, 129, 513, 1025), hw_count=2000, hw_steps=1 << 22)
+HW_THREADS = (512, 1024)           # GPU-FLAT's blocks tried
+HW_DATASETS = ("U2", "R1", "S1")  # the shapes of trees they are tried on
 
 
 def _best_edge(edges, diffs, above: bool) -> tuple[int, list[float]]:
@@ -155,8 +167,11 @@ def calibrate(quick: bool = False, out: str | None = None, store: bool = True, l
         + ")")
     timings["cpu_max_steps"] = dict(count=count, rows=rows)
 
+    hw_flat_rows, hw_flat_threads, timings["hw"] = _calibrate_trinomial(plan, log)
+
     values = dict(t1=t1, t2=t2, tiled_vt=tiled_vt, tiled_k=tiled_k,
-                  cpu_max_steps=cpu_max)
+                  cpu_max_steps=cpu_max, hw_flat_rows=hw_flat_rows,
+                  hw_flat_threads=hw_flat_threads)
     seconds = time.perf_counter() - t_start
     record = dict(schema=SCHEMA, device=rt.name, arch=rt.arch, version=__version__,
                   created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), quick=quick,
@@ -172,6 +187,69 @@ def calibrate(quick: bool = False, out: str | None = None, store: bool = True, l
         log(f"wrote {out}")
     log(f"calibration took {seconds:.1f} s")
     return record
+
+
+def _calibrate_trinomial(plan: dict, log) -> tuple[int, int, dict]:
+    """hw_flat_rows and hw_flat_threads (module doc), and their timings."""
+    import numpy as np
+
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    from pricer.model import bond_book
+    from pricer.tools.bond_datasets import (CURVE, HEIGHTS, columns_of_shapes, dataset_columns,
+                                             shapes)
+
+    reps = plan["repeats"]
+
+    def seconds(engine, params) -> float:
+        engine.price(params)                      # warm-up: module load, buffers
+        walls = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            engine.price(params)
+            walls.append(time.perf_counter() - start)
+        return float(np.median(walls))
+
+    edges, count = plan["hw_edges"], plan["hw_count"]
+    log(f"\n## hw_flat_rows: {count} Hull-White instruments a band of tree widths [lo, hi), "
+        f"heights uniform in {list(HEIGHTS)}, GPU-OUTER and GPU-FLAT, wall time of the whole "
+        f"call, median of {reps}")
+    outer, flat = HullWhiteGpuEngine("outer"), HullWhiteGpuEngine("flat")
+    rng = np.random.default_rng(2026)
+    bands = []
+    for lo, hi in zip(edges, edges[1:]):
+        widths = rng.integers(lo // 2, (hi - 1) // 2, count) * 2 + 1      # odd, in [lo, hi)
+        heights = rng.integers(HEIGHTS[0], HEIGHTS[1] + 1, count)
+        params = bond_book.tree_parameters(columns_of_shapes(widths, heights, rng), [CURVE],
+                                           fill=False)
+        bands.append(dict(lo=lo, hi=hi, outer_s=seconds(outer, params),
+                          flat_s=seconds(flat, params)))
+        log(f"band [{lo:>4}, {hi:>4}): outer {bands[-1]['outer_s'] * 1e3:9.2f} ms  flat "
+            f"{bands[-1]['flat_s'] * 1e3:8.2f} ms")
+    j, sums = _best_edge(edges, [b["flat_s"] - b["outer_s"] for b in bands], above=False)
+    flat_rows = edges[j] - 1
+    log(f"-> hw_flat_rows = {flat_rows} (summed flat - outer below each edge, ms: "
+        + ", ".join(f"{e}: {s * 1e3:+.2f}" for e, s in zip(edges, sums)) + ")")
+
+    log(f"\n## hw_flat_threads: GPU-FLAT's block on books of about {plan['hw_steps']} tree steps "
+        "of the datasets' shapes")
+    engines = {t: HullWhiteGpuEngine("flat", flat_threads=t) for t in HW_THREADS}
+    books = []
+    for name in HW_DATASETS:
+        heights = shapes(name, 10_000, rng)[1]                        # the mean height's sample
+        cols = dataset_columns(name, max(1, int(plan["hw_steps"] / heights.mean())))
+        params = bond_book.tree_parameters(cols, [CURVE], fill=False)
+        books.append(dict(dataset=name, instruments=len(params),
+                          **{f"flat{t}_s": seconds(e, params) for t, e in engines.items()}))
+        log(f"{name} ({len(params)} instruments): " + "  ".join(
+            f"{t} threads {books[-1][f'flat{t}_s'] * 1e3:8.2f} ms" for t in HW_THREADS))
+    spent = {t: sum(b[f"flat{t}_s"] for b in books) for t in HW_THREADS}
+    small, threads = HW_THREADS[0], HW_THREADS[-1]
+    if spent[small] <= PAYS * spent[threads]:
+        threads = small
+    log(f"-> hw_flat_threads = {threads} (summed ms: "
+        + ", ".join(f"{t}: {v * 1e3:.2f}" for t, v in spent.items()) + ")")
+    return flat_rows, threads, dict(bands=bands, sums_s=dict(zip(map(str, edges), sums)),
+                                    books=books)
 
 
 def _pick_shape(rows, default_vt, default_k):

@@ -21,7 +21,8 @@ from pricer.files import atomic_write, cache_dir
 
 SCHEMA = "pricer.calibration/1"
 # the GpuConfig fields a calibration sets
-CALIBRATED = ("t1", "t2", "tiled_vt", "tiled_k", "cpu_max_steps")
+CALIBRATED = ("t1", "t2", "tiled_vt", "tiled_k", "cpu_max_steps", "hw_flat_rows",
+              "hw_flat_threads")
 # fields older calibrations set, for a regime no longer in the production path: ignored
 RETIRED = ("warp_vt", "warp_k")
 

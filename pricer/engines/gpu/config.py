@@ -11,6 +11,8 @@ engine falls back to the tiled kernel in a narrow shape (mid_b threads x mid_vt 
 per launch). warp_vt and warp_k shape the warp-per-block kernel, which only `pricer bench gpu`
 runs (the seed's Table 5). fma=False is the exact mode: every product and sum rounded on its own,
 in the serial engine's order, so prices are bitwise the CPU engines'.
+hw_flat_rows and hw_flat_threads are the Hull-White family's rule between its two GPU strategies
+and GPU-FLAT's block (pricer/engines/gpu/trinomial.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class GpuConfig:
     wavefront_block: int = 256   # `pricer bench gpu` only: threads per block, one launch a step
     fma: bool = True          # fused multiply-adds (False: the exact mode, bitwise equal to serial)
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
+    # the Hull-White family (cuda/trinomial.cu, pricer/engines/gpu/trinomial.py), under `auto`:
+    hw_flat_rows: int = 1024    # trees of at most this many rows by GPU-FLAT, wider by GPU-OUTER
+    hw_flat_threads: int = 1024  # GPU-FLAT's block (more where a tree needs it)
 
     @property
     def tiled_w(self) -> int:
@@ -83,6 +88,10 @@ class GpuConfig:
             raise ValueError("t1 and t2 must be >= 0")
         if self.tiled_b % 32 or not (32 <= self.tiled_b <= 1024):
             raise ValueError("tiled_b must be a multiple of 32 in [32, 1024]")
+        if not 0 <= self.hw_flat_rows <= 1024:
+            raise ValueError("hw_flat_rows must be in [0, 1024]")
+        if self.hw_flat_threads % 32 or not (32 <= self.hw_flat_threads <= 1024):
+            raise ValueError("hw_flat_threads must be a multiple of 32 in [32, 1024]")
         return self
 
     def defines(self) -> list[str]:

@@ -26,14 +26,13 @@ STRATEGIES = ("auto", "outer", "flat")
 OUTER_ARRAYS = 8              # cuda/trinomial.cu: the rows each GPU-OUTER thread keeps
 OUTER_THREADS = 128
 FLAT_MAX_ROWS = 1024          # a block's threads: GPU-FLAT's widest tree
-FLAT_THREADS = 1024           # GPU-FLAT's block (docs/decisions.md)
+FILL_THREADS = 128
+SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 
 
 def flat_shared_bytes(threads: int) -> int:
     """GPU-FLAT's shared memory (cuda/trinomial.cu): 6 doubles a thread, 2 x 32 for the parts."""
     return (6 * threads + 64) * 8
-FILL_THREADS = 128
-SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 
 
 def sorted_order(params: HullWhiteParams) -> np.ndarray:
@@ -92,16 +91,21 @@ class HullWhiteGpuEngine(Engine):
     uses_gpu = True
     fills_steps = True      # takes tree_parameters(..., fill=False): fills the steps itself
 
-    def __init__(self, strategy: str = "auto", flat_rows: int = FLAT_MAX_ROWS, runtime=None,
-                 flat_threads: int = FLAT_THREADS):
+    def __init__(self, strategy: str = "auto", flat_rows: int | None = None, runtime=None,
+                 flat_threads: int | None = None):
+        """flat_rows and flat_threads: `auto`'s rule and GPU-FLAT's block; None takes them from
+        this GPU's calibration (`pricer calibrate`), else GpuConfig's defaults."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-        if not 1 <= flat_rows <= FLAT_MAX_ROWS:
-            raise ValueError(f"flat_rows must be within [1, {FLAT_MAX_ROWS}]")
+        from pricer.engines.gpu.calibration import effective_config
         from pricer.engines.gpu.runtime import GpuRuntime
-        self.strategy, self.flat_rows = strategy, int(flat_rows)
-        self.flat_threads = int(flat_threads)
         self.rt = runtime or GpuRuntime.get()
+        overrides = {key: int(value) for key, value in (("hw_flat_rows", flat_rows),
+                                                        ("hw_flat_threads", flat_threads))
+                     if value is not None}
+        config, self.calibration = effective_config(self.rt.name, overrides)
+        self.strategy = strategy
+        self.flat_rows, self.flat_threads = config.hw_flat_rows, config.hw_flat_threads
         module = self.rt.module([], "trinomial.cu")
         self._outer, self._flat = module.get_function("hw_outer"), module.get_function("hw_flat")
         self._fill = module.get_function("hw_fill")
@@ -143,6 +147,7 @@ class HullWhiteGpuEngine(Engine):
                      slot.buffer("discount", 8 * total)]
             schedule = [slot.put(f"schedule{k}", np.ascontiguousarray(x))
                         for k, x in enumerate(p.schedule)]
+            slot.started.record(slot.stream)    # the kernels' time includes the fill
             self._fill(np.int32(call.n), dev[8], dev[2], dev[1], *schedule, *steps,
                        block=(FILL_THREADS, 1, 1), grid=(-(-call.n // FILL_THREADS), 1),
                        stream=slot.stream)
@@ -150,11 +155,11 @@ class HullWhiteGpuEngine(Engine):
             steps = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
                 ("flows", p.flows), ("exercise", p.exercise.view(np.uint8)),
                 ("discount", p.discount))]
+            slot.started.record(slot.stream)
         dev += steps
         shifts = slot.buffer("shifts", total * 8)
         out = slot.buffer("out", call.n * 8)
         call.out = out
-        slot.started.record(slot.stream)
         if flat.size:
             rows = (2 * p.jmax[flat] + 1).astype(np.int32)
             threads = int(min(FLAT_MAX_ROWS, max(self.flat_threads,
