@@ -187,10 +187,14 @@ extern "C" __global__ void hw_outer(
 // m + 2's before every thread has passed step m + 1's barrier, after its reads of step m). Every
 // thread of a tree computes the level's sum and its shift itself (the same numbers in the same
 // order), so no second barrier hands them out; the children's shares are summed before the shift
-// multiplies them (the CPU engine multiplies first: the prices agree to rounding). Shared memory:
-// 6 doubles a thread and 2 x 32 for the warps' parts.
+// multiplies them (the CPU engine multiplies first: the prices agree to rounding).
+// Shared memory (flat_shared_bytes): per parity, the rows U, C, D of T doubles and 2 more, whose
+// first (ZERO) is never written, so that a row's five terms below are read without a branch;
+// then 2 x 32 doubles for the warps' parts.
 
-extern "C" __global__ void hw_flat(
+#define FLAT_STRIDE(T) (3 * (T) + 2)
+
+extern "C" __global__ void __launch_bounds__(1024) hw_flat(
     const int* __restrict__ block_first, const int* __restrict__ seg,
     const int* __restrict__ block_steps, const int* __restrict__ inst,
     const double* __restrict__ a, const double* __restrict__ dt, const long long* __restrict__ steps,
@@ -202,6 +206,7 @@ extern "C" __global__ void hw_flat(
 {
     extern __shared__ double shared[];
     const int T = blockDim.x, t = threadIdx.x, lane = t & 31;
+    const int stride = FLAT_STRIDE(T), ZERO = 3 * T;
 
     // this thread's tree and row (none: a padding thread, which only keeps the barriers)
     const int lo = block_first[blockIdx.x], hi = block_first[blockIdx.x + 1];
@@ -216,6 +221,9 @@ extern "C" __global__ void hw_flat(
         rows = 2 * jmax + 1;
         N = (int)steps[i];
     }
+    // a warp holds one tree wider than 32 rows (and its padding), or trees of at most 32 rows
+    // and padding: `wide` is the same in every lane of a warp
+    const bool wide = rows > 32;
     const bool mine = k >= 0 && t - first < rows;
     if (!mine) {
         first = t;
@@ -228,21 +236,33 @@ extern "C" __global__ void hw_flat(
     const Row p = probabilities(j, jmax, mine ? expm1(-a[i] * h) : 0.0);
     const double local = mine ? exp(-j * dr[i] * h) : 0.0;
     const long long at = mine ? starts[i] : 0;
-    // the segmented reduction: lane l sums its tree's lanes l .. end - 1 of this warp; a tree of
-    // at most 32 rows lies in one warp (its sum is at its first lane), a wider one in whole warps
-    // (its parts at their lanes 0)
+    // the segmented reduction of a warp of small trees: lane l sums its tree's lanes l .. end - 1
+    // (a tree's sum is at its first lane); a wide tree's warps each sum all their lanes (the
+    // padding lanes hold 0) and leave the part at lane 0
     const int end = min(32, first + rows - (t & ~31));
-    const bool wide = rows > 32;
     const int first_warp = first >> 5, parts = (rows + 31) >> 5;
     const int tallest = block_steps[blockIdx.x];
+    // the children's shares arriving at row j, as offsets into a step's U, C, D rows (ZERO where
+    // the row has no such term), in the order they are added: the normal branches of rows j - 1,
+    // j, j + 1, then the bottom edge's (row -jmax branches to -jmax + 2, -jmax + 1, -jmax) and
+    // the top edge's (row jmax to jmax, jmax - 1, jmax - 2), at most one of each
+    const int from_below = mine && abs(j - 1) < jmax ? t - 1 : ZERO;
+    const int from_level = mine && abs(j) < jmax ? T + t : ZERO;
+    const int from_above = mine && abs(j + 1) < jmax ? 2 * T + t + 1 : ZERO;
+    const int from_bottom = !mine ? ZERO : j == -jmax ? 2 * T + first
+                          : j == 1 - jmax ? T + first : j == 2 - jmax ? first : ZERO;
+    const int from_top = !mine ? ZERO : j == jmax ? top
+                       : j == jmax - 1 ? T + top : j == jmax - 2 ? 2 * T + top : ZERO;
+    if (t == 0) {
+        shared[ZERO] = 0.0;
+        shared[stride + ZERO] = 0.0;
+    }
 
     double q = j == 0 ? 1.0 : 0.0;
     double disc_next = (mine && N > 0) ? discount[at + 1] : 1.0;
     for (int m = 0; m < tallest; ++m) {
-        double* U = shared + (m & 1) * 3 * T;
-        double* C = U + T;
-        double* D = C + T;
-        double* P = shared + 6 * T + (m & 1) * 32;
+        double* U = shared + (m & 1) * stride;
+        double* P = shared + 2 * stride + (m & 1) * 32;
         const bool live = mine && m < N;
         const double disc = disc_next;
         if (live && m + 1 < N)
@@ -250,16 +270,22 @@ extern "C" __global__ void hw_flat(
         const int w = min(m, jmax), wn = min(m + 1, jmax);
         double x = (live && abs(j) <= w) ? q * local : 0.0;
         U[t] = x * p.pu;
-        C[t] = x * p.pm;
-        D[t] = x * p.pd;
-        for (int d = 1; d < 32; d <<= 1) {
-            const double y = __shfl_down_sync(FULL_MASK, x, d);
-            if (lane + d < end)
-                x += y;
+        U[T + t] = x * p.pm;
+        U[2 * T + t] = x * p.pd;
+        double total = 0.0;
+        if (wide) {
+            for (int d = 16; d >= 1; d >>= 1)
+                x += __shfl_xor_sync(FULL_MASK, x, d);
+            if (lane == 0)
+                P[t >> 5] = x;
+        } else {
+            for (int d = 1; d < 32; d <<= 1) {
+                const double y = __shfl_down_sync(FULL_MASK, x, d);
+                if (lane + d < end)
+                    x += y;
+            }
+            total = __shfl_sync(FULL_MASK, x, first & 31);
         }
-        double total = __shfl_sync(FULL_MASK, x, first & 31);
-        if (wide && lane == 0)
-            P[t >> 5] = x;
         __syncthreads();
         if (live) {
             if (wide) {
@@ -270,19 +296,9 @@ extern "C" __global__ void hw_flat(
             const double shift = disc / total;
             if (t == first)
                 shifts[at + m] = shift;
-            if (abs(j) <= wn) {   // the children's shares arriving at row j
-                double sum = 0.0;
-                if (abs(j - 1) < jmax) sum += U[t - 1];
-                if (abs(j) < jmax) sum += C[t];
-                if (abs(j + 1) < jmax) sum += D[t + 1];
-                if (j == -jmax) sum += D[first];
-                if (j == 1 - jmax) sum += C[first];
-                if (j == 2 - jmax) sum += U[first];
-                if (j == jmax) sum += U[top];
-                if (j == jmax - 1) sum += C[top];
-                if (j == jmax - 2) sum += D[top];
-                q = shift * sum;
-            }
+            if (abs(j) <= wn)
+                q = shift * (U[from_below] + U[from_level] + U[from_above] + U[from_bottom]
+                             + U[from_top]);
         }
     }
     __syncthreads();     // the shifts, written by each tree's first thread, read by all of it

@@ -31,8 +31,9 @@ SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is c
 
 
 def flat_shared_bytes(threads: int) -> int:
-    """GPU-FLAT's shared memory (cuda/trinomial.cu): 6 doubles a thread, 2 x 32 for the parts."""
-    return (6 * threads + 64) * 8
+    """GPU-FLAT's shared memory (cuda/trinomial.cu): per parity 3 doubles a thread and 2 (a
+    zero), 2 x 32 for the warps' parts."""
+    return (2 * (3 * threads + 2) + 64) * 8
 
 
 def sorted_order(params: HullWhiteParams) -> np.ndarray:
