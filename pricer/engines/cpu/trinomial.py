@@ -1,9 +1,14 @@
 """The CPU engine of the Hull–White trinomial family (pricer/model/hw1f.py): each instrument's
 forward induction (the Arrow–Debreu prices and the displacements alpha that fit its curve) and
 backward induction (the bond's cash flows and the option) in one compiled function, a level at a
-time across the tree's width, with one exponential a step (e^{-alpha_m dt}) and a table of
-e^{-j dr dt}; the instruments spread over numba's threads, heaviest first, dealt round-robin. The same arithmetic, in the same order, as the NumPy reference (hw1f.price): prices
-agree to rounding (the reference sums a level with np.dot and np.add.at)."""
+time across the tree's width, with one division a step and a table of e^{-j dr dt}; the
+instruments spread over numba's threads, heaviest first, dealt round-robin.
+
+The step's factor e^{-alpha_m dt} is taken as P(0, (m + 1) dt) / sum_j Q(m, j) e^{-j dr dt}, as
+the GPU engine takes it, which is the NumPy reference's (hw1f.price) exp(-(ln sum - ln P)) without
+its two logarithms and exponential (on small trees those were a third of the time); it is kept
+from the forward sweep for the backward one. Otherwise the reference's arithmetic in its order:
+prices agree to rounding (the reference sums a level with np.dot and np.add.at)."""
 
 from __future__ import annotations
 
@@ -47,10 +52,10 @@ SCRATCH_ROWS = 10     # value_one's float arrays of a tree's width
 
 @njit(cache=True, nogil=True)
 def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, discount, scratch,
-              offset, alphas):
+              offset, shifts):
     """One instrument's value today (hw1f.price on its row of HullWhiteParams); scratch
-    (SCRATCH_ROWS, >= 2 jmax + 1), offset (>= 2 jmax + 1, int64) and alphas (>= steps): its
-    working arrays, reused from one instrument to the next."""
+    (SCRATCH_ROWS, >= 2 jmax + 1), offset (>= 2 jmax + 1, int64) and shifts (>= steps: each
+    step's e^{-alpha_m dt}): its working arrays, reused from one instrument to the next."""
     width = 2 * jmax + 1
     pu, pm, pd = scratch[0, :width], scratch[1, :width], scratch[2, :width]
     _branching(jmax, math.expm1(-a * dt), offset, pu, pm, pd)
@@ -64,8 +69,8 @@ def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, di
         total = 0.0
         for i in range(2 * w + 1):
             total += q[i] * local[i - w + jmax]
-        alphas[m] = (math.log(total) - math.log(discount[m + 1])) / dt
-        shift = math.exp(-alphas[m] * dt)
+        shift = discount[m + 1] / total
+        shifts[m] = shift
         for i in range(2 * w_next + 1):
             q_next[i] = 0.0
         for i in range(2 * w + 1):
@@ -91,7 +96,7 @@ def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, di
         for i in range(2 * w_next + 1):
             bond_next[i] = bond[i] + flow
             value_next[i] = value[i] + carried
-        shift = math.exp(-alphas[m] * dt)
+        shift = shifts[m]
         for i in range(2 * w + 1):
             row = i - w + jmax
             centre = i - w + offset[row] + w_next
@@ -124,13 +129,13 @@ def _value_all(a, dt, steps, jmax, dr, strike, sign, product, starts, flows, exe
     for t in prange(threads):
         scratch = np.empty((SCRATCH_ROWS, width))
         offset = np.empty(width, dtype=np.int64)
-        alphas = np.empty(height)
+        shifts = np.empty(height)
         for k in range(t, n, threads):
             i = order[k]
             lo, hi = starts[i], starts[i] + steps[i] + 1
             out[i] = value_one(a[i], dt[i], steps[i], jmax[i], dr[i], strike[i], sign[i],
                                product[i], flows[lo:hi], exercise[lo:hi], discount[lo:hi],
-                               scratch, offset, alphas)
+                               scratch, offset, shifts)
 
 
 class HullWhiteCpuEngine(Engine):
