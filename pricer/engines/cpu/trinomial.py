@@ -50,7 +50,9 @@ def _branching(jmax, M, offset, pu, pm, pd):
 SCRATCH_ROWS = 10     # value_one's float arrays of a tree's width
 
 
-@njit(cache=True, nogil=True)
+# error_model numpy: a level whose sum is 0 gives inf, then a NaN price (bond_book.NO_VALUE's
+# rows), not a ZeroDivisionError
+@njit(cache=True, nogil=True, error_model="numpy")
 def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, discount, scratch,
               offset, shifts):
     """One instrument's value today (hw1f.price on its row of HullWhiteParams); scratch
