@@ -120,12 +120,11 @@ def _check_bond_memory(bonds, source: str) -> None:
     import numba
 
     from pricer.model.bond_book import tree_shapes
-    from pricer.run.memory import BOND_BYTES_PER_ROW, BOND_BYTES_PER_STEP, GIB, available_bytes
+    from pricer.run.memory import GIB, available_bytes, bond_working_bytes
 
     steps, jmax, _ = tree_shapes(bonds.columns)
-    need = (float(steps.sum() + steps.size) * BOND_BYTES_PER_STEP
-            + numba.get_num_threads() * float(2.0 * jmax.max(initial=0.0) + 1.0)
-            * BOND_BYTES_PER_ROW)
+    need = bond_working_bytes(steps.sum() + steps.size, 2.0 * jmax.max(initial=0.0) + 1.0,
+                              numba.get_num_threads())
     have = available_bytes()
     if need > have:
         raise InputError(f"{source}: its trees need ~{need / GIB:.2f} GiB of memory, this "

@@ -150,8 +150,7 @@ def _check_memory(cfg, steps: np.ndarray, jmax: np.ndarray, node_ranks: int, siz
     n = steps.size
     threads = cfg.threads or 1
     chunk = min(float(steps.sum() + n), CHUNK_STEPS)
-    working = (chunk * memory.BOND_BYTES_PER_STEP
-               + threads * float(2.0 * jmax.max(initial=0.0) + 1.0) * memory.BOND_BYTES_PER_ROW)
+    working = memory.bond_working_bytes(chunk, 2.0 * jmax.max(initial=0.0) + 1.0, threads)
     share = -(-n // size)
     row = len(bond_book.BOND_COLUMNS) * 8 + 3 * 16      # the columns, as read and as typed
     other = share * (2 * row + len(OUTPUTS) * 8) + working

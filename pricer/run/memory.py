@@ -52,6 +52,12 @@ INDEX_BYTES = 2 * 8           # --distribute read: the id and steps columns ever
 GIB = float(1 << 30)
 
 
+def bond_working_bytes(steps: float, widest: float, threads: int) -> float:
+    """Bond options' working memory: trees of `steps` per-step entries in all, on `threads` threads
+    whose widest tree has `widest` rows."""
+    return float(steps) * BOND_BYTES_PER_STEP + threads * float(widest) * BOND_BYTES_PER_ROW
+
+
 @dataclass
 class Estimate:
     root: float      # bytes on rank 0
