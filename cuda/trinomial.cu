@@ -72,6 +72,18 @@ __device__ __forceinline__ void exercise_node(double bond, double& value, double
         value = fmax(value, strike);
 }
 
+// The value at the last step where the option may be exercised there: against the redemption F,
+// which the last step's flows pay (hw1f._at_maturity): the bond-with-option products' value is
+// what exercise changes, min(F, K) - F or max(F, K) - F; the option's max(+-(F - K), 0).
+__device__ __forceinline__ double at_maturity(double F, double strike, double sign, int product)
+{
+    if (product == OPTION)
+        return fmax(0.0, fmax(sign * (F - strike), 0.0));
+    if (product == CALLABLE)
+        return fmin(F, strike) - F;
+    return fmax(F, strike) - F;
+}
+
 // ---------------------------------------------------------------------------------------------
 // GPU-OUTER
 // Thread s prices instrument inst[s] (s < n); warp s / 32's rows start at
@@ -88,7 +100,8 @@ extern "C" __global__ void hw_outer(
     const long long* __restrict__ jmax_of, const double* __restrict__ dr,
     const double* __restrict__ strike, const double* __restrict__ sign,
     const long long* __restrict__ product_of, const long long* __restrict__ starts,
-    const double* __restrict__ flows, const unsigned char* __restrict__ exercise,
+    const double* __restrict__ face, const double* __restrict__ flows,
+    const unsigned char* __restrict__ exercise,
     const double* __restrict__ discount, double* __restrict__ shifts, double* __restrict__ scratch,
     double* __restrict__ out, long long base0)
 {
@@ -139,12 +152,10 @@ extern "C" __global__ void hw_outer(
     const int product = (int)product_of[i];
     int b = Q0, bn = Q1, v = V0, vn = V1;
     int w = min(N, jmax);
+    const double value_N = exercise[at + N] ? at_maturity(face[i], K, sg, product) : 0.0;
     for (int k = 0; k <= 2 * w; ++k) {       // ex-coupon at maturity: nothing left
-        double bond = 0.0, value = 0.0;
-        if (exercise[at + N])
-            exercise_node(bond, value, K, sg, product);
-        AT(b, k) = bond;
-        AT(v, k) = value;
+        AT(b, k) = 0.0;
+        AT(v, k) = value_N;
     }
     for (int m = N - 1; m >= 0; --m) {
         const int wn = w;
@@ -201,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
     const long long* __restrict__ jmax_of, const double* __restrict__ dr,
     const double* __restrict__ strike, const double* __restrict__ sign,
     const long long* __restrict__ product_of, const long long* __restrict__ starts,
-    const double* __restrict__ flows, const unsigned char* __restrict__ exercise,
+    const double* __restrict__ face, const double* __restrict__ flows,
+    const unsigned char* __restrict__ exercise,
     const double* __restrict__ discount, double* __restrict__ shifts, double* __restrict__ out)
 {
     extern __shared__ double shared[];
@@ -307,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
     const int product = mine ? (int)product_of[i] : OPTION;
     double bond = 0.0, value = 0.0;      // ex-coupon at maturity: nothing left
     if (mine && exercise[at + N])
-        exercise_node(bond, value, K, sg, product);
+        value = at_maturity(face[i], K, sg, product);
     // step m's numbers, loaded a step ahead
     double flow = 0.0, shift = 0.0;
     bool ex = false;

@@ -133,6 +133,53 @@ def test_cpu_engine_is_the_numpy_reference(rng):
     assert np.all(np.abs(got - want) <= 1e-12 * np.maximum(np.abs(want), 1e-3))
 
 
+def test_an_exercise_at_maturity_is_against_the_redemption(rng):
+    """At the last step the option is exercised against the bond's redemption F (its value
+    ex-coupon just before it is repaid), as QuantLib's engine compares a call price with the
+    redemption: puttable max(F, K), callable min(F, K), options max(+-(F - K), 0), all paid with
+    the last coupon at maturity. On every engine of the CPU and the reference alike."""
+    from pricer.model import hw1f_ql
+    curve = random_curve(rng)
+    mat, face, per_year = float(rng.uniform(2.0, 8.0)), 100.0, 12
+    coupon = float(rng.uniform(0.0, 0.06))
+    tree = H.build(0.1, 0.01, mat / H.steps_of(mat, per_year), H.steps_of(mat, per_year), curve)
+    zero = float(curve.discount(mat))
+
+    def value(product, strike, call=False, **dates):
+        inst = H.BondOption(face=face, coupon=coupon, frequency=2, maturity=mat, strike=strike,
+                            call=call, product=product, **dates)
+        return inst, H.price(inst, 0.1, 0.01, per_year, curve, tree)
+
+    _, straight = value("callable", 1e9, first=mat)             # a call that never binds
+    at_maturity = [dict(first=mat), dict(exercise="bermudan", first=mat - 2.0, last=mat),
+                   dict(exercise="american", first=mat / 2, last=mat)]
+    cases = []              # (instrument, reference price) exercisable at maturity
+    for dates in at_maturity:
+        cases += [value("puttable", face + 5.0, **dates), value("callable", face + 5.0, **dates),
+                  value("option", face - 5.0, call=True, **dates)]
+        _, price = value("puttable", face, **dates)   # was the face plus K
+        assert straight - 1e-9 <= price < straight + 0.1 * face * zero
+    european = dict(first=mat)
+    for (inst, price), want in ((value("puttable", face + 5.0, **european), straight + 5 * zero),
+                                (value("callable", face - 5.0, **european), straight - 5 * zero),
+                                (value("option", face - 5.0, call=True, **european), 5 * zero),
+                                (value("option", face + 5.0, **european), 5 * zero),
+                                (value("option", face - 5.0, **european), 0.0),
+                                (value("option", face + 5.0, call=True, **european), 0.0)):
+        assert abs(price - want) <= 1e-9 * face, (inst, price, want)
+    # the CPU engine as the reference, and QuantLib's engine's arithmetic on pricer's conventions
+    instruments = [inst for inst, _ in cases]
+    params = B.parameters(instruments, np.full(len(instruments), 0.1),
+                          np.full(len(instruments), 0.01), per_year, curve)
+    want = np.array([price for _, price in cases])
+    assert np.all(np.abs(ENGINE.price(params) - want) <= 1e-12 * np.maximum(np.abs(want), 1e-3))
+    for inst, price in (case for case in cases if case[0].product != "option"):
+        theirs = hw1f_ql.price(hw1f_ql.terms_of(inst, per_year), 0.1, 0.01, curve,
+                               H.steps_of(mat, per_year), grid="uniform", branching="pricer",
+                               spacing="pricer")
+        assert abs(theirs - price) <= 1e-12 * price, (inst, theirs, price)
+
+
 def test_parity_and_the_order_of_exercise_rights(rng):
     """European call - put on a coupon bond = the bond's forward value less K P(0, T) (exact on a
     tree that reprices the curve); rights only add value: American >= Bermudan >= European;

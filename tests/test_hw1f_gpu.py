@@ -5,6 +5,7 @@ to 1e-12 on fresh random books and the seeds' datasets (marked gpu)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,6 +31,10 @@ def random_columns(rng, n: int):
     """(columns, curves) of a book whose trees go from 3 rows (j_max = 1) to over FLAT_MAX_ROWS
     rows, mixed products and rights, on a curve per instrument."""
     instruments = random_instruments(rng, n, maturity=(0.5, 12.0))
+    # every fifth exercisable at maturity (against the redemption: hw1f._at_maturity)
+    instruments = [replace(x, last=x.maturity) if x.exercise != "european" else
+                   replace(x, first=x.maturity) for x in instruments[::5]] + \
+        [x for k, x in enumerate(instruments) if k % 5]
     a = rng.choice([0.01, 0.05, 0.2, 1.0, 60.0], n) * rng.uniform(0.9, 1.1, n)
     sigma = rng.uniform(0.003, 0.02, n)
     per_year = rng.choice([2, 12, 52], n)

@@ -37,6 +37,7 @@ class HullWhiteParams:
     jmax: np.ndarray        # int64: width 2 jmax + 1
     dr: np.ndarray
     strike: np.ndarray
+    face: np.ndarray        # the redemption, which an exercise at maturity is compared with
     sign: np.ndarray        # +1 call, -1 put
     product: np.ndarray     # int64: PRODUCT_CODES
     starts: np.ndarray      # int64
@@ -324,6 +325,7 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
     return HullWhiteParams(
         a=a, sigma=sigma, dt=dt, steps=steps, jmax=jmax_of(a, dt), dr=sigma * np.sqrt(3.0 * dt),
         strike=np.asarray(cols["strike"], dtype=np.float64),
+        face=np.asarray(cols["face"], dtype=np.float64),
         sign=np.where(np.asarray(cols["call"], dtype=np.bool_), 1.0, -1.0),
         product=np.asarray(cols["product"], dtype=np.int64), starts=starts, flows=flows,
         exercise=exercise, discount=discount, schedule=schedule)

@@ -212,7 +212,7 @@ def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,
     bond = np.zeros(2 * w + 1)          # ex-coupon value at the last step: nothing left
     value = bond.copy()                 # the option's (or the bond-with-option's) value
     if exercise[steps]:
-        value = _exercised(instrument, bond, value, sign)
+        value = _at_maturity(instrument, value, sign)
     for m in range(steps - 1, -1, -1):
         w_next, w = w, tree.width_at(m)
         j = np.arange(-w, w + 1)
@@ -237,6 +237,16 @@ def _exercised(instrument: BondOption, bond, value, sign: float):
     if instrument.product == "callable":
         return np.minimum(value, instrument.strike)
     return np.maximum(value, instrument.strike)
+
+
+def _at_maturity(instrument: BondOption, value, sign: float):
+    """The value at the last step where the option may be exercised there: against the
+    redemption F, which the last step's flows pay (so the bond-with-option products' value is
+    what exercise changes, min(F, K) - F or max(F, K) - F; the option's, max(+-(F - K), 0))."""
+    redemption = np.full(value.shape, instrument.face)
+    if instrument.product == "option":
+        return _exercised(instrument, redemption, value, sign)
+    return _exercised(instrument, redemption, redemption, sign) - redemption
 
 
 def cash_flows(instrument: BondOption, dt: float, steps: int) -> np.ndarray:

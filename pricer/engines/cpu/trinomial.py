@@ -53,8 +53,8 @@ SCRATCH_ROWS = 10     # value_one's float arrays of a tree's width
 # error_model numpy: a level whose sum is 0 gives inf, then a NaN price (bond_book.NO_VALUE's
 # rows), not a ZeroDivisionError
 @njit(cache=True, nogil=True, error_model="numpy")
-def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, discount, scratch,
-              offset, shifts):
+def value_one(a, dt, steps, jmax, dr, strike, face, sign, product, flows, exercise, discount,
+              scratch, offset, shifts):
     """One instrument's value today (hw1f.price on its row of HullWhiteParams); scratch
     (SCRATCH_ROWS, >= 2 jmax + 1), offset (>= 2 jmax + 1, int64) and shifts (>= steps: each
     step's e^{-alpha_m dt}): its working arrays, reused from one instrument to the next."""
@@ -89,8 +89,14 @@ def value_one(a, dt, steps, jmax, dr, strike, sign, product, flows, exercise, di
     for i in range(2 * w + 1):                   # ex-coupon at maturity: nothing left
         bond[i] = 0.0
         value[i] = 0.0
-    if exercise[steps]:
-        _exercise(bond, value, 2 * w + 1, strike, sign, product)
+    if exercise[steps]:                          # against the redemption (hw1f._at_maturity)
+        for i in range(2 * w + 1):
+            if product == OPTION:
+                value[i] = max(value[i], max(sign * (face - strike), 0.0))
+            elif product == CALLABLE:
+                value[i] = min(face, strike) - face
+            else:
+                value[i] = max(face, strike) - face
     for m in range(steps - 1, -1, -1):
         w_next, w = w, min(m, jmax)
         flow = flows[m + 1]
@@ -124,8 +130,8 @@ def _exercise(bond, value, count, strike, sign, product):
 
 
 @njit(cache=True, parallel=True)
-def _value_all(a, dt, steps, jmax, dr, strike, sign, product, starts, flows, exercise, discount,
-               order, threads, out):
+def _value_all(a, dt, steps, jmax, dr, strike, face, sign, product, starts, flows, exercise,
+               discount, order, threads, out):
     n = order.size
     width, height = 2 * jmax.max() + 1, steps.max()
     for t in prange(threads):
@@ -135,9 +141,9 @@ def _value_all(a, dt, steps, jmax, dr, strike, sign, product, starts, flows, exe
         for k in range(t, n, threads):
             i = order[k]
             lo, hi = starts[i], starts[i] + steps[i] + 1
-            out[i] = value_one(a[i], dt[i], steps[i], jmax[i], dr[i], strike[i], sign[i],
-                               product[i], flows[lo:hi], exercise[lo:hi], discount[lo:hi],
-                               scratch, offset, shifts)
+            out[i] = value_one(a[i], dt[i], steps[i], jmax[i], dr[i], strike[i], face[i],
+                               sign[i], product[i], flows[lo:hi], exercise[lo:hi],
+                               discount[lo:hi], scratch, offset, shifts)
 
 
 class HullWhiteCpuEngine(Engine):
@@ -157,6 +163,6 @@ class HullWhiteCpuEngine(Engine):
         order = np.argsort(-params.nodes(), kind="stable")
         threads = max(1, min(numba.get_num_threads(), self.threads or len(params), len(params)))
         p = params
-        _value_all(p.a, p.dt, p.steps, p.jmax, p.dr, p.strike, p.sign, p.product, p.starts,
-                   p.flows, p.exercise, p.discount, order, threads, out)
+        _value_all(p.a, p.dt, p.steps, p.jmax, p.dr, p.strike, p.face, p.sign, p.product,
+                   p.starts, p.flows, p.exercise, p.discount, order, threads, out)
         return out

@@ -170,7 +170,7 @@ class HullWhiteGpuEngine(Engine):
         dev = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
             ("a", p.a), ("dt", p.dt), ("steps", p.steps), ("jmax", p.jmax), ("dr", p.dr),
             ("strike", p.strike), ("sign", p.sign), ("product", p.product),
-            ("starts", p.starts))]
+            ("starts", p.starts), ("face", p.face))]
         total = p.total_steps
         if p.flows is None:         # filled here from the schedule (tree_parameters, fill=False)
             steps = [slot.buffer("flows", 8 * total), slot.buffer("exercise", total),
