@@ -361,9 +361,9 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
 // The per-step arrays, filled on the GPU from what they follow from (pricer/model/bond_book.py's
 // fill_steps, the same arithmetic): thread i writes instrument i's steps starts[i] ..
 // starts[i] + steps[i] of discount (P(0, m dt): its curve's zero rate at m dt, np.interp's
-// formula, flat beyond the ends), flows (coupons on their nearest steps, summed where two meet,
-// then the face at maturity) and exercise (its exercise steps). A book's copies are then its
-// instruments' numbers only, not 17 bytes a step.
+// formula, flat beyond the ends), flows (coupons on their nearest steps after today, summed
+// where two meet, then the face at maturity) and exercise (its exercise steps). A book's copies
+// are then its instruments' numbers only, not 17 bytes a step.
 
 enum { AMERICAN = 2, BERMUDAN = 1 };
 
@@ -411,7 +411,7 @@ extern "C" __global__ void hw_fill(
         for (int k = 0; k < count; ++k) {
             const double t = maturity[i] - (double)k / (double)f;
             if (t > 1e-12)
-                flows[lo + (long long)rint(t / h)] += amount;
+                flows[lo + max(1LL, (long long)rint(t / h))] += amount;   // after today
         }
     }
     flows[lo + N] += face[i];

@@ -157,10 +157,9 @@ def test_an_exercise_at_maturity_is_against_the_redemption(rng):
     for dates in at_maturity:
         cases += [value("puttable", face + 5.0, **dates), value("callable", face + 5.0, **dates),
                   value("option", face - 5.0, call=True, **dates)]
-        _, price = value("puttable", face, **dates)   # was the face plus K
-        assert straight - 1e-9 <= price < straight + 0.1 * face * zero
     european = dict(first=mat)
-    for (inst, price), want in ((value("puttable", face + 5.0, **european), straight + 5 * zero),
+    for (inst, price), want in ((value("puttable", face, **european), straight),  # was F + K
+                                (value("puttable", face + 5.0, **european), straight + 5 * zero),
                                 (value("callable", face - 5.0, **european), straight - 5 * zero),
                                 (value("option", face - 5.0, call=True, **european), 5 * zero),
                                 (value("option", face + 5.0, **european), 5 * zero),
@@ -178,6 +177,28 @@ def test_an_exercise_at_maturity_is_against_the_redemption(rng):
                                H.steps_of(mat, per_year), grid="uniform", branching="pricer",
                                spacing="pricer")
         assert abs(theirs - price) <= 1e-12 * price, (inst, theirs, price)
+
+
+def test_a_coupon_due_within_half_a_step_is_paid(rng):
+    """A coupon due before the first step's midpoint falls on step 1, not on step 0 (today, whose
+    payments are not in the value): a zero-coupon bond plus that coupon's value at step 1, on
+    the reference, the CPU engine and the per-step arrays alike."""
+    curve = random_curve(rng)
+    per_year, steps = 12, 60
+    mat = steps / per_year + 0.01                # 5 years and ~4 days: a coupon due in ~4 days
+    coupon = H.BondOption(face=100.0, coupon=0.04, frequency=1, maturity=mat, strike=1e9,
+                          call=True, product="callable", first=mat)
+    zero = H.BondOption(face=100.0, coupon=0.0, frequency=0, maturity=mat, strike=1e9,
+                        call=True, product="callable", first=mat)
+    dt = mat / H.steps_of(mat, per_year)
+    assert coupon.coupon_times()[0] < dt / 2 and H.cash_flows(coupon, dt, steps)[1] == 4.0
+    prices = [H.price(x, 0.1, 0.01, per_year, curve) for x in (coupon, zero)]
+    annuity = sum(4.0 * float(curve.discount(max(1, round(t / dt)) * dt))
+                  for t in coupon.coupon_times())
+    assert abs(prices[0] - prices[1] - annuity) <= 1e-9 * prices[0]
+    params = B.parameters([coupon, zero], np.full(2, 0.1), np.full(2, 0.01), per_year, curve)
+    assert params.flows[params.starts[0] + 1] == 4.0
+    np.testing.assert_allclose(ENGINE.price(params), prices, rtol=1e-12)
 
 
 def test_parity_and_the_order_of_exercise_rights(rng):

@@ -229,8 +229,9 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
                maturity, kind, first, last, every, flows, exercise, discount):
     """Every instrument's per-step arrays (HullWhiteParams), an instrument a thread at a time:
     the discounts P(0, m dt) of its curve (YieldCurve.discount: zero rates interpolated linearly,
-    flat beyond the ends), its cash flows (coupons on their nearest steps, summed where two meet,
-    then the face at maturity: hw1f.cash_flows) and its exercise steps (hw1f.exercise_steps)."""
+    flat beyond the ends), its cash flows (coupons on their nearest steps after today, summed
+    where two meet, then the face at maturity: hw1f.cash_flows) and its exercise steps
+    (hw1f.exercise_steps)."""
     for i in prange(starts.size):
         lo, n, h = starts[i], steps[i], dt[i]
         c = curve[i]
@@ -256,7 +257,7 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
             for k in range(int(np.floor(maturity[i] * f + 1e-9)) + 1):
                 t = maturity[i] - k / f
                 if t > 1e-12:
-                    flows[lo + int(np.rint(t / h))] += amount
+                    flows[lo + max(1, int(np.rint(t / h)))] += amount   # after today
         flows[lo + n] += face[i]
         if kind[i] == AMERICAN:
             a = max(int(np.ceil(first[i] / h - 1e-9)), 0)

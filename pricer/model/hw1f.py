@@ -250,11 +250,13 @@ def _at_maturity(instrument: BondOption, value, sign: float):
 
 
 def cash_flows(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
-    """The bond's payments at each step 0 .. steps: coupons on their nearest steps, the face at
-    the last."""
+    """The bond's payments at each step 0 .. steps: coupons on their nearest steps after today
+    (step 0 is today, whose payments are not in the value), the face at the last."""
     flows = np.zeros(steps + 1)
     for t in instrument.coupon_times():
-        flows[int(round(t / dt))] += instrument.face * instrument.coupon / instrument.frequency
+        # a coupon after today on its nearest step after today (step 0's flows are not paid)
+        flows[max(1, int(round(t / dt)))] += (instrument.face * instrument.coupon
+                                              / instrument.frequency)
     flows[steps] += instrument.face
     return flows
 
