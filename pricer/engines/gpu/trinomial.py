@@ -7,8 +7,9 @@ whose header describes the kernels) behind one Engine.
 - GPU-FLAT (`flat`): bins of instruments, one thread per tree row, packed first fit into blocks
   (flat_bins) with no tree of at most 32 rows crossing a warp and every wider tree starting at
   one. Trees wider than FLAT_MAX_ROWS rows go to GPU-OUTER.
-- `auto`: each instrument by the rule `flat_rows` (the widest tree GPU-FLAT takes), the same for
-  every chunk and rank count, so that an instrument's price never depends on its neighbours.
+- `auto`: each instrument by the rule `flat_rows` (the widest tree GPU-FLAT takes: this GPU's
+  `pricer calibrate`, else GpuConfig.hw_flat_rows), the same for every chunk and rank count, so
+  that an instrument's price never depends on its neighbours.
 
 A call's wall time, as the papers measure it, is everything here: the sort and the packing, the
 copies both ways and the kernels. Prices agree with the CPU engine (its reference) to rounding.
