@@ -15,7 +15,8 @@ then prices the file's /portfolio, if any, and writes both (results.write_result
 3. compute: each rank prices its chunks with its backend's engine of the family
    (engines.get_bond_engine), the next chunk's trees built on a thread meanwhile, saving each
    chunk to the checkpoint; a failure is reported to rank 0, which names the rank and ends the
-   job (faults.FailureWatch).
+   job (faults.FailureWatch). Rank 0 shows the ranks' progress as the option run does
+   (progress.py: tree nodes of both sweeps).
 4. gather: one Gatherv of the (price, status) rows to rank 0.
 
 A rank's rows never travel: the file is read in parallel, and the run's serial part is rank 0's
@@ -46,6 +47,7 @@ from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, 
                                     node_ranks, verdict)
 from pricer.run.config import configure_threads, kept
 from pricer.run.plan import claim
+from pricer.run.progress import Progress
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults)
 from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
@@ -96,6 +98,7 @@ class _Plan:
     reuse: np.ndarray           # the chunks read back from the checkpoint
     checkpoint: Checkpoint | None
     notes: list
+    nodes: float = 0.0          # the chunks to price: their trees' nodes, both sweeps
 
 
 def checkpoint_folder(cfg, with_options: bool) -> str | None:
@@ -142,7 +145,8 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
     todo = np.flatnonzero(~done).astype(np.int64)
     costs = np.add.reduceat(nodes, grid[:-1])[todo] if todo.size else np.zeros(0)
     return _Plan(index["id"], grid, todo, split_chunks(costs, size),
-                 np.flatnonzero(done).astype(np.int64), checkpoint, notes)
+                 np.flatnonzero(done).astype(np.int64), checkpoint, notes,
+                 2.0 * float(costs.sum()))
 
 
 def _check_memory(cfg, steps: np.ndarray, jmax: np.ndarray, node_ranks: int, size: int) -> None:
@@ -203,7 +207,10 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     seconds["read"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    values, nodes, waited = _compute(comm, cfg, book, chunks, engine, folder)
+    # the ranks' chunks: rank r's are todo[bounds[r]:bounds[r + 1]] (the chunks as the "rows")
+    tracker = Progress(comm, cfg.progress, np.arange(todo.size + 1), bounds,
+                       plan.nodes if rank == ROOT else 0.0)
+    values, nodes, waited = _compute(comm, cfg, book, chunks, engine, folder, tracker)
     seconds["compute"] = time.perf_counter() - t
     # a tree that gives no finite value (the bounds of check_columns should make it unreachable):
     # skipped with its status, or the run refused by every rank together (no rank left waiting)
@@ -263,7 +270,7 @@ def _no_finite_value(cfg, ids: np.ndarray, status: np.ndarray) -> None:
                          f"{first_ids(ids, wrong)} gave no finite value", ids=ids[wrong])
 
 
-def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
+def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, progress: Progress):
     """This rank's chunks of `book`: (rows, 2) of price and status, the tree nodes it priced (one
     sweep) and the seconds it waited for a chunk's trees. A failure ends the job, named by rank 0
     (FailureWatch); so does a rank that finishes no chunk within its limit (watchdog.py: each
@@ -310,6 +317,7 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
     try:
         if checkpoint is not None:
             checkpoint = Checkpoint(checkpoint).attach()
+        progress.start()
         inject(faults, rank, done)
         watch.poll()
         ahead = pool.submit(prepared, 0) if chunks else None
@@ -330,6 +338,7 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
                 checkpoint.save(chunk, mine)
             done += 1
             stall.done(chunk)
+            progress.chunk_done(0.0 if call is None else 2.0 * call[1])
             chunk_delay()
             inject(faults, rank, done)
             if done < len(chunks):
@@ -360,8 +369,9 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None):
     pool.shutdown(wait=False)
     stall.finished()
     inject(faults, rank, END)
-    watch.barrier()
+    watch.barrier(idle=progress.poll)      # rank 0 shows the others' progress meanwhile
     stall.stop()
+    progress.finish()
     return values, nodes, waited
 
 
