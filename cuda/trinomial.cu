@@ -1,6 +1,7 @@
 // pricer's Hull–White trinomial kernels: whole books of bond options, one tree per instrument, FP64.
 // The plain reference beside them is pricer/engines/cpu/trinomial.py (value_one), whose arithmetic
-// they follow step for step: the forward induction of the Arrow–Debreu prices q (fitting the
+// they follow step for step (GPU-OUTER takes a step's factor e^{-alpha_m dt} as the NumPy reference
+// hw1f.price does, by ln and exp; GPU-FLAT as the CPU engine does, P / sum): the forward induction of the Arrow–Debreu prices q (fitting the
 // displacement alpha_m of each step to the curve's discount P(0, (m + 1) dt)), then the backward
 // induction of the bond and of the option, with one e^{-alpha_m dt} a step (written by the forward
 // sweep to `shifts`, read back by the backward one) and e^{-j dr dt} per row.
@@ -13,19 +14,20 @@
 // Two strategies, the seeds' two (pricer/engines/gpu/trinomial.py lays out their inputs):
 //
 // hw_outer ("GPU-OUTER"): one thread per instrument, the whole induction in the thread, as the CPU
-//   engine does it. The instruments are sorted by width, then height (descending), so that a warp's
+//   engine does it (its step factor the reference's). The instruments are sorted by width, then height (descending), so that a warp's
 //   32 trees are alike; each warp's working rows are padded to its widest tree and transposed
 //   (row i of array a of lane l at scratch[base + (a * width + i) * 32 + l]), so that the warp's
 //   loads and stores coalesce. Any width.
 //
-// hw_flat ("GPU-FLAT"): a block prices a bin of instruments, one thread per tree row (row r of
-//   instrument k is thread seg[k] + r of its block: its probabilities and e^{-j dr dt} stay in
-//   registers), the levels' values in shared memory. Bins are packed on the host (first fit, in
-//   the sorted order); a tree of at most 32 rows never crosses a warp, a wider one starts at a
-//   warp, so that each level's sum sum_j q_j e^{-j dr dt} is a segmented warp reduction (shuffles)
-//   and, past one warp, a sum of the warps' parts. The block runs to its tallest tree: the forward
+// hw_flat ("GPU-FLAT"): a block prices a bin of instruments, two tree rows a thread (rows 2u and
+//   2u + 1 of instrument k are thread seg[k] + u of its block: their probabilities and
+//   e^{-j dr dt} stay in registers, and a step's fixed work is shared by two rows), the levels'
+//   values in shared memory. Bins are packed on the host (first fit, in the sorted order, in
+//   threads); a tree of at most 32 threads never crosses a warp, a wider one starts at a warp, so
+//   that each level's sum sum_j q_j e^{-j dr dt} is a segmented warp reduction (shuffles) and,
+//   past one warp, a sum of the warps' parts. The block runs to its tallest tree: the forward
 //   sweeps start together at m = 0, the backward sweeps end together at m = 0. Widths up to
-//   blockDim.x.
+//   2 blockDim.x rows.
 //
 // Prices agree with the CPU engine to rounding (sums in another order; fused multiply-adds).
 
@@ -192,20 +194,23 @@ extern "C" __global__ void hw_outer(
 // ---------------------------------------------------------------------------------------------
 // GPU-FLAT
 // Block b prices the instruments inst[block_first[b] .. block_first[b + 1] - 1]; instrument k's
-// rows are threads seg[k] .. seg[k] + 2 jmax of the block; block_steps[b] is its tallest tree.
+// rows are those of threads seg[k] .. seg[k] + jmax (row r at slot 2 seg[k] + r of the block's
+// 2 blockDim.x row slots: thread t holds slots 2t and 2t + 1); block_steps[b] is its tallest tree.
 // One barrier a step in each sweep: the shared rows are double-buffered by the step's parity (a
 // thread writes step m + 1's buffer while another may still read step m's; it cannot write step
 // m + 2's before every thread has passed step m + 1's barrier, after its reads of step m). Every
 // thread of a tree computes the level's sum and its shift itself (the same numbers in the same
 // order), so no second barrier hands them out; the children's shares are summed before the shift
 // multiplies them (the CPU engine multiplies first: the prices agree to rounding).
-// Shared memory (flat_shared_bytes): per parity, the rows U, C, D of T doubles and 2 more, whose
-// first (ZERO) is never written, so that a row's five terms below are read without a branch;
-// then 2 x 32 doubles for the warps' parts.
+// Shared memory (flat_shared_bytes): per parity, the rows U, C, D of a slot each and 2 more,
+// whose first (ZERO) is never written, so that a row's five terms below are read without a
+// branch; then 2 x 32 doubles for the warps' parts. Two rows a thread, not one or four: one
+// thread's fixed work a step is then shared by two rows, and at 76 registers a thread the SMs
+// still hold ~24 warps (four rows: 126 registers, slower; docs/decisions.md).
 
-#define FLAT_STRIDE(T) (3 * (T) + 2)
+#define FLAT_ROWS 2     // rows a thread (pricer/engines/gpu/trinomial.py: FLAT_ROWS_PER_THREAD)
 
-extern "C" __global__ void __launch_bounds__(1024) hw_flat(
+extern "C" __global__ void __launch_bounds__(512) hw_flat(
     const int* __restrict__ block_first, const int* __restrict__ seg,
     const int* __restrict__ block_steps, const int* __restrict__ inst,
     const double* __restrict__ a, const double* __restrict__ dt, const long long* __restrict__ steps,
@@ -218,9 +223,9 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
 {
     extern __shared__ double shared[];
     const int T = blockDim.x, t = threadIdx.x, lane = t & 31;
-    const int stride = FLAT_STRIDE(T), ZERO = 3 * T;
+    const int S = FLAT_ROWS * T;                 // the block's row slots
+    const int stride = 3 * S + 2, ZERO = 3 * S;
 
-    // this thread's tree and row (none: a padding thread, which only keeps the barriers)
     const int lo = block_first[blockIdx.x], hi = block_first[blockIdx.x + 1];
     int k = -1;
     for (int x = lo; x < hi && seg[x] <= t; ++x)
@@ -233,44 +238,49 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
         rows = 2 * jmax + 1;
         N = (int)steps[i];
     }
-    // a warp holds one tree wider than 32 rows (and its padding), or trees of at most 32 rows
-    // and padding: `wide` is the same in every lane of a warp
-    const bool wide = rows > 32;
-    const bool mine = k >= 0 && t - first < rows;
+    const int threads = (rows + FLAT_ROWS - 1) / FLAT_ROWS;    // the tree's
+    const bool wide = threads > 32;
+    const bool mine = k >= 0 && t - first < threads;
     if (!mine) {
         first = t;
         rows = 1;
         N = 0;
         jmax = 0;
     }
-    const int j = t - first - jmax, top = first + 2 * jmax;
-    const double h = mine ? dt[i] : 1.0;
-    const Row p = probabilities(j, jmax, mine ? expm1(-a[i] * h) : 0.0);
-    const double local = mine ? exp(-j * dr[i] * h) : 0.0;
+    const int base = FLAT_ROWS * first, top = base + 2 * jmax;    // the tree's row 0, row 2 jmax
+    const double h = mine ? dt[i] : 1.0, M = mine ? expm1(-a[i] * h) : 0.0;
+    const double step_dr = mine ? dr[i] : 0.0;
     const long long at = mine ? starts[i] : 0;
-    // the segmented reduction of a warp of small trees: lane l sums its tree's lanes l .. end - 1
-    // (a tree's sum is at its first lane); a wide tree's warps each sum all their lanes (the
-    // padding lanes hold 0) and leave the part at lane 0
-    const int end = min(32, first + rows - (t & ~31));
-    const int first_warp = first >> 5, parts = (rows + 31) >> 5;
+    Row p[FLAT_ROWS];
+    double local[FLAT_ROWS], q[FLAT_ROWS];
+    int j[FLAT_ROWS], from_below[FLAT_ROWS], from_level[FLAT_ROWS], from_above[FLAT_ROWS],
+        from_bottom[FLAT_ROWS], from_top[FLAT_ROWS];
+    bool has[FLAT_ROWS];
+#pragma unroll
+    for (int e = 0; e < FLAT_ROWS; ++e) {
+        const int r = (t - first) * FLAT_ROWS + e, slot = FLAT_ROWS * t + e;
+        has[e] = mine && r < rows;
+        j[e] = r - jmax;
+        p[e] = probabilities(j[e], jmax, M);
+        local[e] = has[e] ? exp(-j[e] * step_dr * h) : 0.0;
+        q[e] = has[e] && j[e] == 0 ? 1.0 : 0.0;
+        const int jj = j[e];
+        from_below[e] = has[e] && abs(jj - 1) < jmax ? slot - 1 : ZERO;
+        from_level[e] = has[e] && abs(jj) < jmax ? S + slot : ZERO;
+        from_above[e] = has[e] && abs(jj + 1) < jmax ? 2 * S + slot + 1 : ZERO;
+        from_bottom[e] = !has[e] ? ZERO : jj == -jmax ? 2 * S + base
+                       : jj == 1 - jmax ? S + base : jj == 2 - jmax ? base : ZERO;
+        from_top[e] = !has[e] ? ZERO : jj == jmax ? top
+                    : jj == jmax - 1 ? S + top : jj == jmax - 2 ? 2 * S + top : ZERO;
+    }
+    const int end = min(32, first + threads - (t & ~31));
+    const int first_warp = first >> 5, parts = (threads + 31) >> 5;
     const int tallest = block_steps[blockIdx.x];
-    // the children's shares arriving at row j, as offsets into a step's U, C, D rows (ZERO where
-    // the row has no such term), in the order they are added: the normal branches of rows j - 1,
-    // j, j + 1, then the bottom edge's (row -jmax branches to -jmax + 2, -jmax + 1, -jmax) and
-    // the top edge's (row jmax to jmax, jmax - 1, jmax - 2), at most one of each
-    const int from_below = mine && abs(j - 1) < jmax ? t - 1 : ZERO;
-    const int from_level = mine && abs(j) < jmax ? T + t : ZERO;
-    const int from_above = mine && abs(j + 1) < jmax ? 2 * T + t + 1 : ZERO;
-    const int from_bottom = !mine ? ZERO : j == -jmax ? 2 * T + first
-                          : j == 1 - jmax ? T + first : j == 2 - jmax ? first : ZERO;
-    const int from_top = !mine ? ZERO : j == jmax ? top
-                       : j == jmax - 1 ? T + top : j == jmax - 2 ? 2 * T + top : ZERO;
     if (t == 0) {
         shared[ZERO] = 0.0;
         shared[stride + ZERO] = 0.0;
     }
 
-    double q = j == 0 ? 1.0 : 0.0;
     double disc_next = (mine && N > 0) ? discount[at + 1] : 1.0;
     for (int m = 0; m < tallest; ++m) {
         double* U = shared + (m & 1) * stride;
@@ -280,10 +290,16 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
         if (live && m + 1 < N)
             disc_next = discount[at + m + 2];
         const int w = min(m, jmax), wn = min(m + 1, jmax);
-        double x = (live && abs(j) <= w) ? q * local : 0.0;
-        U[t] = x * p.pu;
-        U[T + t] = x * p.pm;
-        U[2 * T + t] = x * p.pd;
+        double x = 0.0;
+#pragma unroll
+        for (int e = 0; e < FLAT_ROWS; ++e) {
+            const double y = (live && has[e] && abs(j[e]) <= w) ? q[e] * local[e] : 0.0;
+            const int slot = FLAT_ROWS * t + e;
+            U[slot] = y * p[e].pu;
+            U[S + slot] = y * p[e].pm;
+            U[2 * S + slot] = y * p[e].pd;
+            x += y;
+        }
         double total = 0.0;
         if (wide) {
             for (int d = 16; d >= 1; d >>= 1)
@@ -308,19 +324,24 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
             const double shift = disc / total;
             if (t == first)
                 shifts[at + m] = shift;
-            if (abs(j) <= wn)
-                q = shift * (U[from_below] + U[from_level] + U[from_above] + U[from_bottom]
-                             + U[from_top]);
+#pragma unroll
+            for (int e = 0; e < FLAT_ROWS; ++e)
+                if (has[e] && abs(j[e]) <= wn)
+                    q[e] = shift * (U[from_below[e]] + U[from_level[e]] + U[from_above[e]]
+                                    + U[from_bottom[e]] + U[from_top[e]]);
         }
     }
     __syncthreads();     // the shifts, written by each tree's first thread, read by all of it
 
     const double K = mine ? strike[i] : 0.0, sg = mine ? sign[i] : 0.0;
     const int product = mine ? (int)product_of[i] : OPTION;
-    double bond = 0.0, value = 0.0;      // ex-coupon at maturity: nothing left
-    if (mine && exercise[at + N])
-        value = at_maturity(face[i], K, sg, product);
-    // step m's numbers, loaded a step ahead
+    double bond[FLAT_ROWS], value[FLAT_ROWS];
+    const double value_N = (mine && exercise[at + N]) ? at_maturity(face[i], K, sg, product) : 0.0;
+#pragma unroll
+    for (int e = 0; e < FLAT_ROWS; ++e) {
+        bond[e] = 0.0;                   // ex-coupon at maturity: nothing left
+        value[e] = value_N;
+    }
     double flow = 0.0, shift = 0.0;
     bool ex = false;
     if (mine && N > 0) {
@@ -329,14 +350,17 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
         ex = exercise[at + N - 1];
     }
     for (int m = tallest - 1; m >= 0; --m) {
-        double* Bn = shared + (m & 1) * 2 * T;
-        double* Vn = Bn + T;
+        double* Bn = shared + (m & 1) * 2 * S;
+        double* Vn = Bn + S;
         const bool live = mine && m < N;
         const double f = flow, s = shift;
-        const bool e = ex;
+        const bool ex_m = ex;
         if (live) {
-            Bn[t] = bond + f;
-            Vn[t] = value + (product != OPTION ? f : 0.0);
+#pragma unroll
+            for (int e = 0; e < FLAT_ROWS; ++e) {
+                Bn[FLAT_ROWS * t + e] = bond[e] + f;
+                Vn[FLAT_ROWS * t + e] = value[e] + (product != OPTION ? f : 0.0);
+            }
             if (m > 0) {
                 flow = flows[at + m];
                 shift = shifts[at + m - 1];
@@ -344,18 +368,29 @@ extern "C" __global__ void __launch_bounds__(1024) hw_flat(
             }
         }
         __syncthreads();
-        if (live && abs(j) <= min(m, jmax)) {
-            const int centre = t + p.offset;
-            const double d = s * local;
-            bond = d * (p.pu * Bn[centre + 1] + p.pm * Bn[centre] + p.pd * Bn[centre - 1]);
-            value = d * (p.pu * Vn[centre + 1] + p.pm * Vn[centre] + p.pd * Vn[centre - 1]);
-            if (e)
-                exercise_node(bond, value, K, sg, product);
+        if (live) {
+            const int w = min(m, jmax);
+#pragma unroll
+            for (int e = 0; e < FLAT_ROWS; ++e) {
+                if (has[e] && abs(j[e]) <= w) {
+                    const int centre = FLAT_ROWS * t + e + p[e].offset;
+                    const double d = s * local[e];
+                    bond[e] = d * (p[e].pu * Bn[centre + 1] + p[e].pm * Bn[centre]
+                                   + p[e].pd * Bn[centre - 1]);
+                    value[e] = d * (p[e].pu * Vn[centre + 1] + p[e].pm * Vn[centre]
+                                    + p[e].pd * Vn[centre - 1]);
+                    if (ex_m)
+                        exercise_node(bond[e], value[e], K, sg, product);
+                }
+            }
         }
     }
-    if (mine && j == 0)
-        out[i] = value;
+#pragma unroll
+    for (int e = 0; e < FLAT_ROWS; ++e)
+        if (has[e] && j[e] == 0)
+            out[i] = value[e];
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // The per-step arrays, filled on the GPU from what they follow from (pricer/model/bond_book.py's
@@ -425,7 +460,7 @@ extern "C" __global__ void hw_fill(
             ? (int)floor(__dmul_rn(last[i] - first[i], every[i]) + 1e-9) + 1 : 1;
         for (int k = 0; k < dates; ++k) {
             const double t = first[i] + (k > 0 ? (double)k / every[i] : 0.0);
-            exercise[lo + min(max((int)rint(t / h), 0), N)] = 1;
+            exercise[lo + min(max((int)rint(t / h), t > 1e-12 ? 1 : 0), N)] = 1;
         }
     }
 }

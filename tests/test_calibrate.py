@@ -83,7 +83,8 @@ def test_bad_files_are_ignored_with_a_warning(cache):
                  json.dumps(record(dict(VALUES, t1=-1))),
                  json.dumps(record(dict(VALUES, fma=True))),
                  json.dumps(record(dict(VALUES, hw_flat_rows=2000))),     # a block's 1 024
-                 json.dumps(record(dict(VALUES, hw_flat_threads=100)))):  # whole warps
+                 json.dumps(record(dict(VALUES, hw_flat_threads=100))),   # whole warps
+                 json.dumps(record(dict(VALUES, hw_flat_threads=1024)))):  # 2 rows a thread
         path.write_text(text)
         with pytest.warns(RuntimeWarning, match="ignoring the calibration"):
             assert load_calibration(FAKE) is None

@@ -14,14 +14,16 @@ median of the repeats, or wall time of a portfolio for the CPU crossover):
   T2 is the edge that minimises the summed (CPU - pers) of the bands below it.
 - cpu_max_steps: bench_gpu.crossover (portfolios of one N: hybrid, every option on the GPU, against
   the all-cores `cpu` engine); the largest N kept on the CPU that minimises the summed time.
-- hw_flat_rows, hw_flat_threads (the Hull-White family; wall time of the engine's whole call, the
-  per-step arrays filled on the GPU as in a run): for bands of tree widths [lo, hi) (rows,
+- hw_flat_threads, hw_flat_rows (the Hull-White family; wall time of the engine's whole call, the
+  per-step arrays filled on the GPU as in a run). hw_flat_threads: GPU-FLAT in blocks of 128 and
+  of 256 threads (two tree rows a thread; a launch's blocks are larger where its widest tree
+  needs it) on the datasets U2, R1 and S1 (their trees' shapes; pricer/tools/bond_datasets.py),
+  books of about `hw_steps` tree steps (a bond run's chunks are at most 2^24); 128 unless 256 is
+  faster in sum by more than 3 % (PAYS). Then, for bands of tree widths [lo, hi) (rows,
   doubling), a book of `hw_count` instruments of widths uniform in the band and heights uniform
-  in [13, 1 200] monthly steps, priced by GPU-OUTER and by GPU-FLAT; hw_flat_rows is the band
-  edge below which GPU-FLAT and above which GPU-OUTER minimise the summed time. hw_flat_threads:
-  GPU-FLAT in blocks of 512 and of 1 024 threads on the datasets U2, R1 and S1 (their trees'
-  shapes; pricer/tools/bond_datasets.py), books of about `hw_steps` tree steps (a bond run's
-  chunks are at most 2^24); 1 024 unless 512 is faster in sum by more than 3 % (PAYS).
+  in [13, 1 200] monthly steps, priced by GPU-OUTER and by GPU-FLAT in the chosen blocks;
+  hw_flat_rows is the band edge below which GPU-FLAT and above which GPU-OUTER minimise the
+  summed time (the highest such edge on a tie).
 The values go to the calibration cache (pricer/engines/gpu/calibration.py), which the GPU engines
 read.
 """
@@ -55,7 +57,7 @@ QUICK = dict(
     cpu_sizes=(100, 300, 500, 1000, 2000),
     repeats=3, band_repeats=11, count=128,
     hw_edges=(3, 33, 129, 513, 1025), hw_count=2000, hw_steps=1 << 22)
-HW_THREADS = (512, 1024)           # GPU-FLAT's blocks tried
+HW_THREADS = (128, 256)            # GPU-FLAT's blocks tried, the default first
 HW_DATASETS = ("U2", "R1", "S1")  # the shapes of trees they are tried on
 
 
@@ -209,27 +211,7 @@ def _calibrate_trinomial(plan: dict, log) -> tuple[int, int, dict]:
             walls.append(time.perf_counter() - start)
         return float(np.median(walls))
 
-    edges, count = plan["hw_edges"], plan["hw_count"]
-    log(f"\n## hw_flat_rows: {count} Hull-White instruments a band of tree widths [lo, hi), "
-        f"heights uniform in {list(HEIGHTS)}, GPU-OUTER and GPU-FLAT, wall time of the whole "
-        f"call, median of {reps}")
-    outer, flat = HullWhiteGpuEngine("outer"), HullWhiteGpuEngine("flat")
     rng = np.random.default_rng(2026)
-    bands = []
-    for lo, hi in zip(edges, edges[1:]):
-        widths = rng.integers(lo // 2, (hi - 1) // 2, count) * 2 + 1      # odd, in [lo, hi)
-        heights = rng.integers(HEIGHTS[0], HEIGHTS[1] + 1, count)
-        params = bond_book.tree_parameters(columns_of_shapes(widths, heights, rng), [CURVE],
-                                           fill=False)
-        bands.append(dict(lo=lo, hi=hi, outer_s=seconds(outer, params),
-                          flat_s=seconds(flat, params)))
-        log(f"band [{lo:>4}, {hi:>4}): outer {bands[-1]['outer_s'] * 1e3:9.2f} ms  flat "
-            f"{bands[-1]['flat_s'] * 1e3:8.2f} ms")
-    j, sums = _best_edge(edges, [b["flat_s"] - b["outer_s"] for b in bands], above=False)
-    flat_rows = edges[j] - 1
-    log(f"-> hw_flat_rows = {flat_rows} (summed flat - outer below each edge, ms: "
-        + ", ".join(f"{e}: {s * 1e3:+.2f}" for e, s in zip(edges, sums)) + ")")
-
     log(f"\n## hw_flat_threads: GPU-FLAT's block on books of about {plan['hw_steps']} tree steps "
         "of the datasets' shapes")
     engines = {t: HullWhiteGpuEngine("flat", flat_threads=t) for t in HW_THREADS}
@@ -243,11 +225,33 @@ def _calibrate_trinomial(plan: dict, log) -> tuple[int, int, dict]:
         log(f"{name} ({len(params)} instruments): " + "  ".join(
             f"{t} threads {books[-1][f'flat{t}_s'] * 1e3:8.2f} ms" for t in HW_THREADS))
     spent = {t: sum(b[f"flat{t}_s"] for b in books) for t in HW_THREADS}
-    small, threads = HW_THREADS[0], HW_THREADS[-1]
-    if spent[small] <= PAYS * spent[threads]:
-        threads = small
+    threads, other = HW_THREADS
+    if spent[other] <= PAYS * spent[threads]:
+        threads = other
     log(f"-> hw_flat_threads = {threads} (summed ms: "
         + ", ".join(f"{t}: {v * 1e3:.2f}" for t, v in spent.items()) + ")")
+    edges, count = plan["hw_edges"], plan["hw_count"]
+    log(f"\n## hw_flat_rows: {count} Hull-White instruments a band of tree widths [lo, hi), "
+        f"heights uniform in {list(HEIGHTS)}, GPU-OUTER and GPU-FLAT, wall time of the whole "
+        f"call, median of {reps}")
+    outer = HullWhiteGpuEngine("outer")
+    flat = HullWhiteGpuEngine("flat", flat_threads=threads)
+    bands = []
+    for lo, hi in zip(edges, edges[1:]):
+        widths = rng.integers(lo // 2, (hi - 1) // 2, count) * 2 + 1      # odd, in [lo, hi)
+        heights = rng.integers(HEIGHTS[0], HEIGHTS[1] + 1, count)
+        params = bond_book.tree_parameters(columns_of_shapes(widths, heights, rng), [CURVE],
+                                           fill=False)
+        bands.append(dict(lo=lo, hi=hi, outer_s=seconds(outer, params),
+                          flat_s=seconds(flat, params)))
+        log(f"band [{lo:>4}, {hi:>4}): outer {bands[-1]['outer_s'] * 1e3:9.2f} ms  flat "
+            f"{bands[-1]['flat_s'] * 1e3:8.2f} ms")
+    _, sums = _best_edge(edges, [b["flat_s"] - b["outer_s"] for b in bands], above=False)
+    # the edge that minimises the sum, the highest on a tie (the default takes every band)
+    j = max(range(len(sums)), key=lambda e: (-sums[e], e))
+    flat_rows = edges[j] - 1
+    log(f"-> hw_flat_rows = {flat_rows} (summed flat - outer below each edge, ms: "
+        + ", ".join(f"{e}: {s * 1e3:+.2f}" for e, s in zip(edges, sums)) + ")")
     return flat_rows, threads, dict(bands=bands, sums_s=dict(zip(map(str, edges), sums)),
                                     books=books)
 

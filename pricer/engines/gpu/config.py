@@ -44,7 +44,7 @@ class GpuConfig:
     cpu_max_steps: int | None = None  # hybrid: options with steps <= this on the CPU (None: t2)
     # the Hull-White family (cuda/trinomial.cu, pricer/engines/gpu/trinomial.py), under `auto`:
     hw_flat_rows: int = 1024    # trees of at most this many rows by GPU-FLAT, wider by GPU-OUTER
-    hw_flat_threads: int = 1024  # GPU-FLAT's block (more where a tree needs it)
+    hw_flat_threads: int = 128  # GPU-FLAT's block (more where a tree needs it; two rows a thread)
 
     @property
     def tiled_w(self) -> int:
@@ -90,8 +90,8 @@ class GpuConfig:
             raise ValueError("tiled_b must be a multiple of 32 in [32, 1024]")
         if not 0 <= self.hw_flat_rows <= 1024:
             raise ValueError("hw_flat_rows must be in [0, 1024]")
-        if self.hw_flat_threads % 32 or not (32 <= self.hw_flat_threads <= 1024):
-            raise ValueError("hw_flat_threads must be a multiple of 32 in [32, 1024]")
+        if self.hw_flat_threads % 32 or not (32 <= self.hw_flat_threads <= 512):
+            raise ValueError("hw_flat_threads must be a multiple of 32 in [32, 512]")
         return self
 
     def defines(self) -> list[str]:

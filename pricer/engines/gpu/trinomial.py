@@ -4,9 +4,9 @@ whose header describes the kernels) behind one Engine.
 - GPU-OUTER (`outer`): one thread per instrument; the layout here sorts the book by width, then
   height, pads each warp's working rows to its widest tree and places the warps' transposed
   scratch one after the other (outer_layout).
-- GPU-FLAT (`flat`): bins of instruments, one thread per tree row, packed first fit into blocks
-  (flat_bins) with no tree of at most 32 rows crossing a warp and every wider tree starting at
-  one. Trees wider than FLAT_MAX_ROWS rows go to GPU-OUTER.
+- GPU-FLAT (`flat`): bins of instruments, two tree rows a thread (FLAT_ROWS_PER_THREAD), packed
+  first fit into blocks (flat_bins, in threads) with no tree of at most 32 threads crossing a
+  warp and every wider tree starting at one. Trees wider than FLAT_MAX_ROWS rows go to GPU-OUTER.
 - `auto`: each instrument by the rule `flat_rows` (the widest tree GPU-FLAT takes: this GPU's
   `pricer calibrate`, else GpuConfig.hw_flat_rows), the same for every chunk and rank count, so
   that an instrument's price never depends on its neighbours.
@@ -26,15 +26,16 @@ from pricer.model.bond_book import HullWhiteParams
 STRATEGIES = ("auto", "outer", "flat")
 OUTER_ARRAYS = 8              # cuda/trinomial.cu: the rows each GPU-OUTER thread keeps
 OUTER_THREADS = 128
-FLAT_MAX_ROWS = 1024          # a block's threads: GPU-FLAT's widest tree
+FLAT_ROWS_PER_THREAD = 2      # cuda/trinomial.cu's FLAT_ROWS
+FLAT_MAX_ROWS = 1024          # GPU-FLAT's widest tree: a block of 512 threads (its launch bound)
 FILL_THREADS = 128
 SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 
 
 def flat_shared_bytes(threads: int) -> int:
-    """GPU-FLAT's shared memory (cuda/trinomial.cu): per parity 3 doubles a thread and 2 (a
-    zero), 2 x 32 for the warps' parts."""
-    return (2 * (3 * threads + 2) + 64) * 8
+    """GPU-FLAT's shared memory (cuda/trinomial.cu) for blocks of `threads`: per parity 3 doubles
+    a row and 2 (a zero), 2 x 32 for the warps' parts."""
+    return (2 * (3 * FLAT_ROWS_PER_THREAD * threads + 2) + 64) * 8
 
 
 def sorted_order(params: HullWhiteParams) -> np.ndarray:
@@ -45,7 +46,7 @@ def sorted_order(params: HullWhiteParams) -> np.ndarray:
 @njit(cache=True)
 def _widest_then_tallest(jmax, steps):
     """np.lexsort((-steps, -jmax)) as two stable counting sorts (by steps, then by jmax): linear in
-    the book, ~15x faster than the comparison sort on 100 000 instruments. check_columns bounds
+    the book, ~8x faster than the comparison sort on 100 000 instruments. check_columns bounds
     both keys (steps <= 1e6, j_max <= 50 000), which bounds the counts' arrays."""
     n = jmax.size
     by_steps = np.empty(n, dtype=np.int64)
@@ -84,10 +85,10 @@ def outer_layout(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
 @njit(cache=True)
 def flat_bins(rows, steps, threads):
-    """First-fit packing of trees of `rows` rows (in this order) into blocks of `threads`
-    threads: (block_first (blocks + 1), seg (each tree's first thread in its block), block_steps
-    (each block's tallest tree)). A tree of at most 32 rows stays within a warp; a wider one
-    starts at a warp and takes whole warps."""
+    """First-fit packing of trees that take `rows` threads each (in this order) into blocks of
+    `threads` threads: (block_first (blocks + 1), seg (each tree's first thread in its block),
+    block_steps (each block's tallest tree)). A tree of at most 32 threads stays within a warp; a
+    wider one starts at a warp and takes whole warps."""
     n = rows.size
     seg = np.empty(n, dtype=np.int32)
     first = [0]
@@ -141,7 +142,7 @@ class HullWhiteGpuEngine(Engine):
         self._outer, self._flat = module.get_function("hw_outer"), module.get_function("hw_flat")
         self._fill = module.get_function("hw_fill")
         self._flat.set_attribute(self.rt.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 flat_shared_bytes(FLAT_MAX_ROWS))
+                                 flat_shared_bytes(FLAT_MAX_ROWS // FLAT_ROWS_PER_THREAD))
         self.kernel_seconds = 0.0    # the last call's kernels (CUDA events), for the bench
         self._slots, self._slot = [_Slot(self.rt), _Slot(self.rt)], 0
 
@@ -193,9 +194,11 @@ class HullWhiteGpuEngine(Engine):
         call.out = out
         if flat.size:
             rows = (2 * p.jmax[flat] + 1).astype(np.int32)
-            threads = int(min(FLAT_MAX_ROWS, max(self.flat_threads,
-                                                 -(-int(rows.max()) // 32) * 32)))
-            first, seg, tallest = flat_bins(rows, p.steps[flat].astype(np.int32), threads)
+            need = -(-rows // FLAT_ROWS_PER_THREAD)      # a tree's threads
+            # blocks of flat_threads, or of the widest tree's warps where it needs more
+            threads = int(min(FLAT_MAX_ROWS // FLAT_ROWS_PER_THREAD,
+                              max(self.flat_threads, -(-int(need.max()) // 32) * 32)))
+            first, seg, tallest = flat_bins(need, p.steps[flat].astype(np.int32), threads)
             args = [slot.put(name, x) for name, x in (("first", first), ("seg", seg),
                                                       ("tallest", tallest), ("flat", flat))]
             self._flat(*args, *dev, shifts, out, block=(threads, 1, 1),
