@@ -201,6 +201,28 @@ def test_a_coupon_due_within_half_a_step_is_paid(rng):
     np.testing.assert_allclose(ENGINE.price(params), prices, rtol=1e-12)
 
 
+def test_dates_within_half_a_step_of_today_fall_after_it(rng):
+    """An exercise date and a coupon date on one day within half a step of today both fall on
+    step 1 (the exercise is against the bond ex that coupon, as on every other step), so a price
+    does not jump by a coupon as the date crosses half a step; a date of 0 is today's step."""
+    curve = random_curve(rng)
+    prices = {}
+    for d in (0.4, 0.49, 0.51, 0.6):                   # the date, in steps of 1 / 12 year
+        mat = 5.0 + d / 12.0
+        for product, call, strike in (("callable", True, 100.0), ("option", True, 100.0),
+                                      ("option", False, 110.0)):
+            inst = H.BondOption(face=100.0, coupon=0.04, frequency=1, maturity=mat,
+                                strike=strike, call=call, first=d / 12.0, product=product)
+            dt = mat / H.steps_of(mat, 12)
+            assert H.exercise_steps(inst, dt, H.steps_of(mat, 12))[1]
+            prices.setdefault((product, call), []).append(H.price(inst, 0.1, 0.01, 12, curve))
+    for key, (p40, p49, p51, _) in prices.items():   # across half a step: no jump of a coupon (4)
+        assert abs(p51 - p49) <= 3.0 * abs(p49 - p40) + 0.01, (key, prices[key])
+    today = H.BondOption(face=100.0, coupon=0.04, frequency=1, maturity=3.0, strike=100.0,
+                         call=True, first=0.0, product="option")
+    assert H.exercise_steps(today, 0.25, 12)[0]
+
+
 def test_parity_and_the_order_of_exercise_rights(rng):
     """European call - put on a coupon bond = the bond's forward value less K P(0, T) (exact on a
     tree that reprices the curve); rights only add value: American >= Bermudan >= European;

@@ -31,7 +31,8 @@ def random_columns(rng, n: int):
     """(columns, curves) of a book whose trees go from 3 rows (j_max = 1) to over FLAT_MAX_ROWS
     rows, mixed products and rights, on a curve per instrument."""
     instruments = random_instruments(rng, n, maturity=(0.5, 12.0))
-    # every fifth exercisable at maturity (against the redemption: hw1f._at_maturity)
+    # every fifth with its last exercise date at maturity (against the redemption:
+    # hw1f._at_maturity; a bermudan's dates may stop short of it)
     instruments = [replace(x, last=x.maturity) if x.exercise != "european" else
                    replace(x, first=x.maturity) for x in instruments[::5]] + \
         [x for k, x in enumerate(instruments) if k % 5]

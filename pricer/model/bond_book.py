@@ -269,7 +269,9 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
                 if kind[i] == BERMUDAN else 1
             for k in range(dates):
                 t = first[i] + (k / every[i] if k > 0 else 0.0)
-                exercise[lo + min(max(int(np.rint(t / h)), 0), n)] = True
+                # a date after today on its nearest step after today, as a coupon
+                after = 1 if t > 1e-12 else 0
+                exercise[lo + min(max(int(np.rint(t / h)), after), n)] = True
 
 
 class StepBuffers:
@@ -292,7 +294,8 @@ class StepBuffers:
 def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
                     buffers: StepBuffers | None = None, fill: bool = True) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
-    them: each on its nearest step), vectorised over the book; bad columns refused first
+    them: each on its nearest step, one after today on its nearest after today), vectorised over
+    the book; bad columns refused first
     (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays;
     fill=False leaves them to the engine (the `schedule`: a GPU fills them in its memory,
     cuda/trinomial.cu's hw_fill, as fill_steps does here)."""

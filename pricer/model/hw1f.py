@@ -199,7 +199,7 @@ def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,
     """The instrument's value today on its Hull–White tree (built here unless given): backward
     induction of the bond's cash flows and of the option. A date falls on the nearest step. Node
     (m, j) discounts by e^{-alpha_m dt} e^{-j dr dt}, the product the forward induction's
-    weights use too (one exponential a step and a table of one a node, in the engines)."""
+    weights use too (in the engines a table of e^{-j dr dt} a tree and one factor a step)."""
     steps = steps_of(instrument.maturity, steps_per_year)
     dt = instrument.maturity / steps
     tree = tree or build(a, sigma, dt, steps, curve)
@@ -271,7 +271,9 @@ def exercise_steps(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
             out[lo:hi + 1] = True
     else:
         for t in instrument.exercise_times():
-            out[min(steps, max(0, int(round(t / dt))))] = True
+            # a date after today on its nearest step after today, as a coupon (cash_flows):
+            # the bond it is exercised on is then ex that date's coupon
+            out[min(steps, max(1 if t > 1e-12 else 0, int(round(t / dt))))] = True
     return out
 
 
