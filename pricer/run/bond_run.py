@@ -280,12 +280,14 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
     stall = StallWatch(comm, cfg.stall_timeout,
                        lambda message: abort_job(comm, message, in_thread=True))
     if chunks:
-        _, _, tree = bond_book.tree_shapes(book.columns)
-        tree = np.where(book.status == 0, tree, 0.0)
+        _, _, shapes = bond_book.tree_shapes(book.columns)
+        tree = np.where(book.status == 0, shapes, 0.0)
         limits = chunk_limits([2.0 * float(tree[a:b].sum()) for a, b, _ in chunks],
                               cfg.stall_timeout)
+        # progress counts a chunk's nodes as the plan does (rows --invalid skip leaves out too)
+        counted = [2.0 * float(shapes[a:b].sum()) for a, b, _ in chunks]
     else:
-        limits = []
+        limits = counted = []
     stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
     rows = sum(b - a for a, b, _ in chunks)
     values = np.full((rows, len(OUTPUTS)), np.nan)
@@ -338,7 +340,7 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
                 checkpoint.save(chunk, mine)
             done += 1
             stall.done(chunk)
-            progress.chunk_done(0.0 if call is None else 2.0 * call[1])
+            progress.chunk_done(counted[k])
             chunk_delay()
             inject(faults, rank, done)
             if done < len(chunks):
