@@ -5,7 +5,7 @@ time across the tree's width, with one division a step and a table of e^{-j dr d
 instruments spread over numba's threads, heaviest first, dealt round-robin.
 
 The step's factor e^{-alpha_m dt} is taken as P(0, (m + 1) dt) / sum_j Q(m, j) e^{-j dr dt}, as
-the GPU engine takes it, which is the NumPy reference's (hw1f.price) exp(-(ln sum - ln P)) without
+GPU-FLAT takes it, which is the NumPy reference's (hw1f.price) exp(-(ln sum - ln P)) without
 its two logarithms and exponential (on small trees those were a third of the time); it is kept
 from the forward sweep for the backward one. Otherwise the reference's arithmetic in its order:
 prices agree to rounding (the reference sums a level with np.dot and np.add.at)."""
