@@ -391,7 +391,6 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
             out[i] = value[e];
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // The per-step arrays, filled on the GPU from what they follow from (pricer/model/bond_book.py's
 // fill_steps, the same arithmetic): thread i writes instrument i's steps starts[i] ..
