@@ -295,8 +295,7 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
                     buffers: StepBuffers | None = None, fill: bool = True) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step, one after today on its nearest after today), vectorised over
-    the book; bad columns refused first
-    (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays;
+    the book; bad columns refused first (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays;
     fill=False leaves them to the engine (the `schedule`: a GPU fills them in its memory,
     cuda/trinomial.cu's hw_fill, as fill_steps does here)."""
     check_columns(cols, curves, ids)
