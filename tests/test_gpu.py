@@ -851,3 +851,31 @@ def test_cuda_started_beside_is_the_runs_cuda():
     assert not thread.is_alive() and cuda.Device.count() > 0
     rt = GpuRuntime.get()
     assert rt.device_index == rt.local_rank % cuda.Device.count()
+
+
+class StartingRunner(RecordingRunner):
+    """The stand-in runner, noting the calls started through it."""
+
+    def start(self, params):
+        self.started = getattr(self, "started", 0) + 1
+        return ("out", self.price(params))
+
+    def finish(self, started):
+        return started[1]
+
+
+def test_start_goes_to_the_runner_only_with_every_option(rng):
+    """GpuEngine.start hands a call to the batch runner's start (its prices come back at
+    finish) only where every option goes there as it is; a call split between routes is priced
+    at start. Both finish with the prices a price call gives."""
+    config = replace(SMALL_PERS, fma=True)
+    runner = StartingRunner()
+    engine = GpuEngine("batch", config=config, kernels=small_numpy_kernels(config), runner=runner)
+    narrow = options(rng, rng.integers(1, 300, 20))
+    mixed = options(rng, [5, MAX_STEPS + 1, 40])
+    started = engine.start(narrow)
+    assert not isinstance(started, np.ndarray) and runner.started == 1
+    np.testing.assert_array_equal(engine.finish(started), SerialEngine().price(narrow))
+    started = engine.start(mixed)
+    assert isinstance(started, np.ndarray) and runner.started == 1
+    np.testing.assert_array_equal(engine.finish(started), SerialEngine().price(mixed))

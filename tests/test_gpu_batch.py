@@ -579,3 +579,34 @@ def small_in_a_big_chunk(small, big):
     from pricer.model.lattice import LatticeParams, PACKED_FIELDS
     return LatticeParams(*(np.concatenate([getattr(small, f), getattr(big, f)])
                            for f in PACKED_FIELDS))
+
+
+def test_started_calls_overlap_and_keep_their_prices(rng):
+    """Engine.start / finish on the batch runner: calls started before the one ahead of them is
+    finished (two out at once, chunks of several sizes, one call growing the buffers, one priced
+    again after the class of its width refused rows, finished out of order) give every price
+    bitwise as a call priced alone."""
+    books = [options(rng, rng.integers(1, 3000, n)) for n in (WIDTH_ROWS + 300, 700, 50,
+                                                              3 * WIDTH_ROWS)]
+    small = zero_region_book(rng, 300)
+    books.append(small_in_a_big_chunk(small, options(rng, rng.integers(1, 6000, WIDTH_ROWS))))
+    alone = [gpu_engine(runner=runner_built_with("WIDTH_MARGIN", -300)).price(b) for b in books]
+    runner = runner_built_with("WIDTH_MARGIN", -300)
+    runner.chunk_options = WIDTH_ROWS + 100        # the first and fourth books in several chunks
+    engine = gpu_engine(runner=runner)
+    runner.prepare(np.array([2, 3]))               # buffers of a small chunk, grown on the way
+    got = [None] * len(books)
+    ahead = None
+    for k, book in enumerate(books):
+        started = (k, engine.start(book))
+        assert not isinstance(started[1], np.ndarray)          # out on the GPU, not priced
+        if ahead is not None:
+            got[ahead[0]] = engine.finish(ahead[1])
+        ahead = started
+    got[ahead[0]] = engine.finish(ahead[1])
+    first, second = engine.start(books[1]), engine.start(books[3])     # finished out of order
+    got.append(engine.finish(second))
+    got.append(engine.finish(first))
+    for k, want in enumerate(alone + [alone[3], alone[1]]):
+        np.testing.assert_array_equal(got[k], want, err_msg=str(k))
+    assert runner.last_stats["chunks"] == 1

@@ -13,6 +13,7 @@ import pricer
 from gpu_cases import needs_gpu
 from helpers import run_pricer
 from pricer.engines.cpu.parallel import CpuEngine
+from pricer.model import implied
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 from pricer.model.implied import (ABOVE_BOUND, CONVERGED, NO_TIME_VALUE, PRICE_FLOOR,
@@ -178,12 +179,15 @@ def test_hard_starts_find_the_lattice(guess):
     assert np.allclose(result["implied_volatility"], book["volatility"], rtol=0, atol=1e-8)
 
 
-def test_pool_size_and_order_do_not_change_an_answer(rng):
+def test_pool_size_groups_and_order_do_not_change_an_answer(rng, monkeypatch):
+    """The pool's size, its groups (Solver.rounds: groups of GROUP_ROWS options, here 4, taking
+    their rounds in turn) and the options' order leave every answer bitwise as it is."""
     book = market_book(random_book(rng, 97, TREES))
     cols = {k: np.asarray(v) for k, v in book.items() if k not in ("id", "tree")}
     cols["tree"] = np.array([TREE_NAMES.index(t) for t in book["tree"]])
     whole = solve(CPU, cols, cols["market_price"], "crr")
-    for rows in (1, 5, 40):
+    monkeypatch.setattr(implied, "GROUP_ROWS", 4)
+    for rows in (1, 5, 40, 97):
         pooled = solve(CPU, cols, cols["market_price"], "crr", pool_rows=rows)
         for name, value in whole.items():
             assert np.array_equal(value, pooled[name], equal_nan=True), (rows, name)
@@ -261,9 +265,12 @@ def test_agrees_with_quantlib_brent_on_the_same_tree(rng, tree):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["batch", "gpu", "hybrid"])
-def test_every_gpu_backend_solves_as_the_cpu_does(rng, backend):
+def test_every_gpu_backend_solves_as_the_cpu_does(rng, backend, monkeypatch):
+    """Within 1e-9 in sigma of the cpu backend, the price at the answer the backend's own; the
+    pool in groups of 50 options (Solver.rounds), two engine calls out on the GPU at once."""
     book = random_book(rng, 400, TREES, steps=(16, 700))
     given = market_book(book)
+    monkeypatch.setattr(implied, "GROUP_ROWS", 50)
     got = pricer.implied_volatility(given, backend=backend)
     check_accuracy(given | {"volatility": book["volatility"]}, got)
     cpu = pricer.implied_volatility(given, backend="cpu")

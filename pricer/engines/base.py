@@ -65,8 +65,9 @@ class Engine:
     def start(self, params):
         """Begin pricing `params` and return a handle for finish(); an engine that works beside
         its caller (a GPU's kernels) returns at once, so that the caller can prepare and start the
-        next call meanwhile. Once it returns, the engine no longer reads `params` (the caller
-        may reuse their storage). By default the pricing is done here."""
+        next call meanwhile. The caller leaves `params` as they are until finish() returns (an
+        engine may read them again there), and has at most two calls started and not finished.
+        By default the pricing is done here."""
         return self.price(params)
 
     def finish(self, started) -> np.ndarray:
@@ -187,6 +188,22 @@ class Route:
 
     def takes_all(self, least: int, most: int) -> bool:
         return self.above < least and (self.most is None or most <= self.most)
+
+
+def sole_engine(steps: np.ndarray, routes: list, kinds: np.ndarray | None = None):
+    """The engine that route() hands every option of `steps` to as they are, or None where it
+    splits them between routes (or none takes them)."""
+    if steps.size == 0:
+        return None
+    least, most = int(steps.min()), int(steps.max())
+    for r in routes:
+        if not r.takes_any(least, most):
+            continue
+        if r.takes_all(least, most) and r.takes_kinds(kinds):
+            return r.engine if isinstance(r.engine, Engine) else r.engine()
+        if r.accepts(steps, kinds).any():
+            return None
+    return None
 
 
 def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None,

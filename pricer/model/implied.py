@@ -19,8 +19,9 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
   below SIGMA_TOLERANCE (or the bracket narrower than it). A market price below the lattice's
   price at its smallest volatility, or above it at SIGMA_HIGH, has no answer in the search range.
 - Options take a round each in a pool of a chunk's size: every round prices every option still
-  searching (in slices, Solver._round), and an option that is done leaves the pool for the next
-  of the queue, so the engine's calls stay full while options converge at their own speeds.
+  searching (in groups that take their rounds in turn, Solver.rounds), and an option that is
+  done leaves the pool for the next of the queue, so the engine's calls stay full while options
+  converge at their own speeds.
 
 An option's rounds depend on its own values only, so its answer does not depend on the pool it
 shared, the chunks or the ranks.
@@ -28,7 +29,9 @@ shared, the chunks or the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -217,7 +220,7 @@ class Search:
               c["spot"], c["strike"], c["maturity"], c["rate"], c["dividend"], c["call"])
 
 
-@numba.njit(parallel=True, cache=True, error_model="numpy")
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _step(rows, values, exists, x, market, tolerance, lo, hi, lo_kind, hi_kind, xp, fp, rounds,
           status, price, spot, strike, maturity, rate, dividend, call):
     """Search.step, option by option (the searches are independent: one pass in parallel). A
@@ -342,43 +345,71 @@ class Solver:
         self.nodes = lattice_nodes(cols["steps"])
 
     def rounds(self):
-        """Round after round until every search has ended: after each, yields how many of the
-        first options are finished (every one before the first still searching)."""
+        """Round after round until every search has ended: after each round of a group, yields
+        how many of the first options are finished (every one before the first still searching).
+
+        The pool is cut into groups of about GROUP_ROWS options (at most GROUPS), which take
+        their rounds in turn without waiting for each other: a group's lattice parameters are
+        built on a thread of the pool while the others' are priced, and its engine call is
+        started (Engine.start) before the group ahead of it is finished and stepped, so that the
+        host's work runs on several cores and beside the engine's (numpy and numba let the GIL
+        go; a GPU engine prices while the host steps). After its step, a group's finished
+        options make room for the next of the queue, in order."""
         search, nodes = self.search, self.nodes
         queue = np.flatnonzero(search.status < 0)       # in order
-        head, active = 0, np.empty(0, dtype=np.int64)
         n = search.status.shape[0]
-        while head < queue.size or active.size:
-            # refill: the queue's next options while the pool has room (one option at least)
-            if head < queue.size and active.size < self.pool_rows:
-                take = queue[head:head + self.pool_rows - active.size]
-                room = self.pool_nodes - float(nodes[active].sum())
-                count = int(np.searchsorted(np.cumsum(nodes[take]), room, side="right"))
-                count = max(count, 0 if active.size else 1)
-                active = np.concatenate([active, take[:count]])
-                head += count
-            self._round(active)
-            active = active[search.status[active] < 0]
-            waiting = [int(queue[head])] if head < queue.size else []
-            if active.size:
-                waiting.append(int(active.min()))
-            yield min(waiting) if waiting else n
+        count = max(1, min(GROUPS, self.pool_rows // GROUP_ROWS))
+        rows_each, nodes_each = -(-self.pool_rows // count), self.pool_nodes / count
+        groups = [np.empty(0, dtype=np.int64)] * count
+        head = 0
 
-    def _round(self, rows: np.ndarray) -> None:
-        """Every option of `rows` priced once at its x and its search stepped: in slices of
-        SLICE_ROWS, each slice's lattice parameters built on a thread of the pool while the
-        engine prices the slice before it (numpy and numba let the GIL go), so that the host's
-        work of a round runs on several cores and beside the engine's. An option's price does
-        not depend on the call that prices it."""
-        slices = np.array_split(rows, max(1, min(SLICES, rows.size // SLICE_ROWS)))
-        if len(slices) == 1:
-            self._price(rows, *self._lattices(rows))
-            return
-        # no more threads than the rank's share of the cores (driver.configure_threads)
-        with ThreadPoolExecutor(max_workers=min(len(slices), numba.get_num_threads())) as pool:
-            built = [pool.submit(self._lattices, part) for part in slices]
-            for part, lattices in zip(slices, built):
-                self._price(part, *lattices.result())
+        def refill(g: int) -> None:     # the queue's next options while the group has room
+            nonlocal head
+            active = groups[g]
+            if head < queue.size and active.size < rows_each:
+                take = queue[head:head + rows_each - active.size]
+                room = nodes_each - float(nodes[active].sum())
+                more = int(np.searchsorted(np.cumsum(nodes[take]), room, side="right"))
+                more = max(more, 0 if active.size else 1)    # one option at least
+                groups[g] = np.concatenate([active, take[:more]])
+                head += more
+
+        def finished() -> int:
+            waiting = [int(queue[head])] if head < queue.size else []
+            waiting += [int(active.min()) for active in groups if active.size]
+            return min(waiting) if waiting else n
+
+        # no more threads than the rank's share of the cores (driver.configure_threads); one
+        # group builds its lattices itself (nothing to overlap them with)
+        with (ThreadPoolExecutor(max_workers=min(count, numba.get_num_threads())) if count > 1
+              else contextlib.nullcontext()) as pool:
+            def build(g: int):    # a future of the group's lattice parameters
+                if pool is not None:
+                    return pool.submit(self._lattices, groups[g])
+                return _Built(self._lattices(groups[g]))
+
+            built, turns = {}, deque()
+            for g in range(count):
+                refill(g)
+                if groups[g].size:
+                    built[g] = build(g)
+                    turns.append(g)
+            ahead = None
+            while turns or ahead is not None:
+                started = None
+                if turns:
+                    g = turns.popleft()
+                    started = (g, groups[g], *self._start(*built.pop(g).result()))
+                if ahead is not None:
+                    g, rows, exists, call = ahead
+                    self._step(rows, exists, call)
+                    groups[g] = rows[search.status[rows] < 0]
+                    refill(g)
+                    if groups[g].size:
+                        built[g] = build(g)
+                        turns.append(g)
+                    yield finished()
+                ahead = started
 
     def _lattices(self, rows: np.ndarray):
         """lattice_parameters_where of options `rows` at their x."""
@@ -386,10 +417,13 @@ class Solver:
         part["volatility"] = self.search.x[rows]
         return lattice_parameters_where(part, self.tree)
 
-    def _price(self, rows: np.ndarray, params, exists: np.ndarray) -> None:
+    def _start(self, params, exists: np.ndarray) -> tuple:
+        return exists, (self.engine.start(params) if exists.any() else None)
+
+    def _step(self, rows: np.ndarray, exists: np.ndarray, started) -> None:
         values = np.full(rows.size, np.nan)
-        if exists.any():
-            values[exists] = self.engine.price(params)
+        if started is not None:
+            values[exists] = self.engine.finish(started)
         self.search.step(rows, values, exists)
 
     def part(self, rows: np.ndarray) -> dict:
@@ -401,13 +435,25 @@ class Solver:
             part[name] = part[name].astype(kind)
         return part
 
-    def results(self) -> dict:
-        """implied_volatility (NaN where there is none), price (the lattice price at it),
-        iterations (lattices priced), status (CONVERGED or a reason, REASONS)."""
-        search = self.search
-        return dict(implied_volatility=np.where(search.status == CONVERGED, search.x, np.nan),
-                    price=search.price, iterations=search.rounds.astype(np.float64),
-                    status=search.status)
+    def results(self, lo: int = 0, hi: int | None = None) -> dict:
+        """Of options lo:hi (default all): implied_volatility (NaN where there is none), price
+        (the lattice price at it), iterations (lattices priced), status (CONVERGED or a reason,
+        REASONS)."""
+        search, part = self.search, slice(lo, hi)
+        status = search.status[part]
+        return dict(implied_volatility=np.where(status == CONVERGED, search.x[part], np.nan),
+                    price=search.price[part], iterations=search.rounds[part].astype(np.float64),
+                    status=status)
+
+
+class _Built:
+    """Lattice parameters built in the caller's thread, read as a future's."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def solve(engine, cols: dict, market: np.ndarray, tree: str, guess: np.ndarray | None = None,
@@ -419,14 +465,14 @@ def solve(engine, cols: dict, market: np.ndarray, tree: str, guess: np.ndarray |
     return solver.results()
 
 
-SLICES, SLICE_ROWS = 8, 1 << 16   # a round of many options goes to the engine in slices
+GROUPS, GROUP_ROWS = 4, 1 << 16   # a pool of many options takes its rounds in groups
 
 TABLE = ("spot", "strike", "maturity", "rate", "dividend", "steps", "call", "american", "tree")
 
 
 @numba.njit(nogil=True, cache=True)
 def _take(table, rows):
-    """table[:, rows] (serial: it runs on the threads of Solver._round, and numba's default
+    """table[:, rows] (serial: it runs on the threads of Solver.rounds, and numba's default
     threading layer takes parallel kernels from one thread at a time)."""
     out = np.empty((table.shape[0], rows.shape[0]))
     for k in range(rows.shape[0]):

@@ -101,25 +101,23 @@ def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, t
             return len(chunks)
         return int(np.searchsorted(ends, rows[count], side="right"))
 
-    def store(k: int, results: dict) -> int:
+    def store(k: int) -> int:
         lo = starts[k]
         hi = starts[k + 1] if k + 1 < len(chunks) else rows.size
         mine = rows[lo:hi]
+        results = solver.results(lo, hi)
         for j, name in enumerate(OUTPUTS):
-            values[mine, j] = results[name][lo:hi]
-        values[mine, -1] = results["status"][lo:hi]
+            values[mine, j] = results[name]
+        values[mine, -1] = results["status"]
         return k
 
     for count in solver.rounds():
         ready = finished_chunks(count)
-        if ready > yielded:
-            results = solver.results()
-            for k in range(yielded, ready):
-                yield store(k, results)
-            yielded = ready
-    results = solver.results()      # the chunks left: their rows settled by the bounds alone
-    for k in range(yielded, len(chunks)):
-        yield store(k, results)
+        for k in range(yielded, ready):
+            yield store(k)
+        yielded = max(yielded, ready)
+    for k in range(yielded, len(chunks)):   # the chunks left: their rows settled by the bounds
+        yield store(k)
 
 
 def price_checked(engine, cfg, checked, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,12 +23,14 @@ its rows through the order and writes each price at its row, and the prices (8 b
 come back asynchronously, already in the order given. An option that the class of its width cannot
 price comes back NaN and is priced again in the class of its steps. Two buffer sets and two streams
 alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
-through 2 chunks of device memory.
+through 2 chunks of device memory. They alternate across calls too: start() returns once a call's
+chunks are launched and finish() brings its prices home, so that the caller can fill and start its
+next call between the two (the implied-volatility search's groups, pricer/model/implied.py).
 
-`last_stats` keeps the event times of the last call (seconds: copies in, kernels, copies out,
-summed over chunks; and the wall time of the whole call) for `pricer bench batch`. The events of
-the last two chunks are read only when `last_stats` is: three driver calls a chunk that a pricing
-call does not need, and only the bench reads them.
+`last_stats` keeps the event times of the last finished call (seconds: copies in, kernels, copies
+out, summed over chunks; and the wall time of the whole call) for `pricer bench batch`. The events
+of the last two chunks are read only when `last_stats` is: three driver calls a chunk that a
+pricing call does not need, and only the bench reads them.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class CudaBatchRunner(Engine):
         self._keep_levels = False
         self._stats: dict = {}
         self._unread: list = []     # (marks, ready) of the last call's chunks, not read yet
+        self._held: dict = {}       # buffer set -> (its call, its chunk) whose prices are out
+        self._turn = 0              # the buffer set the next chunk takes
 
     def variants(self) -> list:
         """The (defines, source) of every module the runner may load: one per warp count."""
@@ -124,6 +128,8 @@ class CudaBatchRunner(Engine):
         cuda = self.rt.cuda
         if (self._buffers is None or self._buffers[0]["capacity"] < size
                 or (with_levels and self._buffers[0]["levels_d"] is None)):
+            for slot in list(self._held):         # every chunk out on the old sets home first
+                self._take_back(slot)
             self._release()
             self._buffers = [dict(capacity=size,
                                   input=cuda.pagelocked_empty(size * INPUT_BYTES_PER_OPTION, np.uint8),
@@ -156,35 +162,42 @@ class CudaBatchRunner(Engine):
 
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices of every option of params, in order (rows copied as they are, no gather)."""
-        return self._price_all(params, None, levels)
+        return self.finish(self._start(params, None, levels, narrowed=True))
 
     def price_rows(self, params: LatticeParams, rows: np.ndarray,
                    levels: np.ndarray | None = None) -> np.ndarray:
         """Prices of options `rows` of params, in that order (gathered into the input buffers)."""
-        return self._price_all(params, np.asarray(rows), levels)
+        return self.finish(self._start(params, np.asarray(rows), levels, narrowed=True))
 
-    def _price_all(self, params: LatticeParams, index, levels) -> np.ndarray:
-        """Prices, with `levels` ((len(index), LEVEL_VALUES)) also the first levels' values.
-        Options that a class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more,
-        and chunks held in one wave) could not price (NaN: cuda/batch.cu zero_clamp) are priced
-        again in the class of their steps."""
-        prices = self._price(params, index, levels, narrowed=True)
+    def start(self, params: LatticeParams) -> "_Call":
+        """Every chunk of `params` filled and launched; the last ones' prices still on their way
+        (Engine.start). A chunk's buffer set is taken back from an unfinished call's chunk only
+        once that chunk's prices are home, so calls may overlap: the host fills the next call's
+        chunks, and its caller works, while the GPU prices this one."""
+        return self._start(params, None, None, narrowed=True)
+
+    def finish(self, call: "_Call") -> np.ndarray:
+        """A started call's prices, with `levels` also the first levels' values. Options that a
+        class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more, and chunks held
+        in one wave) could not price (NaN: cuda/batch.cu zero_clamp) are priced again in the
+        class of their steps, from the call's params."""
+        prices, levels = self._collect_call(call), call.levels
         # one reduction (NaN propagates) before the search
-        if prices.size and math.isnan(prices.min()):
+        if call.narrowed and prices.size and math.isnan(prices.min()):
             again = np.flatnonzero(np.isnan(prices))
-            if again.size:
-                stats = self.last_stats
-                rows = again if index is None else index[again]
-                kept = None if levels is None else np.empty((again.size, levels.shape[1]))
-                prices[again] = self._price(params, rows, kept, narrowed=False)
-                if levels is not None:
-                    levels[again] = kept
-                again_stats = self.last_stats   # both passes' times, the call's whole wall
-                self.last_stats = {key: (value + again_stats[key]
-                                         if key in ("copy_in", "kernels", "copy_out", "wall",
-                                                    "chunks", "launches") else value)
-                                   for key, value in stats.items()}
-                self.last_stats["priced_again"] = int(again.size)
+            stats = self.last_stats
+            rows = again if call.index is None else call.index[again]
+            kept = None if levels is None else np.empty((again.size, levels.shape[1]))
+            prices[again] = self._collect_call(self._start(call.params, rows, kept,
+                                                           narrowed=False))
+            if levels is not None:
+                levels[again] = kept
+            again_stats = self.last_stats   # both passes' times, the call's whole wall
+            self.last_stats = {key: (value + again_stats[key]
+                                     if key in ("copy_in", "kernels", "copy_out", "wall",
+                                                "chunks", "launches") else value)
+                               for key, value in stats.items()}
+            self.last_stats["priced_again"] = int(again.size)
         return prices
 
     def warm_up(self) -> None:
@@ -204,6 +217,7 @@ class CudaBatchRunner(Engine):
         """The first option of `params` priced by every kernel in turn, whatever its class: the
         (len(KERNELS),) prices, in KERNELS' order."""
         buffers, streams = self._ensure_buffers(1, False)
+        self._take_back(0)
         buf, stream = buffers[0], streams[0]
         views = input_views(buf["input"], 1)
         fill_input(params, slice(0, 1), buf["input"], views)
@@ -227,29 +241,24 @@ class CudaBatchRunner(Engine):
                 self.function(int(cls))
             self._ensure_buffers(chunk_size(steps.size, self.chunk_options), levels)
 
-    def _price(self, params: LatticeParams, index, levels, narrowed: bool):
-        """One pass over the chunks; `narrowed`: classes by payoff width where that pays (else by
-        steps only)."""
-        start = time.perf_counter()
+    def _start(self, params: LatticeParams, index, levels, narrowed: bool) -> "_Call":
+        """One pass over the chunks, every one launched; `narrowed`: classes by payoff width
+        where that pays (else by steps only). The buffer sets alternate across calls."""
         index = None if index is None else np.asarray(index)
         count = len(params) if index is None else index.size
-        prices = np.empty(count)
+        call = _Call(params, index, levels, narrowed, np.empty(count))
         bounds = chunk_bounds(count, self.chunk_options)
+        call.spent["chunks"] = len(bounds)
         if not bounds:
-            return prices
+            return call
         buffers, streams = self._ensure_buffers(chunk_size(count, self.chunk_options),
                                                 levels is not None)
         self._keep_levels = levels is not None
         cuda = self.rt.cuda
-        pending, launches = {}, 0
-        self.last_stats = spent = dict(copy_in=0.0, kernels=0.0, copy_out=0.0)  # event times
-        for k, (lo, hi) in enumerate(bounds):
-            slot = k % 2
+        for lo, hi in bounds:
+            slot, self._turn = self._turn, 1 - self._turn
             buf, stream = buffers[slot], streams[slot]
-            if slot in pending:          # the buffer's previous chunk must be home first
-                job = pending.pop(slot)
-                self._collect(job, prices, levels, stream)
-                self._add_event_times(spent, job[2]["marks"], job[3])    # recorded again below
+            self._take_back(slot)          # the set's previous chunk must be home first
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
             if buf["views"] is None or buf["views"][0] != n:     # kept: remade only for a new n
@@ -261,20 +270,36 @@ class CudaBatchRunner(Engine):
                 ready, chunk_launches = self._sort_on_gpu(views, buf, n, stream, marks)
             else:
                 ready, chunk_launches = self._sort_on_host(views, buf, n, stream, marks, narrowed)
-            launches += len(chunk_launches)
+            call.spent["launches"] += len(chunk_launches)
             self._launch_all(chunk_launches, n, buf, stream, ready)
             marks[3].record(stream)
             cuda.memcpy_dtoh_async(buf["prices"][:n], buf["prices_d"], stream)
             if levels is not None:
                 cuda.memcpy_dtoh_async(buf["levels"][:n], buf["levels_d"], stream)
             marks[4].record(stream)
-            pending[slot] = (lo, hi, buf, ready)
-        for slot, job in pending.items():
-            self._collect(job, prices, levels, streams[slot])
-        spent.update(wall=time.perf_counter() - start, chunks=len(bounds), launches=launches,
-                     priced_again=0)
-        self._unread = [(job[2]["marks"], job[3]) for job in pending.values()]
-        return prices
+            self._held[slot] = (call, (lo, hi, buf, ready))
+        return call
+
+    def _take_back(self, slot: int, read_events: bool = True) -> None:
+        """The chunk that holds buffer set `slot`, if any, home into its call (its event times
+        read now, before the set's events are recorded again)."""
+        if slot not in self._held:
+            return
+        call, job = self._held.pop(slot)
+        self._collect(job, call.prices, call.levels, self._streams[slot])
+        if read_events:
+            self._add_event_times(call.spent, job[2]["marks"], job[3])
+        else:
+            call.unread.append((job[2]["marks"], job[3]))
+
+    def _collect_call(self, call: "_Call") -> np.ndarray:
+        """The call's prices, its chunks still out brought home; last_stats becomes its. The
+        events of the chunks brought home here are read only when last_stats is."""
+        for slot in [s for s, (owner, _) in self._held.items() if owner is call]:
+            self._take_back(slot, read_events=False)
+        call.spent.update(wall=time.perf_counter() - call.began)
+        self._stats, self._unread = call.spent, call.unread
+        return call.prices
 
     def _sort_on_host(self, views, buf, n: int, stream, marks, narrowed: bool) -> tuple:
         """(the event the launches start from, the launches) of a chunk sorted here by the steps
@@ -385,3 +410,15 @@ class CudaBatchRunner(Engine):
         prices[lo:hi] = buf["prices"][:hi - lo]
         if levels is not None:
             levels[lo:hi] = buf["levels"][:hi - lo]
+
+
+class _Call:
+    """A started call: its input, its prices as they come home, its event times (last_stats)."""
+
+    def __init__(self, params, index, levels, narrowed: bool, prices: np.ndarray):
+        self.params, self.index, self.levels, self.narrowed = params, index, levels, narrowed
+        self.prices = prices
+        self.began = time.perf_counter()
+        self.spent = dict(copy_in=0.0, kernels=0.0, copy_out=0.0, chunks=0, launches=0,
+                          priced_again=0)
+        self.unread: list = []     # (marks, ready) of its chunks brought home by finish

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pricer.engines.base import DeviceInfo, DeviceNeed, Engine, Route, route
+from pricer.engines.base import DeviceInfo, DeviceNeed, Engine, Route, route, sole_engine
 from pricer.engines.cpu.kernels import backward_keeping_levels, power_tables, table_kinds
 from pricer.engines.cpu.serial import level_array
 from pricer.engines.gpu.batch_layout import KEY_BINS, batch_row_bytes, shared_all_plain
@@ -131,6 +131,18 @@ class GpuEngine(Engine):
             return self.cpu().price(params, levels)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
+
+    def start(self, params: LatticeParams):
+        """A call whose options all go to the batch runner as they are starts there without
+        waiting for the GPU (Engine.start); any other is priced here."""
+        if not (self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes):
+            kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
+            if (kinds == PLAIN).all() and sole_engine(params.steps, self._routes) is self._runner:
+                return self._runner.start(params)
+        return self.price(params)
+
+    def finish(self, started) -> np.ndarray:
+        return started if isinstance(started, np.ndarray) else self.runner().finish(started)
 
     @property
     def sizes_by_call(self) -> bool:
