@@ -407,6 +407,35 @@ def test_implied_vol_job_under_srun(cluster, tmp_path):
     assert (got["status"] == 0).sum() > 280
 
 
+def test_scenario_grid_job_under_srun(cluster, tmp_path):
+    """A job's [scenarios] table: every option under every combination on the job's 2 ranks,
+    bitwise the Python API's grid, the base prices unchanged."""
+    import pricer
+    from pricer.io.portfolio import write_portfolio
+    from pricer.io.results import read_results
+    from pricer.tools.generate import generate
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "submit").mkdir()
+    book = generate("random", 120, seed=13, min_steps=16, max_steps=300)
+    write_portfolio(str(tmp_path / "job" / "book.h5"), book)
+    text = _cpu_job(cluster, tmp_path,
+                    '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\n\n'
+                    '[output]\npath = "grid.h5"\n\n[scenarios]\nspot = "-0.1:0.1:3"\n'
+                    'volatility = [-0.02, 0.05]\ndays = [0, 7]\n')
+    assert "12 scenarios" in text and "on 2 rank(s)" in text, text
+    got = read_results(str(tmp_path / "job" / "grid.h5"))
+    columns = {name: getattr(book, name) for name in ("id", "spot", "strike", "maturity", "rate",
+                                                      "dividend", "volatility", "steps", "call",
+                                                      "american")}
+    want = pricer.price(columns, backend="cpu",
+                        scenarios=dict(spot=[-0.1, 0.0, 0.1], volatility=[-0.02, 0.05],
+                                       days=[0, 7]))
+    names = [f"scenario:{k}" for k in range(12)]
+    assert np.array_equal(got["scenarios"]["price"], want[names].to_numpy())
+    assert np.array_equal(got["price"], want["price"].to_numpy())
+
+
 def test_bond_book_job_under_srun(cluster, tmp_path):
     """A job whose book is a file of bond options: priced on the job's 2 ranks, bitwise the
     Python API's."""
