@@ -65,9 +65,9 @@ class Engine:
     def start(self, params):
         """Begin pricing `params` and return a handle for finish(); an engine that works beside
         its caller (a GPU's kernels) returns at once, so that the caller can prepare and start the
-        next call meanwhile. The caller leaves `params` as they are until finish() returns (an
-        engine may read them again there), and has at most two calls started and not finished.
-        By default the pricing is done here."""
+        next call meanwhile. A caller has at most two calls started and not finished. Once it
+        returns, the engine no longer reads `params` (the caller may reuse their storage), unless
+        its start() says otherwise. By default the pricing is done here."""
         return self.price(params)
 
     def finish(self, started) -> np.ndarray:

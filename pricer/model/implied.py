@@ -24,12 +24,12 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
   converge at their own speeds.
 
 An option's rounds depend on its own values only, so its answer does not depend on the pool it
-shared, the chunks or the ranks.
+shared, its groups, the chunks or the ranks, on an engine that prices a lattice alike in any call
+(every backend but `auto`, which picks the CPU or the GPU by each call's size).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -319,7 +319,8 @@ class Solver:
     """The implied volatilities of the options in `cols` (columns_from_matrix's, tree codes in
     "tree") at market prices `market`, priced by `engine` on `tree`. `guess`: a start per option
     (NaN: none, the European implied volatility is taken). Options enter a pool of at most
-    `pool_rows` options and `pool_nodes` lattice nodes, in order, as others leave it.
+    `pool_rows` options and `pool_nodes` lattice nodes (each of its groups, Solver.rounds, takes
+    one option at least), in order, as others leave it.
     rounds() runs the search; results() is its outcome."""
 
     def __init__(self, engine, cols: dict, market: np.ndarray, tree: str,
@@ -359,15 +360,17 @@ class Solver:
         queue = np.flatnonzero(search.status < 0)       # in order
         n = search.status.shape[0]
         count = max(1, min(GROUPS, self.pool_rows // GROUP_ROWS))
-        rows_each, nodes_each = -(-self.pool_rows // count), self.pool_nodes / count
+        # the pool's rows shared out (together pool_rows), its nodes alike
+        rows_each = [self.pool_rows // count + (g < self.pool_rows % count) for g in range(count)]
+        nodes_each = self.pool_nodes / count
         groups = [np.empty(0, dtype=np.int64)] * count
         head = 0
 
         def refill(g: int) -> None:     # the queue's next options while the group has room
             nonlocal head
             active = groups[g]
-            if head < queue.size and active.size < rows_each:
-                take = queue[head:head + rows_each - active.size]
+            if head < queue.size and active.size < rows_each[g]:
+                take = queue[head:head + rows_each[g] - active.size]
                 room = nodes_each - float(nodes[active].sum())
                 more = int(np.searchsorted(np.cumsum(nodes[take]), room, side="right"))
                 more = max(more, 0 if active.size else 1)    # one option at least
@@ -381,13 +384,15 @@ class Solver:
 
         # no more threads than the rank's share of the cores (driver.configure_threads); one
         # group builds its lattices itself (nothing to overlap them with)
-        with (ThreadPoolExecutor(max_workers=min(count, numba.get_num_threads())) if count > 1
-              else contextlib.nullcontext()) as pool:
-            def build(g: int):    # a future of the group's lattice parameters
-                if pool is not None:
-                    return pool.submit(self._lattices, groups[g])
-                return _Built(self._lattices(groups[g]))
+        pool = (ThreadPoolExecutor(max_workers=min(count, numba.get_num_threads()))
+                if count > 1 else None)
 
+        def build(g: int):    # a future of the group's lattice parameters
+            if pool is not None:
+                return pool.submit(self._lattices, groups[g])
+            return _Built(self._lattices(groups[g]))
+
+        try:
             built, turns = {}, deque()
             for g in range(count):
                 refill(g)
@@ -410,6 +415,9 @@ class Solver:
                         turns.append(g)
                     yield finished()
                 ahead = started
+        finally:    # a search that stops (a failure, a fault) does not wait for the builds
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _lattices(self, rows: np.ndarray):
         """lattice_parameters_where of options `rows` at their x."""

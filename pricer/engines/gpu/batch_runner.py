@@ -74,7 +74,7 @@ class CudaBatchRunner(Engine):
         self._launch_streams: list = []     # (stream, event its launches' end is recorded in)
         self._keep_levels = False
         self._stats: dict = {}
-        self._unread: list = []     # (marks, ready) of the last call's chunks, not read yet
+        self._unread: dict = {}     # buffer set -> (call's times, marks, ready) not read yet
         self._held: dict = {}       # buffer set -> (its call, its chunk) whose prices are out
         self._turn = 0              # the buffer set the next chunk takes
 
@@ -107,15 +107,22 @@ class CudaBatchRunner(Engine):
 
     @property
     def last_stats(self) -> dict:
-        """The last call's event times and counts (see the module's docstring)."""
-        for marks, ready in self._unread:
-            self._add_event_times(self._stats, marks, ready)
-        self._unread = []
+        """The last finished call's event times and counts (see the module's docstring)."""
+        for slot in list(self._unread):
+            self._read_events(slot)
         return self._stats
 
     @last_stats.setter
     def last_stats(self, stats: dict) -> None:
-        self._stats, self._unread = stats, []
+        for slot in list(self._unread):
+            self._read_events(slot)
+        self._stats = stats
+
+    def _read_events(self, slot: int) -> None:
+        """The event times of the chunk last brought home from buffer set `slot` without them,
+        into its call's times (before the set's events are recorded again)."""
+        stats, marks, ready = self._unread.pop(slot)
+        self._add_event_times(stats, marks, ready)
 
     @staticmethod
     def _add_event_times(stats: dict, marks, ready) -> None:
@@ -173,11 +180,13 @@ class CudaBatchRunner(Engine):
         """Every chunk of `params` filled and launched; the last ones' prices still on their way
         (Engine.start). A chunk's buffer set is taken back from an unfinished call's chunk only
         once that chunk's prices are home, so calls may overlap: the host fills the next call's
-        chunks, and its caller works, while the GPU prices this one."""
+        chunks, and its caller works, while the GPU prices this one. The caller keeps `params`
+        as they are until finish(), which prices again from them the rows that a class chosen
+        by their payoff's width refused."""
         return self._start(params, None, None, narrowed=True)
 
     def finish(self, call: "_Call") -> np.ndarray:
-        """A started call's prices, with `levels` also the first levels' values. Options that a
+        """A started call's prices (and, where it was given levels, their values). Options that a
         class chosen by their payoff's width (chunks of WIDTH_ROWS rows or more, and chunks held
         in one wave) could not price (NaN: cuda/batch.cu zero_clamp) are priced again in the
         class of their steps, from the call's params."""
@@ -188,8 +197,11 @@ class CudaBatchRunner(Engine):
             stats = self.last_stats
             rows = again if call.index is None else call.index[again]
             kept = None if levels is None else np.empty((again.size, levels.shape[1]))
+            turn = self._turn
             prices[again] = self._collect_call(self._start(call.params, rows, kept,
                                                            narrowed=False))
+            self._turn = turn   # the pass's chunks are home: the next call takes the set it
+                                # would have taken (not the one an unfinished call holds)
             if levels is not None:
                 levels[again] = kept
             again_stats = self.last_stats   # both passes' times, the call's whole wall
@@ -259,6 +271,8 @@ class CudaBatchRunner(Engine):
             slot, self._turn = self._turn, 1 - self._turn
             buf, stream = buffers[slot], streams[slot]
             self._take_back(slot)          # the set's previous chunk must be home first
+            if slot in self._unread:
+                self._read_events(slot)
             n = hi - lo
             rows = slice(lo, hi) if index is None else index[lo:hi]
             if buf["views"] is None or buf["views"][0] != n:     # kept: remade only for a new n
@@ -281,16 +295,15 @@ class CudaBatchRunner(Engine):
         return call
 
     def _take_back(self, slot: int, read_events: bool = True) -> None:
-        """The chunk that holds buffer set `slot`, if any, home into its call (its event times
-        read now, before the set's events are recorded again)."""
+        """The chunk that holds buffer set `slot`, if any, home into its call; its event times
+        read now, or (`read_events` False) when last_stats is read or the set is used again."""
         if slot not in self._held:
             return
         call, job = self._held.pop(slot)
         self._collect(job, call.prices, call.levels, self._streams[slot])
+        self._unread[slot] = (call.spent, job[2]["marks"], job[3])
         if read_events:
-            self._add_event_times(call.spent, job[2]["marks"], job[3])
-        else:
-            call.unread.append((job[2]["marks"], job[3]))
+            self._read_events(slot)
 
     def _collect_call(self, call: "_Call") -> np.ndarray:
         """The call's prices, its chunks still out brought home; last_stats becomes its. The
@@ -298,7 +311,7 @@ class CudaBatchRunner(Engine):
         for slot in [s for s, (owner, _) in self._held.items() if owner is call]:
             self._take_back(slot, read_events=False)
         call.spent.update(wall=time.perf_counter() - call.began)
-        self._stats, self._unread = call.spent, call.unread
+        self._stats = call.spent
         return call.prices
 
     def _sort_on_host(self, views, buf, n: int, stream, marks, narrowed: bool) -> tuple:
@@ -421,4 +434,3 @@ class _Call:
         self.began = time.perf_counter()
         self.spent = dict(copy_in=0.0, kernels=0.0, copy_out=0.0, chunks=0, launches=0,
                           priced_again=0)
-        self.unread: list = []     # (marks, ready) of its chunks brought home by finish

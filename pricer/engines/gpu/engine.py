@@ -134,12 +134,15 @@ class GpuEngine(Engine):
 
     def start(self, params: LatticeParams):
         """A call whose options all go to the batch runner as they are starts there without
-        waiting for the GPU (Engine.start); any other is priced here."""
-        if not (self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes):
-            kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
-            if (kinds == PLAIN).all() and sole_engine(params.steps, self._routes) is self._runner:
-                return self._runner.start(params)
-        return self.price(params)
+        waiting for the GPU (Engine.start; the caller keeps `params` as they are until finish,
+        CudaBatchRunner.start); any other is priced here, as price() routes it."""
+        if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
+            return self.cpu().price(params)
+        kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
+        plain = bool((kinds == PLAIN).all())
+        if plain and sole_engine(params.steps, self._routes) is self._runner:
+            return self._runner.start(params)
+        return route(params, self._routes, None, None if plain else kinds)
 
     def finish(self, started) -> np.ndarray:
         return started if isinstance(started, np.ndarray) else self.runner().finish(started)
