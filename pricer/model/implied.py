@@ -40,6 +40,7 @@ import numpy as np
 
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import lattice_parameters_where
+from pricer.threads import threads_for
 
 SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
 
@@ -392,7 +393,13 @@ class Solver:
                 return pool.submit(self._lattices, groups[g])
             return _Built(self._lattices(groups[g]))
 
+        # beside a GPU the host's passes over a group (the step, the batch runner's fill) are
+        # light: numba's threads on this thread capped by the group's rows for the whole search
+        # (pricer/threads.py; resized from call to call, the team cost more than it saved)
+        light = threads_for(rows_each[0]) if getattr(self.engine, "uses_gpu", False) else None
         try:
+            if light is not None:
+                light.__enter__()
             built, turns = {}, deque()
             for g in range(count):
                 refill(g)
@@ -418,6 +425,8 @@ class Solver:
         finally:    # a search that stops (a failure, a fault) does not wait for the builds
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+            if light is not None:
+                light.__exit__(None, None, None)
 
     def _lattices(self, rows: np.ndarray):
         """lattice_parameters_where of options `rows` at their x."""
