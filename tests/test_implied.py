@@ -405,3 +405,36 @@ def test_pricing_ignores_the_market_price_column(tmp_path, rng):
     with pytest.raises(pricer.InputError, match="column market_price is NaN or infinite for "
                                                 "option id\\(s\\) 10"):
         pricer.implied_volatility(quoted, backend="cpu")
+
+
+class _Recording(CpuEngine):
+    """The cpu engine, noting numba's threads on the thread that starts each call."""
+
+    def __init__(self, uses_gpu: bool):
+        super().__init__()
+        self.uses_gpu, self.threads = uses_gpu, []
+
+    def start(self, params):
+        import numba
+        self.threads.append(numba.get_num_threads())
+        return super().start(params)
+
+
+def test_a_search_beside_a_gpu_caps_numbas_threads_by_its_groups_and_restores_them(rng):
+    """Beside a GPU the search's own passes are light: numba's threads on its thread are capped
+    to one per ROWS_PER_THREAD rows of a group (here 1) for the search, and set back after it;
+    an engine on the CPU keeps them all."""
+    import numba
+    if numba.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to cap")
+    book = market_book(random_book(rng, 60, TREES))
+    cols = {k: np.asarray(v) for k, v in book.items() if k not in ("id", "tree")}
+    cols["tree"] = np.array([TREE_NAMES.index(t) for t in book["tree"]])
+    before = numba.get_num_threads()
+    beside, alone = _Recording(uses_gpu=True), _Recording(uses_gpu=False)
+    got = solve(beside, cols, cols["market_price"], "crr")
+    want = solve(alone, cols, cols["market_price"], "crr")
+    assert set(beside.threads) == {1} and set(alone.threads) == {before}
+    assert numba.get_num_threads() == before
+    for name, value in want.items():
+        assert np.array_equal(value, got[name], equal_nan=True), name
