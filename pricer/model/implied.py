@@ -395,8 +395,10 @@ class Solver:
 
         # beside a GPU the host's passes over a group (the step, the batch runner's fill) are
         # light: numba's threads on this thread capped by the group's rows for the whole search
-        # (pricer/threads.py; resized from call to call, the team cost more than it saved)
-        light = threads_for(rows_each[0]) if getattr(self.engine, "uses_gpu", False) else None
+        # (pricer/threads.py; resized from call to call, the team cost more than it saved); not
+        # where the engine may price a call on the CPU (auto, Engine.sizes_by_call)
+        beside = getattr(self.engine, "uses_gpu", False) and not self.engine.sizes_by_call
+        light = threads_for(rows_each[0]) if beside else None
         try:
             if light is not None:
                 light.__enter__()
