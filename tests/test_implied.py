@@ -13,11 +13,12 @@ import pricer
 from gpu_cases import needs_gpu
 from helpers import run_pricer
 from pricer.engines.cpu.parallel import CpuEngine
-from pricer.model import implied
+from pricer.model import implied_pool
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 from pricer.model.implied import (ABOVE_BOUND, CONVERGED, NO_TIME_VALUE, PRICE_FLOOR,
-                                  PRICE_TOLERANCE, solve)
+                                  PRICE_TOLERANCE)
+from pricer.model.implied_pool import solve
 from pricer.model.lattice import TREE_NAMES, lattice_parameters
 
 CPU = CpuEngine()
@@ -186,7 +187,7 @@ def test_pool_size_groups_and_order_do_not_change_an_answer(rng, monkeypatch):
     cols = {k: np.asarray(v) for k, v in book.items() if k not in ("id", "tree")}
     cols["tree"] = np.array([TREE_NAMES.index(t) for t in book["tree"]])
     whole = solve(CPU, cols, cols["market_price"], "crr")
-    monkeypatch.setattr(implied, "GROUP_ROWS", 4)
+    monkeypatch.setattr(implied_pool, "GROUP_ROWS", 4)
     for rows in (1, 5, 40, 97):
         pooled = solve(CPU, cols, cols["market_price"], "crr", pool_rows=rows)
         for name, value in whole.items():
@@ -270,7 +271,7 @@ def test_every_gpu_backend_solves_as_the_cpu_does(rng, backend, monkeypatch):
     pool in groups of 50 options (Solver.rounds), two engine calls out on the GPU at once."""
     book = random_book(rng, 400, TREES, steps=(16, 700))
     given = market_book(book)
-    monkeypatch.setattr(implied, "GROUP_ROWS", 50)
+    monkeypatch.setattr(implied_pool, "GROUP_ROWS", 50)
     got = pricer.implied_volatility(given, backend=backend)
     check_accuracy(given | {"volatility": book["volatility"]}, got)
     cpu = pricer.implied_volatility(given, backend="cpu")

@@ -79,7 +79,8 @@ def solve_chunks(engine, matrix: np.ndarray, priced: np.ndarray, chunks: list, t
     one pool of searches as large as the largest chunk (in rows and in lattice nodes): the next
     chunk's options take the places of those that finish. A chunk is yielded once all of its rows
     are, its values written: OUTPUTS, then the status (CONVERGED or why not) in the last column."""
-    from pricer.model.implied import OUTPUTS, Solver
+    from pricer.model.implied import OUTPUTS
+    from pricer.model.implied_pool import Solver
 
     if not chunks:
         return

@@ -25,7 +25,7 @@ price comes back NaN and is priced again in the class of its steps. Two buffer s
 alternate, so the host fills chunk k + 1 while chunk k computes; a portfolio of any size streams
 through 2 chunks of device memory. They alternate across calls too: start() returns once a call's
 chunks are launched and finish() brings its prices home, so that the caller can fill and start its
-next call between the two (the implied-volatility search's groups, pricer/model/implied.py).
+next call between the two (the implied-volatility search's groups, pricer/model/implied_pool.py).
 
 `last_stats` keeps the event times of the last finished call (seconds: copies in, kernels, copies
 out, summed over chunks; and the wall time of the whole call) for `pricer bench batch`. The events
