@@ -365,6 +365,20 @@ def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
         read_bond_book(str(tmp_path / "cut.h5"))
 
 
+def test_short_text_columns_are_factorized_as_np_unique_does(rng):
+    """Fixed-length byte strings of up to 8 bytes are hashed as 64-bit words (io/bonds.py,
+    _factorize_short): every row's string comes back from its code, one code a distinct string,
+    as np.unique's values, empty strings and strings of every length among them."""
+    from pricer.io.bonds import _factorize_short
+
+    words = np.array([b"", b"a", b"ab", b"abc", b"european", b"american", b"bermudan", b"x\x01"])
+    for width in (1, 3, 8):
+        raw = words[rng.integers(0, words.size, 5000)].astype(f"S{width}")
+        codes, uniques = _factorize_short(raw)
+        assert np.array_equal(uniques[codes], raw)
+        assert sorted(uniques.tolist()) == np.unique(raw).tolist()
+
+
 def test_hostile_columns_and_curves_in_memory_are_refused(rng):
     """Beyond the columns' rules: curves that are not (times, rates) of numbers, rates beyond
     +-100 % a year, a default naming no curve, text that is not UTF-8, flags other than 0 and 1,

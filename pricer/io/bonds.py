@@ -130,6 +130,22 @@ def _ids(ids: np.ndarray, source: str) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+def _factorize_short(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, uniques) of fixed-length byte strings of at most 8 bytes, as np.unique's inverse
+    and values but in order of appearance: each string zero-padded to one 64-bit word and the
+    words hashed (pandas.factorize), not sorted (a sort of millions of strings took most of a
+    book's read). Trailing zero bytes are padding in a fixed-length string, so equal words are
+    equal strings."""
+    import pandas as pd
+
+    width = raw.dtype.itemsize
+    padded = np.zeros((raw.size, 8), dtype=np.uint8)
+    padded[:, :width] = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.size, width)
+    codes, words = pd.factorize(padded.view(np.uint64).ravel())
+    uniques = np.ascontiguousarray(words, dtype=np.uint64).view(np.uint8).reshape(-1, 8)
+    return codes, np.ascontiguousarray(uniques[:, :width]).view(raw.dtype).ravel()
+
+
 def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: list,
            default: str | None, skip: bool = False) -> np.ndarray:
     """A column as hw1f takes it: names as codes, flags as bool, numbers as float64 or int64.
@@ -139,7 +155,9 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
         import pandas as pd
 
         # a few names, many rows: each name decoded once
-        if raw.dtype.kind in "SU":      # fixed-length strings
+        if raw.dtype.kind == "S" and raw.dtype.itemsize <= 8:   # short bytes: hashed as words
+            codes, uniques = _factorize_short(raw)
+        elif raw.dtype.kind in "SU":    # fixed-length strings
             uniques, codes = np.unique(raw, return_inverse=True)
         else:                           # variable-length: Python objects, hashed
             codes, uniques = pd.factorize(raw, use_na_sentinel=False)
