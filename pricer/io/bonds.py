@@ -92,8 +92,10 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     _check_present(columns, source)
     ids = _ids(np.asarray(columns["id"]), source)
     n = ids.size
-    unique, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
+    import pandas as pd
+
+    if not pd.Index(ids).is_unique:     # hashed: a sort of every id only where some repeat
+        unique, counts = np.unique(ids, return_counts=True)
         raise InputError(f"{source}: duplicate id(s) {first_ids(unique, counts > 1)}",
                          column="id", ids=unique[counts > 1])
     cols = {}
