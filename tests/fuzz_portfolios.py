@@ -294,7 +294,7 @@ def truncated(draw, cols, dtypes):
         size = os.path.getsize(path)
         with open(path, "r+b") as f:
             f.truncate(int(size * fraction))
-    return "truncated", [("not an HDF5 file", "cannot read the portfolio")], {"write": write}
+    return "truncated", [("not an HDF5 file", "cannot read the file")], {"write": write}
 
 
 @st.composite

@@ -123,6 +123,18 @@ def test_info_on_a_truncated_file_is_refused(tmp_path, book):
     refused(run_pricer(["info", cut]), str(cut), "cannot read")
 
 
+def test_a_file_with_corrupted_metadata_is_refused_by_every_rank(tmp_path, book):
+    """libhdf5's RuntimeError on a damaged symbol table (its signature overwritten) is bad input
+    like any unreadable file: exit 2 from every rank, the file named, nothing written."""
+    data = book.read_bytes()
+    at = data.index(b"SNOD")
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(data[:at] + b"XXXX" + data[at + 4:])
+    refused(run_pricer(["price", bad, "-o", tmp_path / "o.h5", "--backend", "cpu"], ranks=2),
+            str(bad), "cannot read the file", "bad symbol table node signature")
+    assert not (tmp_path / "o.h5").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--count", "10", "--seed", "-1"], "--seed must be >= 0"),
     (["--count", str(10**12)], "GiB of memory"),

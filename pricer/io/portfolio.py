@@ -293,8 +293,9 @@ def _with_file(path: str, read):
             return read(f)
     except InputError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
-        raise InputError(f"{path}: cannot read the portfolio: {exc}") from None
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+        # RuntimeError: libhdf5 on corrupted metadata (e.g. "bad symbol table node signature")
+        raise InputError(f"{path}: cannot read the file: {exc}") from None
 
 
 def _checked_group(path: str, f: h5py.File):
