@@ -121,6 +121,12 @@ def test_no_time_value_and_above_bound(rng):
                call=np.array([True]), american=np.array([False]), steps=np.array([64]),
                rate=np.array([0.0]), dividend=np.array([0.0]), market_price=np.array([99.99]))
     assert pricer.implied_volatility(one, backend="cpu")["status"][0] == ABOVE_BOUND
+    # a call of an absurd strike: its tolerance is not 1e-18 K's size (100 here, which took the
+    # first sigma, priced 0); only the lattice's top nodes reach K, at sigma ~8
+    one.update(strike=np.array([1e20]), maturity=np.array([1.0]), market_price=np.array([3.71]))
+    absurd = pricer.implied_volatility(one, backend="cpu")
+    assert absurd["status"][0] == CONVERGED and absurd["implied_volatility"][0] > 5.0
+    assert abs(absurd["price"][0] - 3.71) <= 1e-10 * 3.71
 
 
 def test_books_the_bounds_settle_alone_get_their_statuses(tmp_path):

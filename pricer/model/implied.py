@@ -15,8 +15,9 @@ tree, its N) is its market price. docs/numerics.md, "Implied volatility", derive
   known below and above the root, bisection where a step leaves it. A tree's lattice exists for
   an interval of volatilities (p in (0, 1), node prices within FP64's range): a sigma without one
   narrows the bracket from its side of the priced points, so the search stays where it exists.
-- Converged: |f| <= PRICE_TOLERANCE max(market, 1e-8 K) and the sigma error |f| / slope estimated
-  below SIGMA_TOLERANCE (or the bracket narrower than it). A market price below the lattice's
+- Converged: |f| <= PRICE_TOLERANCE max(market, 1e-8 K) (min(K, S) for a call, whose value is
+  at most S) and the sigma error |f| / slope estimated below SIGMA_TOLERANCE (or the bracket
+  narrower than it). A market price below the lattice's
   price at its smallest volatility, or above it at SIGMA_HIGH, has no answer in the search range.
 - Options take a round each in a pool of a chunk's size (implied_pool.py): every round prices
   every option still searching (in groups that take their rounds in turn), and an option that is
@@ -198,7 +199,12 @@ class Search:
     def __init__(self, cols: dict, market: np.ndarray, start: np.ndarray):
         n = market.shape[0]
         self.cols, self.market = cols, market
-        self.tolerance = PRICE_TOLERANCE * np.maximum(market, PRICE_FLOOR * cols["strike"])
+        # the scale of the option's value: at most K, and a call is worth at most S (a call of an
+        # absurd K must not have a tolerance of its K's size: its market price would "converge"
+        # at any sigma)
+        call = np.asarray(cols["call"]) != 0
+        self.scale = np.where(call, np.minimum(cols["strike"], cols["spot"]), cols["strike"])
+        self.tolerance = PRICE_TOLERANCE * np.maximum(market, PRICE_FLOOR * self.scale)
         self.x = np.clip(start, SIGMA_LOW, START_HIGH)
         self.lo, self.hi = np.full(n, SIGMA_LOW), np.full(n, SIGMA_HIGH)
         self.lo_kind, self.hi_kind = np.full(n, EDGE, np.int8), np.full(n, EDGE, np.int8)
@@ -212,14 +218,15 @@ class Search:
         lattice prices (NaN where no lattice), `exists` where there was one. Sets the next x, or
         a status (_step)."""
         c = self.cols
-        _step(rows, values, exists, self.x, self.market, self.tolerance, self.lo, self.hi,
-              self.lo_kind, self.hi_kind, self.xp, self.fp, self.rounds, self.status, self.price,
-              c["spot"], c["strike"], c["maturity"], c["rate"], c["dividend"], c["call"])
+        _step(rows, values, exists, self.x, self.market, self.tolerance, self.scale, self.lo,
+              self.hi, self.lo_kind, self.hi_kind, self.xp, self.fp, self.rounds, self.status,
+              self.price, c["spot"], c["strike"], c["maturity"], c["rate"], c["dividend"],
+              c["call"])
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def _step(rows, values, exists, x, market, tolerance, lo, hi, lo_kind, hi_kind, xp, fp, rounds,
-          status, price, spot, strike, maturity, rate, dividend, call):
+def _step(rows, values, exists, x, market, tolerance, scale, lo, hi, lo_kind, hi_kind, xp, fp,
+          rounds, status, price, spot, strike, maturity, rate, dividend, call):
     """Search.step, option by option (the searches are independent: one pass in parallel). A
     division by zero gives inf or NaN (error_model "numpy"), which the steps' guards send to
     bisection."""
@@ -254,10 +261,10 @@ def _step(rows, values, exists, x, market, tolerance, lo, hi, lo_kind, hi_kind, 
             if not (math.isfinite(secant) and secant > 0.0):
                 slope = _black_scholes(spot[i], strike[i], maturity[i], rate[i], dividend[i], xi,
                                        call[i])[1]
-            # sigma is pinned where the slope is; below FLAT_VEGA K, a band of sigmas prices
-            # within the tolerance, and the price is what the answer promises
+            # sigma is pinned where the slope is; below FLAT_VEGA K (min(K, S) for a call), a
+            # band of sigmas prices within the tolerance, and the price is what it promises
             if abs(f) <= tolerance[i] and (abs(f) <= SIGMA_TOLERANCE * slope
-                                           or slope < FLAT_VEGA * strike[i]
+                                           or slope < FLAT_VEGA * scale[i]
                                            or hi[i] - lo[i] <= SIGMA_TOLERANCE or last):
                 status[i], price[i] = CONVERGED, values[k]
                 continue
