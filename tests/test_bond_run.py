@@ -233,6 +233,12 @@ def test_rows_no_tree_can_value_and_odd_files(tmp_path):
     refused = run_pricer(["price", empty, "-o", tmp_path / "z.h5", "--backend", "cpu"],
                          ranks=2, timeout=120)
     assert refused.returncode == 2 and "nosuch" in refused.stderr, refused.stderr
+    with h5py.File(empty, "r+") as f:       # its curves right: a book of no bond options
+        f["curves"].attrs["default"] = next(iter(f["curves"]))
+    refused = run_pricer(["price", empty, "-o", tmp_path / "z.h5", "--backend", "cpu"],
+                         ranks=2, timeout=120)
+    assert refused.returncode == 2 and "holds no bond options" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "z.h5").exists()
 
 
 def test_bond_options_only_settings_refused(tmp_path, book):

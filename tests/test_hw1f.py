@@ -334,6 +334,15 @@ def test_a_book_file_round_trips_and_prices_as_the_reference(tmp_path, rng):
     assert np.allclose(out["price"].to_numpy(), again, rtol=1e-12, atol=0.0)
 
 
+def _store_bool_byte(group, name: str, row: int, byte: int) -> None:
+    """Column `name` rewritten as HDF5 booleans whose row `row` holds the byte `byte` (a damaged
+    file: h5py reads it back as a bool array with that byte)."""
+    raw = np.asarray(group[name][()]).astype(np.uint8)
+    raw[row] = byte
+    del group[name]
+    group.create_dataset(name, data=raw.view(np.bool_))
+
+
 def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
     import h5py
 
@@ -351,6 +360,10 @@ def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
         (lambda f: f["bond_options"]["id"].__setitem__(5, 1), "duplicate id", "id"),
         (lambda f: f["bond_options"].__delitem__("strike"), "missing column(s) strike", "strike"),
         (lambda f: f["curves"]["default"].__delitem__("rates"), "needs datasets times", None),
+        (lambda f: f["bond_options"].move("product", "products"), "unknown column(s) products",
+         "products"),
+        (lambda f: _store_bool_byte(f["bond_options"], "call", 3, 7), "call must be true or false",
+         "call"),
     ]
     for k, (spoil, message, column) in enumerate(cases):
         bad = tmp_path / f"bad{k}.h5"

@@ -295,6 +295,17 @@ def test_flags_not_zero_or_one(tmp_path, column):
     assert f"column {column}" in message and "0/1" in message and "2" in message
 
 
+@pytest.mark.parametrize("column", ["call", "american"])
+def test_stored_booleans_other_than_0_or_1_are_refused(tmp_path, column):
+    """An HDF5 boolean is a byte: a damaged one (7) is refused, not read as true."""
+    cols = valid_columns()
+    raw = cols[column].astype(np.uint8)
+    raw[4] = 7
+    cols[column] = raw.view(np.bool_)
+    message = error_of(write_raw(tmp_path / "b.h5", cols))
+    assert f"column {column}" in message and "0/1" in message and "7" in message
+
+
 def test_empty_portfolio(tmp_path):
     cols = {name: value[:0] for name, value in valid_columns().items()}
     assert "empty" in error_of(write_raw(tmp_path / "b.h5", cols))

@@ -90,6 +90,7 @@ def book_from_columns(columns: dict, curves: dict, default: str | None = None,
     if default is None and len(names) == 1:
         default = names[0]
     _check_present(columns, source)
+    _check_known(columns, source)
     ids = _ids(np.asarray(columns["id"]), source)
     n = ids.size
     import pandas as pd
@@ -119,6 +120,15 @@ def _check_present(columns, source: str) -> None:
     needed = [c for c in ("id",) + bond_book.BOND_COLUMNS if c not in columns and c not in OPTIONAL]
     if needed:
         raise InputError(f"{source}: missing column(s) {', '.join(needed)}", column=needed[0])
+
+
+def _check_known(columns, source: str) -> None:
+    """InputError naming the columns that are not the book's (a misspelt optional column would
+    otherwise leave its default in force)."""
+    unknown = sorted(set(map(str, columns)) - {"id", *bond_book.BOND_COLUMNS})
+    if unknown:
+        raise InputError(f"{source}: unknown column(s) {', '.join(unknown)}; known columns are "
+                         f"id, {', '.join(bond_book.BOND_COLUMNS)}", column=unknown[0])
 
 
 def _ids(ids: np.ndarray, source: str) -> np.ndarray:
@@ -184,9 +194,11 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
         raise InputError(f"{source}: column {name} must be numbers, not {raw.dtype}",
                          column=name)
     if skip and (name in FLAGS or name in INTEGER):
-        return raw.astype(np.float64)
+        return (raw.view(np.uint8) if raw.dtype == np.bool_ else raw).astype(np.float64)
     if name in FLAGS:
-        flag = (raw == 0) | (raw == 1)
+        # a stored boolean is a byte: one other than 0 or 1 (a damaged file) is not read as true
+        stored = raw.view(np.uint8) if raw.dtype == np.bool_ else raw
+        flag = (stored == 0) | (stored == 1)
         if not flag.all():
             raise InputError(f"{source}: {name} must be true or false (1 or 0); instrument id(s) "
                              f"{first_ids(ids, ~flag)}", column=name, ids=ids[~flag])
@@ -220,6 +232,7 @@ def read_bond_index(path: str) -> dict:
     def index(f):
         g = f[GROUP]
         _check_present(g, path)
+        _check_known(g, path)
         shapes = {name: ds.shape for name, ds in g.items() if isinstance(ds, h5py.Dataset)}
         if len(shapes.get("id", ())) != 1:
             raise InputError(f"{path}: id must be a 1-D column of integers", column="id")

@@ -405,9 +405,12 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
             raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected bool or 0/1",
                              column=name)
         data = _rows_of(ds, rows)
-        if kind != "b" and not np.isin(data, (0, 1)).all():
+        # a stored boolean is a byte: one other than 0 or 1 (a damaged file) is not read as true
+        values = data.view(np.uint8) if kind == "b" else data
+        if not np.isin(values, (0, 1)).all():
             raise InputError(f"{path}: column {name} holds values other than 0/1: "
-                             f"{np.unique(data[~np.isin(data, (0, 1))])[:5].tolist()}", column=name)
+                             f"{np.unique(values[~np.isin(values, (0, 1))])[:5].tolist()}",
+                             column=name)
         return data.astype(bool, copy=False)
     if kind not in "iuf":
         raise InputError(f"{path}: column {name} has dtype {ds.dtype}, expected float64",

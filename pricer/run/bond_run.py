@@ -116,6 +116,8 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
 
     index = read_bond_index(cfg.input)
     read_bond_book(cfg.input, rows=slice(0, 0))     # the curves and the default, checked here
+    if index["id"].size == 0:
+        raise InputError(f"{cfg.input}: /bond_options holds no bond options")
     steps, jmax, nodes = bond_book.tree_shapes(index)
     _check_memory(cfg, steps, jmax, node_ranks, size)
     chunk_nodes, chunk_rows = cfg.chunk_shape()
