@@ -343,6 +343,14 @@ def _store_bool_byte(group, name: str, row: int, byte: int) -> None:
     group.create_dataset(name, data=raw.view(np.bool_))
 
 
+def _store_float(group, name: str, row: int, value: float) -> None:
+    """Column `name` rewritten as float64 with `value` at row `row`."""
+    column = np.asarray(group[name][()], dtype=np.float64)
+    column[row] = value
+    del group[name]
+    group.create_dataset(name, data=column)
+
+
 def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
     import h5py
 
@@ -364,6 +372,11 @@ def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
          "products"),
         (lambda f: _store_bool_byte(f["bond_options"], "call", 3, 7), "call must be true or false",
          "call"),
+        (lambda f: _store_float(f["bond_options"], "frequency", 4, 1e300),
+         "frequency must be whole numbers (at most 2^53); instrument id(s) 5 (first value 1e+300)",
+         "frequency"),
+        (lambda f: f["bond_options"]["exercise"].__setitem__(6, b"\xff\xfe"),
+         "exercise holds text that is not UTF-8; instrument id(s) 7", "exercise"),
     ]
     for k, (spoil, message, column) in enumerate(cases):
         bad = tmp_path / f"bad{k}.h5"

@@ -173,12 +173,16 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
             uniques, codes = np.unique(raw, return_inverse=True)
         else:                           # variable-length: Python objects, hashed
             codes, uniques = pd.factorize(raw, use_na_sentinel=False)
-        try:
-            text = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in uniques],
-                            dtype=object).astype(str)
-        except UnicodeDecodeError:
-            raise InputError(f"{source}: column {name} holds text that is not UTF-8",
-                             column=name) from None
+        decoded = []
+        for k, v in enumerate(uniques):
+            try:
+                decoded.append(v.decode() if isinstance(v, bytes) else str(v))
+            except UnicodeDecodeError:
+                bad = codes == k
+                raise InputError(f"{source}: column {name} holds text that is not UTF-8; "
+                                 f"instrument id(s) {first_ids(ids, bad)}", column=name,
+                                 ids=ids[bad]) from None
+        text = np.array(decoded, dtype=object).astype(str)
         known = curves if name == "curve" else list(TEXT[name])
         if name == "curve":
             text = np.where(text == "", default if default is not None else "", text)
@@ -205,10 +209,12 @@ def _typed(raw: np.ndarray, name: str, ids: np.ndarray, source: str, curves: lis
         return raw.astype(bool)
     values = raw.astype(np.float64)
     if name in INTEGER:
-        whole = np.isfinite(values) & (values == np.rint(values))
+        # within 2^53, where a float64 holds every whole number (and int64 holds it)
+        whole = np.isfinite(values) & (values == np.rint(values)) & (np.abs(values) <= 2.0**53)
         if not whole.all():
-            raise InputError(f"{source}: {name} must be whole numbers; instrument id(s) "
-                             f"{first_ids(ids, ~whole)}", column=name, ids=ids[~whole])
+            raise InputError(f"{source}: {name} must be whole numbers (at most 2^53); instrument "
+                             f"id(s) {first_ids(ids, ~whole)} (first value "
+                             f"{float(values[~whole][0])!r})", column=name, ids=ids[~whole])
         return values.astype(np.int64)
     return values
 
