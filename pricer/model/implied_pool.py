@@ -52,7 +52,7 @@ class Solver:
         """Round after round until every search has ended: after each round of a group, yields
         how many of the first options are finished (every one before the first still searching).
 
-        The pool is cut into groups of about GROUP_ROWS options (at most GROUPS), which take
+        The pool is cut into at most GROUPS groups of at least GROUP_ROWS options, which take
         their rounds in turn without waiting for each other: a group's lattice parameters are
         built on a thread of the pool while the others' are priced, and its engine call is
         started (Engine.start) before the group ahead of it is finished and stepped, so that the
