@@ -227,6 +227,7 @@ def test_rows_no_tree_can_value_and_odd_files(tmp_path):
     with h5py.File(book, "r") as src, h5py.File(empty, "w") as dst:
         src.copy("curves", dst)
         g = dst.create_group("bond_options")
+        g.attrs.update(src["bond_options"].attrs)
         for name, ds in src["bond_options"].items():
             g.create_dataset(name, data=ds[:0])
         dst["curves"].attrs["default"] = "nosuch"

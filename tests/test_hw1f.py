@@ -372,6 +372,8 @@ def test_hostile_book_files_are_refused_by_name(tmp_path, rng):
          "products"),
         (lambda f: _store_bool_byte(f["bond_options"], "call", 3, 7), "call must be true or false",
          "call"),
+        (lambda f: f["bond_options"].attrs.__delitem__("schema"),
+         "/bond_options attribute schema is None, expected 'pricer.bond_options/1'", None),
         (lambda f: _store_float(f["bond_options"], "frequency", 4, 1e300),
          "frequency must be whole numbers (at most 2^53); instrument id(s) 5 (first value 1e+300)",
          "frequency"),
