@@ -18,6 +18,7 @@ import numpy as np
 
 from pricer.errors import InputError, first_ids
 from pricer.files import atomic_write, check_input_file
+from pricer.io.portfolio import check_schema
 from pricer.model import bond_book, hw1f
 
 SCHEMA = "pricer.bond_options/1"
@@ -276,15 +277,7 @@ def _read(path: str, columns):
         with h5py.File(path, "r") as f:
             if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
                 raise InputError(f"{path}: no /{GROUP} group")
-            schema = f[GROUP].attrs.get("schema")
-            if isinstance(schema, bytes):
-                schema = schema.decode("utf-8", "replace")
-            # a plain string only: an array attribute would compare element-wise
-            if not isinstance(schema, str) or schema != SCHEMA:
-                if isinstance(schema, np.ndarray):
-                    schema = f"an array of shape {schema.shape}"
-                raise InputError(f"{path}: /{GROUP} attribute schema is {schema!r}, expected "
-                                 f"{SCHEMA!r}")
+            check_schema(path, f[GROUP], SCHEMA)
             if CURVES not in f or not isinstance(f[CURVES], h5py.Group):
                 raise InputError(f"{path}: no /{CURVES} group (the yield curves)")
             read = columns(f)

@@ -298,20 +298,26 @@ def _with_file(path: str, read):
         raise InputError(f"{path}: cannot read the file: {exc}") from None
 
 
+def check_schema(path: str, group: h5py.Group, expected: str) -> None:
+    """InputError unless `group`'s attribute schema is the string `expected`."""
+    schema = group.attrs.get("schema")
+    if isinstance(schema, bytes):
+        schema = schema.decode("utf-8", "replace")
+    # compare only a plain string: an array attribute would compare element-wise (found by fuzzing)
+    if not isinstance(schema, str) or schema != expected:
+        if isinstance(schema, np.ndarray):
+            schema = f"an array of shape {schema.shape}"
+        raise InputError(f"{path}: {group.name} attribute schema is {schema!r}, expected "
+                         f"{expected!r}")
+
+
 def _checked_group(path: str, f: h5py.File):
     """The /portfolio group and its column names, once the schema and the columns' names, shapes
     and lengths are right."""
     if GROUP not in f or not isinstance(f[GROUP], h5py.Group):
         raise InputError(f"{path}: no group /{GROUP} (expected schema {SCHEMA!r})")
     g = f[GROUP]
-    schema = g.attrs.get("schema")
-    if isinstance(schema, bytes):
-        schema = schema.decode("utf-8", "replace")
-    # compare only a plain string: an array attribute would compare element-wise (found by fuzzing)
-    if not isinstance(schema, str) or schema != SCHEMA:
-        if isinstance(schema, np.ndarray):
-            schema = f"an array of shape {schema.shape}"
-        raise InputError(f"{path}: /{GROUP} attribute schema is {schema!r}, expected {SCHEMA!r}")
+    check_schema(path, g, SCHEMA)
     unknown = sorted(set(g.keys()) - set(ALL_COLUMNS))
     if unknown:
         raise InputError(f"{path}: /{GROUP} has unknown column(s) {', '.join(unknown)}; "
