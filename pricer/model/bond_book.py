@@ -13,7 +13,8 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.errors import InputError, first_ids
-from pricer.model.hw1f import EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, jmax_of, steps_of
+from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, TODAY, jmax_of,
+                               steps_of)
 
 MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
 MAX_JMAX = 50_000
@@ -256,7 +257,7 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
             amount = face[i] * coupon[i] / f
             for k in range(int(np.floor(maturity[i] * f + 1e-9)) + 1):
                 t = maturity[i] - k / f
-                if t > 1e-12:
+                if t > TODAY:
                     flows[lo + max(1, int(np.rint(t / h)))] += amount   # after today
         flows[lo + n] += face[i]
         if kind[i] == AMERICAN:
@@ -270,7 +271,7 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
             for k in range(dates):
                 t = first[i] + (k / every[i] if k > 0 else 0.0)
                 # a date after today on its nearest step after today, as a coupon
-                after = 1 if t > 1e-12 else 0
+                after = 1 if t > TODAY else 0
                 exercise[lo + min(max(int(np.rint(t / h)), after), n)] = True
 
 
@@ -295,9 +296,9 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
                     buffers: StepBuffers | None = None, fill: bool = True) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step, one after today on its nearest after today), vectorised over
-    the book; bad columns refused first (check_columns). `buffers`: the per-step arrays' storage (StepBuffers), else new arrays;
-    fill=False leaves them to the engine (the `schedule`: a GPU fills them in its memory,
-    cuda/trinomial.cu's hw_fill, as fill_steps does here)."""
+    the book; bad columns refused first (check_columns). `buffers`: the per-step arrays' storage
+    (StepBuffers), else new arrays; fill=False leaves them to the engine (the `schedule`: a GPU
+    fills them in its memory, cuda/trinomial.cu's hw_fill, as fill_steps does here)."""
     check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size

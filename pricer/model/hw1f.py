@@ -33,6 +33,8 @@ from pricer.errors import InputError
 
 JMAX_FACTOR = 0.184        # j_max = ceil(JMAX_FACTOR / (a dt)): Hull and White's bound (1994)
 MAX_RATE = 1.0              # |zero rate| (and a bond's |coupon| and sigma) a year: e^{+-r t} in FP64
+TODAY = 1e-12               # a date (years) at most this is today: one after it falls on a step
+                            # after today (cuda/trinomial.cu's hw_fill has the same literal)
 PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
 
@@ -183,7 +185,7 @@ class BondOption:
             return np.empty(0)
         count = int(math.floor(self.maturity * self.frequency + 1e-9))
         times = self.maturity - np.arange(count + 1) / self.frequency
-        return np.sort(times[times > 1e-12])
+        return np.sort(times[times > TODAY])
 
 
 def steps_of(maturity, steps_per_year):
@@ -273,7 +275,7 @@ def exercise_steps(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
         for t in instrument.exercise_times():
             # a date after today on its nearest step after today, as a coupon (cash_flows):
             # the bond it is exercised on is then ex that date's coupon
-            out[min(steps, max(1 if t > 1e-12 else 0, int(round(t / dt))))] = True
+            out[min(steps, max(1 if t > TODAY else 0, int(round(t / dt))))] = True
     return out
 
 
