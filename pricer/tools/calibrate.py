@@ -61,13 +61,15 @@ HW_THREADS = (128, 256)            # GPU-FLAT's blocks tried, the default first
 HW_DATASETS = ("U2", "R1", "S1")  # the shapes of trees they are tried on
 
 
-def _best_edge(edges, diffs, above: bool) -> tuple[int, list[float]]:
+def _best_edge(edges, diffs, above: bool, top_on_tie: bool | None = None
+               ) -> tuple[int, list[float]]:
     """Index j into edges minimising the summed diffs of the bands above edge j (above=True: bands
     j.. ; index len(edges)-1 sums nothing) or below it (above=False: bands ..j-1; index 0 sums
-    nothing); ties go to the edge that changes least (the top for T1, the bottom for T2)."""
+    nothing); ties go to the edge that changes least (the top for T1, the bottom for T2), or to
+    the top or the bottom as `top_on_tie` says."""
     m = len(diffs)
     sums = [sum(diffs[j:]) if above else sum(diffs[:j]) for j in range(m + 1)]
-    order = range(m, -1, -1) if above else range(m + 1)
+    order = range(m, -1, -1) if (above if top_on_tie is None else top_on_tie) else range(m + 1)
     best = min(order, key=lambda j: sums[j])
     return best, sums
 
@@ -246,9 +248,9 @@ def _calibrate_trinomial(plan: dict, log) -> tuple[int, int, dict]:
                           flat_s=seconds(flat, params)))
         log(f"band [{lo:>4}, {hi:>4}): outer {bands[-1]['outer_s'] * 1e3:9.2f} ms  flat "
             f"{bands[-1]['flat_s'] * 1e3:8.2f} ms")
-    _, sums = _best_edge(edges, [b["flat_s"] - b["outer_s"] for b in bands], above=False)
-    # the edge that minimises the sum, the highest on a tie (the default takes every band)
-    j = max(range(len(sums)), key=lambda e: (-sums[e], e))
+    # the highest edge on a tie: the default takes every band
+    j, sums = _best_edge(edges, [b["flat_s"] - b["outer_s"] for b in bands], above=False,
+                         top_on_tie=True)
     flat_rows = edges[j] - 1
     log(f"-> hw_flat_rows = {flat_rows} (summed flat - outer below each edge, ms: "
         + ", ".join(f"{e}: {s * 1e3:+.2f}" for e, s in zip(edges, sums)) + ")")
