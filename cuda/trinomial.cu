@@ -1,7 +1,8 @@
 // pricer's Hull–White trinomial kernels: whole books of bond options, one tree per instrument, FP64.
 // The plain reference beside them is pricer/engines/cpu/trinomial.py (value_one), whose arithmetic
 // they follow step for step (GPU-OUTER takes a step's factor e^{-alpha_m dt} as the NumPy reference
-// hw1f.price does, by ln and exp; GPU-FLAT as the CPU engine does, P / sum): the forward induction of the Arrow–Debreu prices q (fitting the
+// hw1f.price does, by ln and exp; GPU-FLAT as the CPU engine does, P / sum): the forward
+// induction of the Arrow–Debreu prices q (fitting the
 // displacement alpha_m of each step to the curve's discount P(0, (m + 1) dt)), then the backward
 // induction of the bond and of the option, with one e^{-alpha_m dt} a step (written by the forward
 // sweep to `shifts`, read back by the backward one) and e^{-j dr dt} per row.
@@ -14,22 +15,24 @@
 // Two strategies, the seeds' two (pricer/engines/gpu/trinomial.py lays out their inputs):
 //
 // hw_outer ("GPU-OUTER"): one thread per instrument, the whole induction in the thread, as the CPU
-//   engine does it (its step factor the reference's). The instruments are sorted by width, then height (descending), so that a warp's
-//   32 trees are alike; each warp's working rows are padded to its widest tree and transposed
-//   (row i of array a of lane l at scratch[base + (a * width + i) * 32 + l]), so that the warp's
-//   loads and stores coalesce. Any width.
+//   engine does it (its step factor the reference's). The instruments are sorted by width, then
+//   height (descending), so that a warp's 32 trees are alike; each warp's working rows are padded
+//   to its widest tree and transposed (row i of array a of lane l at
+//   scratch[base + (a * width + i) * 32 + l]), so that the warp's loads and stores coalesce. Any
+//   width.
 //
 // hw_flat ("GPU-FLAT"): a block prices a bin of instruments, two tree rows a thread (rows 2u and
-//   2u + 1 of instrument k are thread seg[k] + u of its block: their probabilities and
-//   e^{-j dr dt} stay in registers, and a step's fixed work is shared by two rows), the levels'
-//   values in shared memory. Bins are packed on the host (first fit, in the sorted order, in
-//   threads); a tree of at most 32 threads never crosses a warp, a wider one starts at a warp, so
-//   that each level's sum sum_j q_j e^{-j dr dt} is a segmented warp reduction (shuffles) and,
-//   past one warp, a sum of the warps' parts. The block runs to its tallest tree: the forward
-//   sweeps start together at m = 0, the backward sweeps end together at m = 0. Widths up to
-//   2 blockDim.x rows.
+//   2u + 1 of instrument k are thread seg[k] + u of its block: their weights and e^{-j dr dt} stay in
+//   registers, and a step's fixed work is shared by two rows), the levels' values in shared memory,
+//   each row's new value a weighted sum of the five slots around it. Bins are packed on the host
+//   (first fit, in the sorted order, in threads); a tree of at most 32 threads never crosses a
+//   warp, a wider one starts at a warp, so that each level's sum sum_j q_j e^{-j dr dt} is a
+//   segmented warp reduction (shuffles) and, past one warp, a sum of the warps' parts. The block
+//   runs to its tallest tree: the forward sweeps start together at m = 0, the backward sweeps end
+//   together at m = 0. Widths up to 2 blockDim.x rows.
 //
-// Prices agree with the CPU engine to rounding (sums in another order; fused multiply-adds).
+// Prices agree with the CPU engine to rounding (sums in another order; fused multiply-adds). An
+// instrument's price does not depend on the other instruments of its call.
 
 #define FULL_MASK 0xffffffffu
 
@@ -66,12 +69,16 @@ __device__ __forceinline__ Row probabilities(int j, int jmax, double M)
 __device__ __forceinline__ void exercise_node(double bond, double& value, double strike,
                                               double sign, int product)
 {
-    if (product == OPTION)
-        value = fmax(value, fmax(sign * (bond - strike), 0.0));
-    else if (product == CALLABLE)
-        value = fmin(value, strike);
-    else
-        value = fmax(value, strike);
+    // comparisons, not fmax / fmin, whose NaN handling costs instructions: the same values for
+    // every finite input (and a NaN value is replaced as fmax replaces it)
+    if (product == OPTION) {
+        const double x = sign * (bond - strike), gain = x > 0.0 ? x : 0.0;
+        value = value > gain ? value : gain;
+    } else if (product == CALLABLE) {
+        value = value < strike ? value : strike;
+    } else {
+        value = value > strike ? value : strike;
+    }
 }
 
 // The value at the last step where the option may be exercised there: against the redemption F,
@@ -196,21 +203,51 @@ extern "C" __global__ void hw_outer(
 // Block b prices the instruments inst[block_first[b] .. block_first[b + 1] - 1]; instrument k's
 // rows are those of threads seg[k] .. seg[k] + jmax (row r at slot 2 seg[k] + r of the block's
 // 2 blockDim.x row slots: thread t holds slots 2t and 2t + 1); block_steps[b] is its tallest tree.
-// One barrier a step in each sweep: the shared rows are double-buffered by the step's parity (a
-// thread writes step m + 1's buffer while another may still read step m's; it cannot write step
-// m + 2's before every thread has passed step m + 1's barrier, after its reads of step m). Every
-// thread of a tree computes the level's sum and its shift itself (the same numbers in the same
-// order), so no second barrier hands them out; the children's shares are summed before the shift
-// multiplies them (the CPU engine multiplies first: the prices agree to rounding).
-// Shared memory (flat_shared_bytes): per parity, the rows U, C, D of a slot each and 2 more,
-// whose first (ZERO) is never written, so that a row's five terms below are read without a
-// branch; then 2 x 32 doubles for the warps' parts. Two rows a thread, not one or four: one
-// thread's fixed work a step is then shared by two rows, and at 76 registers a thread the SMs
-// still hold ~24 warps (four rows: 126 registers, slower; docs/decisions.md).
+// A level is one buffer of the row slots with FLAT_PAD zero slots at each end, which no thread
+// writes: a row's new value is a weighted sum over the five slots around its own (two rows a
+// thread: six slots, three 16-byte loads), the weights fixed per row and zero for a slot outside
+// its tree, so no step needs a branch on the tree's edges or on the level's width (a row the
+// level does not reach holds 0 forward; backward its value is finite and never read). Forward,
+// w[d] is the probability that row j - 2 + d branches to row j (the edge rows' own branching
+// included: hw1f.branching); backward, c[d] is row j's probability of branching to row j - 2 + d,
+// times e^{-j dr dt}. One barrier a step in each sweep: the buffers are double-buffered by the
+// step's parity (a thread writes step m + 1's buffer while another may still read step m's; it
+// cannot write step m + 2's before every thread has passed step m + 1's barrier, after its reads
+// of step m). Every thread of a tree computes the level's sum and its shift itself (the same
+// numbers in the same order), so no second barrier hands them out. Every thread writes its slots
+// every step (a finished or empty one its last, finite, values), so that the zero weights of a
+// neighbouring tree's rows never meet a NaN.
+// Shared memory (flat_shared_bytes): four buffers of 2 blockDim.x + 2 FLAT_PAD doubles (forward
+// the level by parity; backward the bond and the value by parity), then 2 x 32 doubles for the
+// warps' parts of the forward sums. Two rows a thread, not one or four (docs/decisions.md).
 
-#define FLAT_ROWS 2     // rows a thread (pricer/engines/gpu/trinomial.py: FLAT_ROWS_PER_THREAD)
+#define FLAT_ROWS 2     // rows a thread, even (trinomial.py's FLAT_ROWS_PER_THREAD)
+#define FLAT_PAD 2      // zero slots at each end of a buffer: the reach of a row's five slots
+#define FLAT_WINDOW (FLAT_ROWS + 2 * FLAT_PAD)     // the slots a thread's rows read
+#define FLAT_MAX_ROWS 1024                         // the widest tree (trinomial.py's)
 
-extern "C" __global__ void __launch_bounds__(512) hw_flat(
+// the probability that row `from` of a tree of half-width jmax branches to row `to` (0 if never)
+__device__ __forceinline__ double branch_to(int from, int to, int jmax, double M)
+{
+    if (from < -jmax || from > jmax)
+        return 0.0;
+    const Row p = probabilities(from, jmax, M);
+    const int centre = from + p.offset;
+    return to == centre + 1 ? p.pu : to == centre ? p.pm : to == centre - 1 ? p.pd : 0.0;
+}
+
+__device__ __forceinline__ double2 load2(const double* at)
+{
+    return *reinterpret_cast<const double2*>(at);
+}
+
+// sum_d k[d] L[d], d = 0 .. 4, in this order (a row's new value, its weights and its window)
+__device__ __forceinline__ double window_sum(const double (&k)[5], const double* L)
+{
+    return fma(k[4], L[4], fma(k[3], L[3], fma(k[2], L[2], fma(k[1], L[1], k[0] * L[0]))));
+}
+
+extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
     const int* __restrict__ block_first, const int* __restrict__ seg,
     const int* __restrict__ block_steps, const int* __restrict__ inst,
     const double* __restrict__ a, const double* __restrict__ dt, const long long* __restrict__ steps,
@@ -223,8 +260,9 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
 {
     extern __shared__ double shared[];
     const int T = blockDim.x, t = threadIdx.x, lane = t & 31;
-    const int S = FLAT_ROWS * T;                 // the block's row slots
-    const int stride = 3 * S + 2, ZERO = 3 * S;
+    const int S = FLAT_ROWS * T + 2 * FLAT_PAD;       // a buffer
+    double* const parts = shared + 4 * S;             // 2 x 32: the warps' parts by parity
+    const int own = FLAT_PAD + FLAT_ROWS * t;         // this thread's first slot in a buffer
 
     const int lo = block_first[blockIdx.x], hi = block_first[blockIdx.x + 1];
     int k = -1;
@@ -247,59 +285,50 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
         N = 0;
         jmax = 0;
     }
-    const int base = FLAT_ROWS * first, top = base + 2 * jmax;    // the tree's row 0, row 2 jmax
     const double h = mine ? dt[i] : 1.0, M = mine ? expm1(-a[i] * h) : 0.0;
     const double step_dr = mine ? dr[i] : 0.0;
     const long long at = mine ? starts[i] : 0;
-    Row p[FLAT_ROWS];
-    double local[FLAT_ROWS], q[FLAT_ROWS];
-    int j[FLAT_ROWS], from_below[FLAT_ROWS], from_level[FLAT_ROWS], from_above[FLAT_ROWS],
-        from_bottom[FLAT_ROWS], from_top[FLAT_ROWS];
     bool has[FLAT_ROWS];
+    int j[FLAT_ROWS];
+    double local[FLAT_ROWS], q[FLAT_ROWS], w[FLAT_ROWS][5];
 #pragma unroll
     for (int e = 0; e < FLAT_ROWS; ++e) {
-        const int r = (t - first) * FLAT_ROWS + e, slot = FLAT_ROWS * t + e;
+        const int r = (t - first) * FLAT_ROWS + e;
         has[e] = mine && r < rows;
         j[e] = r - jmax;
-        p[e] = probabilities(j[e], jmax, M);
         local[e] = has[e] ? exp(-j[e] * step_dr * h) : 0.0;
         q[e] = has[e] && j[e] == 0 ? 1.0 : 0.0;
-        const int jj = j[e];
-        from_below[e] = has[e] && abs(jj - 1) < jmax ? slot - 1 : ZERO;
-        from_level[e] = has[e] && abs(jj) < jmax ? S + slot : ZERO;
-        from_above[e] = has[e] && abs(jj + 1) < jmax ? 2 * S + slot + 1 : ZERO;
-        from_bottom[e] = !has[e] ? ZERO : jj == -jmax ? 2 * S + base
-                       : jj == 1 - jmax ? S + base : jj == 2 - jmax ? base : ZERO;
-        from_top[e] = !has[e] ? ZERO : jj == jmax ? top
-                    : jj == jmax - 1 ? S + top : jj == jmax - 2 ? 2 * S + top : ZERO;
+#pragma unroll
+        for (int d = 0; d < 5; ++d)
+            w[e][d] = has[e] ? branch_to(j[e] - 2 + d, j[e], jmax, M) : 0.0;
+    }
+    if (t < 4 * FLAT_PAD * 2) {     // the four buffers' pads
+        const int buffer = t / (2 * FLAT_PAD), x = t % (2 * FLAT_PAD);
+        shared[buffer * S + (x < FLAT_PAD ? x : S - 2 * FLAT_PAD + x)] = 0.0;
     }
     const int end = min(32, first + threads - (t & ~31));
-    const int first_warp = first >> 5, parts = (threads + 31) >> 5;
+    const int first_warp = first >> 5, nparts = (threads + 31) >> 5;
+    // the segmented sum's reach: its warp's most threads a tree (a lane's tree never exceeds it)
+    const int span = __reduce_max_sync(FULL_MASK, wide ? 0 : threads);
     const int tallest = block_steps[blockIdx.x];
-    if (t == 0) {
-        shared[ZERO] = 0.0;
-        shared[stride + ZERO] = 0.0;
-    }
 
     double disc_next = (mine && N > 0) ? discount[at + 1] : 1.0;
     for (int m = 0; m < tallest; ++m) {
-        double* U = shared + (m & 1) * stride;
-        double* P = shared + 2 * stride + (m & 1) * 32;
+        double* Y = shared + (m & 1) * S;
+        double* P = parts + (m & 1) * 32;
         const bool live = mine && m < N;
         const double disc = disc_next;
         if (live && m + 1 < N)
             disc_next = discount[at + m + 2];
-        const int w = min(m, jmax), wn = min(m + 1, jmax);
-        double x = 0.0;
+        double y[FLAT_ROWS], x = 0.0;
 #pragma unroll
         for (int e = 0; e < FLAT_ROWS; ++e) {
-            const double y = (live && has[e] && abs(j[e]) <= w) ? q[e] * local[e] : 0.0;
-            const int slot = FLAT_ROWS * t + e;
-            U[slot] = y * p[e].pu;
-            U[S + slot] = y * p[e].pm;
-            U[2 * S + slot] = y * p[e].pd;
-            x += y;
+            y[e] = q[e] * local[e];
+            x += y[e];
         }
+#pragma unroll
+        for (int e = 0; e < FLAT_ROWS; e += 2)
+            *reinterpret_cast<double2*>(Y + own + e) = make_double2(y[e], y[e + 1]);
         double total = 0.0;
         if (wide) {
             for (int d = 16; d >= 1; d >>= 1)
@@ -307,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
             if (lane == 0)
                 P[t >> 5] = x;
         } else {
-            for (int d = 1; d < 32; d <<= 1) {
+            for (int d = 1; d < span; d <<= 1) {
                 const double y = __shfl_down_sync(FULL_MASK, x, d);
                 if (lane + d < end)
                     x += y;
@@ -316,9 +345,19 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
         }
         __syncthreads();
         if (live) {
+            double L[FLAT_WINDOW], sum[FLAT_ROWS];
+#pragma unroll
+            for (int v = 0; v < FLAT_WINDOW; v += 2) {
+                const double2 z = load2(Y + own - FLAT_PAD + v);
+                L[v] = z.x;
+                L[v + 1] = z.y;
+            }
+#pragma unroll
+            for (int e = 0; e < FLAT_ROWS; ++e)
+                sum[e] = window_sum(w[e], L + e);
             if (wide) {
                 total = P[first_warp];
-                for (int part = 1; part < parts; ++part)
+                for (int part = 1; part < nparts; ++part)
                     total += P[first_warp + part];
             }
             const double shift = disc / total;
@@ -326,17 +365,22 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
                 shifts[at + m] = shift;
 #pragma unroll
             for (int e = 0; e < FLAT_ROWS; ++e)
-                if (has[e] && abs(j[e]) <= wn)
-                    q[e] = shift * (U[from_below[e]] + U[from_level[e]] + U[from_above[e]]
-                                    + U[from_bottom[e]] + U[from_top[e]]);
+                q[e] = shift * sum[e];
         }
     }
     __syncthreads();     // the shifts, written by each tree's first thread, read by all of it
 
+    // backward: c[e][d], row j's branching towards row j - 2 + d, with e^{-j dr dt}
+    double c[FLAT_ROWS][5];
+#pragma unroll
+    for (int e = 0; e < FLAT_ROWS; ++e)
+#pragma unroll
+        for (int d = 0; d < 5; ++d)
+            c[e][d] = has[e] ? local[e] * branch_to(j[e], j[e] - 2 + d, jmax, M) : 0.0;
     const double K = mine ? strike[i] : 0.0, sg = mine ? sign[i] : 0.0;
     const int product = mine ? (int)product_of[i] : OPTION;
-    double bond[FLAT_ROWS], value[FLAT_ROWS];
     const double value_N = (mine && exercise[at + N]) ? at_maturity(face[i], K, sg, product) : 0.0;
+    double bond[FLAT_ROWS], value[FLAT_ROWS];
 #pragma unroll
     for (int e = 0; e < FLAT_ROWS; ++e) {
         bond[e] = 0.0;                   // ex-coupon at maturity: nothing left
@@ -353,35 +397,40 @@ extern "C" __global__ void __launch_bounds__(512) hw_flat(
         double* Bn = shared + (m & 1) * 2 * S;
         double* Vn = Bn + S;
         const bool live = mine && m < N;
-        const double f = flow, s = shift;
+        const double f = flow, s = shift, carried = product != OPTION ? f : 0.0;
         const bool ex_m = ex;
-        if (live) {
 #pragma unroll
-            for (int e = 0; e < FLAT_ROWS; ++e) {
-                Bn[FLAT_ROWS * t + e] = bond[e] + f;
-                Vn[FLAT_ROWS * t + e] = value[e] + (product != OPTION ? f : 0.0);
-            }
-            if (m > 0) {
-                flow = flows[at + m];
-                shift = shifts[at + m - 1];
-                ex = exercise[at + m - 1];
-            }
+        for (int e = 0; e < FLAT_ROWS; e += 2) {
+            *reinterpret_cast<double2*>(Bn + own + e) = make_double2(bond[e] + f, bond[e + 1] + f);
+            *reinterpret_cast<double2*>(Vn + own + e) = make_double2(value[e] + carried,
+                                                                     value[e + 1] + carried);
+        }
+        if (live && m > 0) {
+            flow = flows[at + m];
+            shift = shifts[at + m - 1];
+            ex = exercise[at + m - 1];
         }
         __syncthreads();
         if (live) {
-            const int w = min(m, jmax);
+            double LB[FLAT_WINDOW], LV[FLAT_WINDOW];
+#pragma unroll
+            for (int v = 0; v < FLAT_WINDOW; v += 2) {
+                const double2 zb = load2(Bn + own - FLAT_PAD + v);
+                const double2 zv = load2(Vn + own - FLAT_PAD + v);
+                LB[v] = zb.x;
+                LB[v + 1] = zb.y;
+                LV[v] = zv.x;
+                LV[v + 1] = zv.y;
+            }
 #pragma unroll
             for (int e = 0; e < FLAT_ROWS; ++e) {
-                if (has[e] && abs(j[e]) <= w) {
-                    const int centre = FLAT_ROWS * t + e + p[e].offset;
-                    const double d = s * local[e];
-                    bond[e] = d * (p[e].pu * Bn[centre + 1] + p[e].pm * Bn[centre]
-                                   + p[e].pd * Bn[centre - 1]);
-                    value[e] = d * (p[e].pu * Vn[centre + 1] + p[e].pm * Vn[centre]
-                                    + p[e].pd * Vn[centre - 1]);
-                    if (ex_m)
-                        exercise_node(bond[e], value[e], K, sg, product);
-                }
+                bond[e] = s * window_sum(c[e], LB + e);
+                value[e] = s * window_sum(c[e], LV + e);
+            }
+            if (ex_m) {
+#pragma unroll
+                for (int e = 0; e < FLAT_ROWS; ++e)
+                    exercise_node(bond[e], value[e], K, sg, product);
             }
         }
     }

@@ -157,3 +157,23 @@ def test_bench_trinomial_on_the_gpu(tmp_path):
     assert len(rows) == 8
     gpu = [row for row in rows if row["engine"] != "cpu"]
     assert all(row["max_rel_difference"] <= 1e-12 and row["kernel_seconds"] > 0 for row in gpu)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_flat_price_does_not_depend_on_the_book(rng):
+    """GPU-FLAT: an instrument's price is bitwise the same in its book, in half of it in another
+    order and alone: its block, its warp's neighbours and the rows beside its own change, its
+    arithmetic does not."""
+    from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
+    cols, curves = random_columns(rng, 300)
+    engine = HullWhiteGpuEngine("flat")
+    params = B.tree_parameters(cols, curves)
+    book = engine.price(params)
+    keep = np.flatnonzero(2 * params.jmax + 1 <= FLAT_MAX_ROWS)
+    picked = rng.permutation(keep)[: keep.size // 2]
+    half = engine.price(B.tree_parameters({k: v[picked] for k, v in cols.items()}, curves))
+    np.testing.assert_array_equal(half, book[picked])
+    for k in picked[:8]:
+        alone = engine.price(B.tree_parameters({key: v[[k]] for key, v in cols.items()}, curves))
+        np.testing.assert_array_equal(alone, book[[k]])

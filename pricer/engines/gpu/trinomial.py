@@ -30,12 +30,18 @@ FLAT_ROWS_PER_THREAD = 2      # cuda/trinomial.cu's FLAT_ROWS
 FLAT_MAX_ROWS = 1024          # GPU-FLAT's widest tree: a block of 512 threads (its launch bound)
 FILL_THREADS = 128
 SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
+# the kernels' per-instrument arguments (HullWhiteParams' fields), in their order
+INSTRUMENT_ARRAYS = ("a", "dt", "steps", "jmax", "dr", "strike", "sign", "product", "starts",
+                     "face")
+
+
+FLAT_PAD = 2                  # cuda/trinomial.cu's FLAT_PAD: zero slots at each end of a buffer
 
 
 def flat_shared_bytes(threads: int) -> int:
-    """GPU-FLAT's shared memory (cuda/trinomial.cu) for blocks of `threads`: per parity 3 doubles
-    a row and 2 (a zero), 2 x 32 for the warps' parts."""
-    return (2 * (3 * FLAT_ROWS_PER_THREAD * threads + 2) + 64) * 8
+    """GPU-FLAT's shared memory (cuda/trinomial.cu) for blocks of `threads`: four buffers of the
+    block's row slots and their pads, 2 x 32 doubles for the warps' parts."""
+    return (4 * (FLAT_ROWS_PER_THREAD * threads + 2 * FLAT_PAD) + 64) * 8
 
 
 def sorted_order(params: HullWhiteParams) -> np.ndarray:
@@ -167,48 +173,58 @@ class HullWhiteGpuEngine(Engine):
         call = _Call(slot, len(params))
         if call.n == 0:
             return call
-        flat, outer = self.split(params)
         p = params
-        dev = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
-            ("a", p.a), ("dt", p.dt), ("steps", p.steps), ("jmax", p.jmax), ("dr", p.dr),
-            ("strike", p.strike), ("sign", p.sign), ("product", p.product),
-            ("starts", p.starts), ("face", p.face))]
+        fill = p.flows is None      # the per-step arrays filled here (tree_parameters, fill=False)
+        inputs = dict(zip(INSTRUMENT_ARRAYS, (p.a, p.dt, p.steps, p.jmax, p.dr, p.strike, p.sign,
+                                              p.product, p.starts, p.face)))
+        if fill:
+            inputs.update((f"schedule{k}", x) for k, x in enumerate(p.schedule))
+        else:
+            inputs.update(flows=p.flows, exercise=p.exercise.view(np.uint8), discount=p.discount)
+        dev = slot.put(inputs)
+        instruments = [dev[name] for name in INSTRUMENT_ARRAYS]
         total = p.total_steps
-        if p.flows is None:         # filled here from the schedule (tree_parameters, fill=False)
+        if fill:
             steps = [slot.buffer("flows", 8 * total), slot.buffer("exercise", total),
                      slot.buffer("discount", 8 * total)]
-            schedule = [slot.put(f"schedule{k}", np.ascontiguousarray(x))
-                        for k, x in enumerate(p.schedule)]
             slot.started.record(slot.stream)    # the kernels' time includes the fill
-            self._fill(np.int32(call.n), dev[8], dev[2], dev[1], *schedule, *steps,
+            self._fill(np.int32(call.n), dev["starts"], dev["steps"], dev["dt"],
+                       *(dev[f"schedule{k}"] for k in range(len(p.schedule))), *steps,
                        block=(FILL_THREADS, 1, 1), grid=(-(-call.n // FILL_THREADS), 1),
                        stream=slot.stream)
         else:
-            steps = [slot.put(name, np.ascontiguousarray(x)) for name, x in (
-                ("flows", p.flows), ("exercise", p.exercise.view(np.uint8)),
-                ("discount", p.discount))]
+            steps = [dev["flows"], dev["exercise"], dev["discount"]]
             slot.started.record(slot.stream)
-        dev += steps
-        shifts = slot.buffer("shifts", total * 8)
-        out = slot.buffer("out", call.n * 8)
-        call.out = out
+        slot.filled.record(slot.stream)
+        # the order and the blocks, made on the host while the GPU copies and fills
+        flat, outer = self.split(params)
+        layout = {}
         if flat.size:
             rows = (2 * p.jmax[flat] + 1).astype(np.int32)
             need = -(-rows // FLAT_ROWS_PER_THREAD)      # a tree's threads
             # blocks of flat_threads, or of the widest tree's warps where it needs more
             threads = int(min(FLAT_MAX_ROWS // FLAT_ROWS_PER_THREAD,
                               max(self.flat_threads, -(-int(need.max()) // 32) * 32)))
-            first, seg, tallest = flat_bins(need, p.steps[flat].astype(np.int32), threads)
-            args = [slot.put(name, x) for name, x in (("first", first), ("seg", seg),
-                                                      ("tallest", tallest), ("flat", flat))]
-            self._flat(*args, *dev, shifts, out, block=(threads, 1, 1),
-                       grid=(int(tallest.size), 1), shared=flat_shared_bytes(threads),
-                       stream=slot.stream)
+            layout["first"], layout["seg"], layout["tallest"] = flat_bins(
+                need, p.steps[flat].astype(np.int32), threads)
+            layout["flat"] = flat
         if outer.size:
-            base, width, total = outer_layout(2 * p.jmax[outer] + 1)
+            base, width, scratch_total = outer_layout(2 * p.jmax[outer] + 1)
+            layout.update(outer=outer, base=base, width=width)
+        dev.update(slot.put(layout))
+        slot.launched.record(slot.stream)
+        instruments += steps
+        shifts = slot.buffer("shifts", total * 8)
+        out = slot.buffer("out", call.n * 8)
+        call.out = out
+        if flat.size:
+            self._flat(dev["first"], dev["seg"], dev["tallest"], dev["flat"], *instruments,
+                       shifts, out, block=(threads, 1, 1), grid=(int(layout["tallest"].size), 1),
+                       shared=flat_shared_bytes(threads), stream=slot.stream)
+        if outer.size:
             # launches of whole warps whose scratch fits SCRATCH_BYTES (at least one warp each),
             # one after the other on the slot's stream, in the slot's one scratch buffer
-            ends = np.append(base[1:], total)
+            ends = np.append(base[1:], scratch_total)
             lo, launches = 0, []
             while lo < base.size:
                 hi = max(int(np.searchsorted(ends, base[lo] + SCRATCH_BYTES // 8, side="right")),
@@ -217,13 +233,12 @@ class HullWhiteGpuEngine(Engine):
                 lo = hi
             scratch = slot.buffer("scratch", 8 * max(int(ends[hi - 1] - base[lo]) for lo, hi
                                                      in launches))
-            outer_d = slot.put("outer", outer)
-            base_d, width_d = slot.put("base", base), slot.put("width", width)
             for lo, hi in launches:
                 count = min(hi * 32, outer.size) - lo * 32
-                self._outer(np.int32(count), np.uintp(int(outer_d) + 4 * lo * 32),
-                            np.uintp(int(base_d) + 8 * lo), np.uintp(int(width_d) + 4 * lo),
-                            *dev, shifts, scratch, out,
+                self._outer(np.int32(count), np.uintp(int(dev["outer"]) + 4 * lo * 32),
+                            np.uintp(int(dev["base"]) + 8 * lo),
+                            np.uintp(int(dev["width"]) + 4 * lo),
+                            *instruments, shifts, scratch, out,
                             np.int64(base[lo]), block=(OUTER_THREADS, 1, 1),
                             grid=(-(-count // OUTER_THREADS), 1), stream=slot.stream)
         slot.ended.record(slot.stream)
@@ -237,7 +252,9 @@ class HullWhiteGpuEngine(Engine):
             return result
         slot = call.slot
         slot.ended.synchronize()
-        self.kernel_seconds = slot.ended.time_since(slot.started) / 1e3
+        # the fill and the pricing kernels, not the host's work between them
+        self.kernel_seconds = (slot.filled.time_since(slot.started)
+                               + slot.ended.time_since(slot.launched)) / 1e3
         self.rt.cuda.memcpy_dtoh(result, call.out)
         return result
 
@@ -257,7 +274,7 @@ class _Slot:
         cuda = rt.cuda
         self.rt = rt
         self.stream = cuda.Stream(flags=1)
-        self.started = cuda.Event()
+        self.started, self.filled, self.launched = cuda.Event(), cuda.Event(), cuda.Event()
         self.ended = cuda.Event(cuda.event_flags.BLOCKING_SYNC)
         self.buffers: dict = {}
 
@@ -272,11 +289,15 @@ class _Slot:
             have = self.buffers[name] = (self.rt.alloc(size), size)
         return have[0]
 
-    def put(self, name: str, host: np.ndarray):
-        """host's bytes copied into buffer `name` on this slot's stream. From pageable memory
-        (numpy's) CUDA returns once the bytes are staged: the host array may then be reused,
-        which Engine.start promises its caller."""
-        device = self.buffer(name, host.nbytes)
-        if host.nbytes:
-            self.rt.cuda.memcpy_htod_async(device, host, self.stream)
-        return device
+    def put(self, arrays: dict) -> dict:
+        """The arrays ({name: ndarray}) copied into the slot's buffers of their names on its
+        stream: {name: device buffer}. From pageable memory (numpy's) CUDA returns once the bytes
+        are staged, so the host arrays may then be reused, as Engine.start promises its caller
+        (one page-locked buffer for all of a call's arrays was no faster)."""
+        out = {}
+        for name, x in arrays.items():
+            x = np.ascontiguousarray(x)
+            out[name] = self.buffer(name, x.nbytes)
+            if x.nbytes:
+                self.rt.cuda.memcpy_htod_async(out[name], x, self.stream)
+        return out
