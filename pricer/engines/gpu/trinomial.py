@@ -27,15 +27,13 @@ STRATEGIES = ("auto", "outer", "flat")
 OUTER_ARRAYS = 8              # cuda/trinomial.cu: the rows each GPU-OUTER thread keeps
 OUTER_THREADS = 128
 FLAT_ROWS_PER_THREAD = 2      # cuda/trinomial.cu's FLAT_ROWS
+FLAT_PAD = 2                  # cuda/trinomial.cu's FLAT_PAD: zero slots at each end of a buffer
 FLAT_MAX_ROWS = 1024          # GPU-FLAT's widest tree: a block of 512 threads (its launch bound)
 FILL_THREADS = 128
 SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 # the kernels' per-instrument arguments (HullWhiteParams' fields), in their order
 INSTRUMENT_ARRAYS = ("a", "dt", "steps", "jmax", "dr", "strike", "sign", "product", "starts",
                      "face")
-
-
-FLAT_PAD = 2                  # cuda/trinomial.cu's FLAT_PAD: zero slots at each end of a buffer
 
 
 def flat_shared_bytes(threads: int) -> int:
@@ -292,8 +290,7 @@ class _Slot:
     def put(self, arrays: dict) -> dict:
         """The arrays ({name: ndarray}) copied into the slot's buffers of their names on its
         stream: {name: device buffer}. From pageable memory (numpy's) CUDA returns once the bytes
-        are staged, so the host arrays may then be reused, as Engine.start promises its caller
-        (one page-locked buffer for all of a call's arrays was no faster)."""
+        are staged, so the host arrays may then be reused, as Engine.start promises its caller."""
         out = {}
         for name, x in arrays.items():
             x = np.ascontiguousarray(x)
