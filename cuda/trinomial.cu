@@ -337,9 +337,9 @@ extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
                 P[t >> 5] = x;
         } else {
             for (int d = 1; d < span; d <<= 1) {
-                const double y = __shfl_down_sync(FULL_MASK, x, d);
+                const double below = __shfl_down_sync(FULL_MASK, x, d);
                 if (lane + d < end)
-                    x += y;
+                    x += below;
             }
             total = __shfl_sync(FULL_MASK, x, first & 31);
         }
