@@ -759,6 +759,16 @@ def reference():
     return lattice_parameters(cols, ids=grid.id), ref["price"], ref["strike"]
 
 
+# The stored prices were made on one machine. On another CPU the same code may round differently
+# in the last bit (numba compiles for the CPU it runs on, and libm picks its exp and pow, which
+# build a lattice's factors, by the CPU's features), and 20 000 levels carry that to ~1e-11
+# (8e-12 measured between an AVX-512 and an AVX2 x86-64 host). On one
+# machine the engines agree bit for bit (test_serial_and_cpu_bitwise_equal) and with the
+# independent NumPy oracle on fresh inputs
+# (test_centred_and_clamped_lattices_agree_with_the_oracle_on_every_tree).
+STORED_TOLERANCE = 1e-10
+
+
 def check_against_reference(engine, reference, index, one_by_one=False) -> None:
     params, prices, strike = reference
     if one_by_one:
@@ -766,7 +776,7 @@ def check_against_reference(engine, reference, index, one_by_one=False) -> None:
     else:
         got = engine.price(params.take(index))
     error = relative_error(got, prices[index], strike[index])
-    assert error.max() <= 1e-12, (engine.name, error.max(), index[int(error.argmax())])
+    assert error.max() <= STORED_TOLERANCE, (engine.name, error.max(), index[int(error.argmax())])
 
 
 def test_reference_file_is_the_scenarios_grid(reference):

@@ -1,7 +1,8 @@
 """Make tests/data/scenarios_n20000.csv: the seed's validation grid (`pricer generate --dist scenarios
 --count 270 --steps 20000`, 270 American puts) priced by the serial engine at N = 20 000.
 
-The other backends must reproduce these prices to 1e-12 relative (tests/test_engines.py). Run from the
+The other backends must reproduce these prices to test_engines.STORED_TOLERANCE relative (on another
+CPU the same code may round differently in the last bit). Run from the
 repository root:   PYTHONPATH=. python tests/data/make_reference.py   (about 1-2 minutes on one core).
 
 Prices are written with repr(), which round-trips float64 exactly.
