@@ -19,7 +19,10 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests run only with PRICER_SLOW=1 (setup.cfg's addopts are shared, so not there)."""
+    """`heavy` tests first (the suite's longest: under pytest-xdist's two workers they start
+    first, so that neither worker is left with one at the end); `slow` tests run only with
+    PRICER_SLOW=1 (setup.cfg's addopts are shared, so not there)."""
+    items.sort(key=lambda item: "heavy" not in item.keywords)     # stable: the order otherwise
     if os.environ.get("PRICER_SLOW", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow: set PRICER_SLOW=1 to run it")

@@ -585,6 +585,7 @@ def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
     assert walls.size >= 25 and walls.sum() >= 0.045
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("what", ["cpu", "accuracy"])
 def test_every_cpu_bench_quick_mode_runs_end_to_end(tmp_path, what):
     """`pricer bench cpu|accuracy --quick` as a user runs them (the GPU ones: test_gpu_benches)."""

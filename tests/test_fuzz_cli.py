@@ -46,6 +46,7 @@ def _run_cases(tmp_path, count: int) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.heavy
 def test_fuzzed_bad_input_mpiexec_3(tmp_path):
     _run_cases(tmp_path, int(os.environ.get("PRICER_FUZZ_CLI_CASES", 12)))
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT, env, mpiexec
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_mpi_suite(ranks, tmp_path):
     report = tmp_path / "junit.xml"

@@ -1,12 +1,13 @@
 """`pricer warm`: on an empty numba cache it compiles every CPU kernel a book can need (options'
-and bond options'), so that the runs after it, in fresh processes, compile nothing (numba's compile events, which a cache
-load does not raise); prices are those of a run on a cold cache."""
+and bond options'), so that the runs after it, in fresh processes, compile nothing (numba's
+compile events, which a cache load does not raise); prices are those of a run on a cold cache."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
 
 from helpers import ROOT, env, run_pricer
 
@@ -46,6 +47,7 @@ print("compiled:", ",".join(compiled))
 """
 
 
+@pytest.mark.heavy
 def test_warm_compiles_what_a_later_run_needs(tmp_path, rng):
     cache = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     warmed = run_pricer(["warm", "--backend", "cpu", "--backend", "serial"], timeout=600,
