@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[mpich,test]'
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.venv/numba-cache}"
-# two workers: most tests keep one core busy (a process, or MPI ranks that mostly wait)
-.venv/bin/python -m pytest -q -n 2 "$@"
+# two workers, an idle one taking tests from the other: most tests keep one core busy (a
+# process, or MPI ranks that mostly wait)
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
