@@ -5,8 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-# --no-compile: Python compiles what the tests import, not every installed module (half the install)
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e '.[mpich,test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[mpich,test]'
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.venv/numba-cache}"
 # two workers, an idle one taking tests from the other: most tests keep one core busy (a
 # process, or MPI ranks that mostly wait)
