@@ -23,7 +23,7 @@ BATCH_LAYOUT = ["-DVT=4", "-DIN_SPOT=0", "-DIN_STRIKE=1", "-DIN_LOG_UP=2", "-DIN
                 "-DIN_AMERICAN_AT=57", "-DSORT_THREADS=1024", "-DWORK_ORDER_THREADS=1024",
                 "-DWORK_RANK_LANES=8", "-DWIDTH_MARGIN=2"]
 
-# (source, flags): the builds the engines ask for, each compiled for both architectures
+# (source, flags): the builds the engines ask for (architectures: _archs)
 VARIANTS = [
     # the batch kernels, one module per warp count W: the default W = 1 and the widest family
     # (W = 2 and 4 are the same code with a W between those two; the GPU tests build every W)
