@@ -23,9 +23,9 @@ The QuantLib anchor: the first `quantlib` instruments of the dataset as callable
 puttable (a put) bonds, priced one at a time by QuantLib's TreeCallableFixedRateBondEngine with
 the same a, sigma, curve and steps on one core, against the cpu engine on one thread on the same
 instruments (product callable / puttable), REPLICAS times over in one call so that the call's
-fixed cost is spread as over a book; each side the median of `repeats` runs. QuantLib's tree is
-wider (its branching bounds |j M| by 1/2, not 0.184: docs/numerics.md), so both instruments/s
-and nodes/s are printed.
+fixed cost is spread as over a book; each side the median of `repeats` runs taken in turns.
+QuantLib's tree is wider (its branching bounds |j M| by 1/2, not 0.184: docs/numerics.md), so
+both instruments/s and nodes/s are printed.
 """
 
 from __future__ import annotations
@@ -217,14 +217,19 @@ def _anchor(engine, instruments, a, sigma, per_year, curve, args, threads) -> di
     # the sample REPLICAS times over in one call: a call's fixed cost spread as a book's
     ours = bond_book.parameters(sample * REPLICAS, np.tile(a[:k], REPLICAS),
                                 np.tile(sigma[:k], REPLICAS), per_year, curve)
+    # both sides the median of as many runs, taken in turns: a shared host's speed drifts, and
+    # then moves both sides alike
+    ones, theirs = [], []
     numba.set_num_threads(1)
     try:
-        one, _ = _median(lambda: engine.price(ours), args.repeats)
+        engine.price(ours)                      # its start-up (a cache load), not timed
+        for _ in range(max(1, args.repeats)):
+            start = time.perf_counter()
+            engine.price(ours)
+            ones.append((time.perf_counter() - start) / REPLICAS)
+            theirs.append(_quantlib_seconds(sample, a[:k], sigma[:k], curve))
     finally:
         numba.set_num_threads(threads)
-    one /= REPLICAS
-    # both sides the median of as many runs: on a shared host either one moves
-    theirs = float(np.median([_quantlib_seconds(sample, a[:k], sigma[:k], curve)
-                              for _ in range(max(1, args.repeats))]))
+    one, theirs = float(np.median(ones)), float(np.median(theirs))
     return dict(quantlib_per_second=k / theirs, cpu_one_thread_per_second=k / one,
                 quantlib_ratio=theirs / one)

@@ -97,22 +97,34 @@ def value_one(a, dt, steps, jmax, dr, strike, face, sign, product, flows, exerci
                 value[i] = min(face, strike) - face
             else:
                 value[i] = max(face, strike) - face
+    # the bond alone is needed only by an option on it (its exercise value); a callable or
+    # puttable bond's value carries the bond's flows itself
+    with_bond = product == OPTION
     for m in range(steps - 1, -1, -1):
         w_next, w = w, min(m, jmax)
         flow = flows[m + 1]
-        carried = flow if product != OPTION else 0.0
-        for i in range(2 * w_next + 1):
-            bond_next[i] = bond[i] + flow
-            value_next[i] = value[i] + carried
         shift = shifts[m]
-        for i in range(2 * w + 1):
-            row = i - w + jmax
-            centre = i - w + offset[row] + w_next
-            disc = shift * local[row]
-            bond[i] = disc * (pu[row] * bond_next[centre + 1] + pm[row] * bond_next[centre]
-                              + pd[row] * bond_next[centre - 1])
-            value[i] = disc * (pu[row] * value_next[centre + 1] + pm[row] * value_next[centre]
-                               + pd[row] * value_next[centre - 1])
+        if with_bond:                                # both in one pass; the option carries no flow
+            for i in range(2 * w_next + 1):
+                bond_next[i] = bond[i] + flow
+                value_next[i] = value[i]
+            for i in range(2 * w + 1):
+                row = i - w + jmax
+                centre = i - w + offset[row] + w_next
+                disc = shift * local[row]
+                bond[i] = disc * (pu[row] * bond_next[centre + 1] + pm[row] * bond_next[centre]
+                                  + pd[row] * bond_next[centre - 1])
+                value[i] = disc * (pu[row] * value_next[centre + 1] + pm[row] * value_next[centre]
+                                   + pd[row] * value_next[centre - 1])
+        else:
+            for i in range(2 * w_next + 1):
+                value_next[i] = value[i] + flow
+            for i in range(2 * w + 1):
+                row = i - w + jmax
+                centre = i - w + offset[row] + w_next
+                value[i] = shift * local[row] * (pu[row] * value_next[centre + 1]
+                                                 + pm[row] * value_next[centre]
+                                                 + pd[row] * value_next[centre - 1])
         if exercise[m]:
             _exercise(bond, value, 2 * w + 1, strike, sign, product)
     return value[0]
