@@ -159,6 +159,9 @@ extern "C" __global__ void hw_outer(
     // backward: the bond in Q0/Q1, the instrument in V0/V1
     const double K = strike[i], sg = sign[i];
     const int product = (int)product_of[i];
+    // the bond apart is only an option's exercise value: a callable's or puttable's value
+    // carries the bond's flows itself, so its thread leaves the bond's rows alone
+    const bool with_bond = product == OPTION;
     int b = Q0, bn = Q1, v = V0, vn = V1;
     int w = min(N, jmax);
     const double value_N = exercise[at + N] ? at_maturity(face[i], K, sg, product) : 0.0;
@@ -173,7 +176,8 @@ extern "C" __global__ void hw_outer(
         const double carried = product != OPTION ? flow : 0.0;
         { int t = b; b = bn; bn = t; t = v; v = vn; vn = t; }
         for (int k = 0; k <= 2 * wn; ++k) {
-            AT(bn, k) += flow;
+            if (with_bond)
+                AT(bn, k) += flow;
             AT(vn, k) += carried;
         }
         const double shift = shifts[at + m];
@@ -184,13 +188,14 @@ extern "C" __global__ void hw_outer(
             const int centre = k - w + offset + wn;
             const double disc = shift * AT(LOCAL, row);
             const double pu = AT(PU, row), pm = AT(PM, row), pd = AT(PD, row);
-            const double bond = disc * (pu * AT(bn, centre + 1) + pm * AT(bn, centre)
-                                        + pd * AT(bn, centre - 1));
+            const double bond = with_bond ? disc * (pu * AT(bn, centre + 1) + pm * AT(bn, centre)
+                                                    + pd * AT(bn, centre - 1)) : 0.0;
             double value = disc * (pu * AT(vn, centre + 1) + pm * AT(vn, centre)
                                    + pd * AT(vn, centre - 1));
             if (ex)
                 exercise_node(bond, value, K, sg, product);
-            AT(b, k) = bond;
+            if (with_bond)
+                AT(b, k) = bond;
             AT(v, k) = value;
         }
     }
@@ -379,6 +384,10 @@ extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
             c[e][d] = has[e] ? local[e] * branch_to(j[e], j[e] - 2 + d, jmax, M) : 0.0;
     const double K = mine ? strike[i] : 0.0, sg = mine ? sign[i] : 0.0;
     const int product = mine ? (int)product_of[i] : OPTION;
+    // the bond apart is only an option's exercise value: a callable's or puttable's value carries
+    // the bond's flows itself, so its rows skip the bond's sums (its slots are still written,
+    // zero plus the flows, so that a neighbour's zero weight never meets a stale slot)
+    const bool with_bond = product == OPTION;
     const double value_N = (mine && exercise[at + N]) ? at_maturity(face[i], K, sg, product) : 0.0;
     double bond[FLAT_ROWS], value[FLAT_ROWS];
 #pragma unroll
@@ -424,7 +433,8 @@ extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
             }
 #pragma unroll
             for (int e = 0; e < FLAT_ROWS; ++e) {
-                bond[e] = s * window_sum(c[e], LB + e);
+                if (with_bond)
+                    bond[e] = s * window_sum(c[e], LB + e);
                 value[e] = s * window_sum(c[e], LV + e);
             }
             if (ex_m) {
