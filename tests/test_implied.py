@@ -16,8 +16,8 @@ from pricer.engines.cpu.parallel import CpuEngine
 from pricer.model import implied_pool
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
-from pricer.model.implied import (ABOVE_BOUND, CONVERGED, NO_TIME_VALUE, PRICE_FLOOR,
-                                  PRICE_TOLERANCE)
+from pricer.model.implied import (ABOVE_BOUND, CONVERGED, NO_LATTICE_FOUND, NO_TIME_VALUE,
+                                  PRICE_FLOOR, PRICE_TOLERANCE, SIGMA_HIGH)
 from pricer.model.implied_pool import solve
 from pricer.model.lattice import TREE_NAMES, lattice_parameters
 
@@ -164,6 +164,40 @@ def test_bounds_with_negative_rates_and_dividends():
     result = pricer.implied_volatility(given, backend="cpu")
     assert (result["status"] == CONVERGED).all()
     assert np.allclose(result["implied_volatility"], 0.6, rtol=0, atol=1e-8)
+
+
+def test_a_tree_without_a_lattice_at_any_sigma_searched_says_so(rng, tmp_path):
+    """crr has p in (0, 1) only where sigma sqrt(dt) > |r - q| dt: American options whose drawn
+    rate or dividend needs a sigma above the search's range get status 23 on every CPU backend
+    (their neighbours in the book solve), and the command's summary names it. Their market price,
+    25, is within the bounds (above a payoff of at most 20, below S0 and K)."""
+    n = 6
+    steps = rng.integers(20, 400, 2 * n)
+    maturity = rng.uniform(0.5, 3.0, 2 * n)
+    # |r - q| sqrt(dt) 1.5 to 4 times the highest sigma searched, r or q
+    gap = rng.uniform(1.5, 4.0, n) * SIGMA_HIGH / np.sqrt(maturity[:n] / steps[:n])
+    high = rng.random(n) < 0.5
+    book = dict(id=np.arange(1, 2 * n + 1), spot=np.full(2 * n, 100.0),
+                strike=rng.uniform(80.0, 120.0, 2 * n), maturity=maturity,
+                rate=np.concatenate([np.where(high, gap, 0.0), rng.uniform(0.0, 0.05, n)]),
+                dividend=np.concatenate([np.where(high, 0.0, gap), np.zeros(n)]),
+                volatility=rng.uniform(0.1, 0.5, 2 * n), steps=steps,
+                call=rng.random(2 * n) < 0.5, american=np.ones(2 * n, bool),
+                tree=np.array(["crr"] * (2 * n)))
+    solvable = market_book({k: v[n:] for k, v in book.items()})
+    given = {k: np.concatenate([book[k][:n], v]) for k, v in solvable.items()
+             if k != "market_price"}
+    given["market_price"] = np.concatenate([np.full(n, 25.0), solvable["market_price"]])
+    for backend in ("cpu", "serial"):
+        result = pricer.implied_volatility(given, backend=backend)
+        assert (result["status"][:n] == NO_LATTICE_FOUND).all(), result
+        assert np.isnan(result["implied_volatility"][:n]).all()
+        assert (result["status"][n:] == CONVERGED).all(), result
+    write_book(tmp_path / "book.h5", given)
+    proc = run_pricer(["implied-vol", tmp_path / "book.h5", "-o", tmp_path / "iv.h5", "--backend",
+                       "cpu"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"{n} no lattice (status 23)" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("guess", [np.nan, 0.01, 10.0, 1e6, 1e-300])

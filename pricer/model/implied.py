@@ -43,7 +43,7 @@ SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
 
 # Statuses beside pricer/model/validity.py's (1-6: the option could not be solved for at all).
 CONVERGED = 0
-NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED = 20, 21, 22
+NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED, NO_LATTICE_FOUND = 20, 21, 22, 23
 REASONS = {
     NO_TIME_VALUE: "the market price is at or below 0 or, for an American option, its payoff now, "
                    "or below its lattice price at the smallest volatility the search tries "
@@ -53,10 +53,14 @@ REASONS = {
                  "lattice price at the largest "
                  f"volatility the search tries ({SIGMA_HIGH:g}, or the tree takes)",
     NOT_CONVERGED: "the search did not converge in its rounds",
+    NO_LATTICE_FOUND: "the option's tree has a lattice (probabilities in (0, 1), node prices "
+                      "within FP64's range) at none of the volatilities the search probes, "
+                      f"{SIGMA_LOW:g} to {SIGMA_HIGH:g}: its rate and dividend are too far apart "
+                      "for its steps",
 }
 
 NAMES = {CONVERGED: "converged", NO_TIME_VALUE: "no time value", ABOVE_BOUND: "above the bound",
-         NOT_CONVERGED: "not converged"}
+         NOT_CONVERGED: "not converged", NO_LATTICE_FOUND: "no lattice"}
 
 
 def statuses_text(status: np.ndarray) -> str:
@@ -243,7 +247,7 @@ def _step(rows, values, exists, x, market, tolerance, scale, lo, hi, lo_kind, hi
             # nodes leave FP64's range at tiny ones); before any point is priced, it probes
             if not seen:
                 if last or rounds[i] > len(PROBES):
-                    status[i] = NOT_CONVERGED
+                    status[i] = NO_LATTICE_FOUND
                 else:
                     x[i] = PROBES[rounds[i] - 1]
                 continue
