@@ -127,7 +127,7 @@ class GpuEngine(Engine):
     # ---- the Engine interface
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
+        if self._cpu_takes(params):
             return self.cpu().price(params, levels)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
@@ -136,13 +136,17 @@ class GpuEngine(Engine):
         """A call whose options all go to the batch runner as they are starts there without
         waiting for the GPU (Engine.start; the caller keeps `params` as they are until finish,
         CudaBatchRunner.start); any other is priced here, as price() routes it."""
-        if self.cpu_max_nodes and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes:
+        if self._cpu_takes(params):
             return self.cpu().price(params)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         plain = bool((kinds == PLAIN).all())
         if plain and sole_engine(params.steps, self._routes) is self._runner:
             return self._runner.start(params)
         return route(params, self._routes, None, None if plain else kinds)
+
+    def _cpu_takes(self, params: LatticeParams) -> bool:
+        """auto's rule: a call of at most cpu_max_nodes nodes goes to the CPU."""
+        return bool(self.cpu_max_nodes) and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes
 
     def finish(self, started) -> np.ndarray:
         return started if isinstance(started, np.ndarray) else self.runner().finish(started)
