@@ -127,7 +127,7 @@ class GpuEngine(Engine):
     # ---- the Engine interface
     def price(self, params: LatticeParams, levels: np.ndarray | None = None) -> np.ndarray:
         """Prices; with `levels` ((n, LEVEL_VALUES) float64) also the first levels' values."""
-        if self._cpu_takes(params):
+        if self._cpu_takes(params.steps):
             return self.cpu().price(params, levels)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         return route(params, self._routes, levels, kinds if (kinds != PLAIN).any() else None)
@@ -136,7 +136,7 @@ class GpuEngine(Engine):
         """A call whose options all go to the batch runner as they are starts there without
         waiting for the GPU (Engine.start; the caller keeps `params` as they are until finish,
         CudaBatchRunner.start); any other is priced here, as price() routes it."""
-        if self._cpu_takes(params):
+        if self._cpu_takes(params.steps):
             return self.cpu().price(params)
         kinds = table_kinds(params.spot, params.log_up, params.log_down, params.steps)
         plain = bool((kinds == PLAIN).all())
@@ -144,9 +144,11 @@ class GpuEngine(Engine):
             return self._runner.start(params)
         return route(params, self._routes, None, None if plain else kinds)
 
-    def _cpu_takes(self, params: LatticeParams) -> bool:
-        """auto's rule: a call of at most cpu_max_nodes nodes goes to the CPU."""
-        return bool(self.cpu_max_nodes) and lattice_nodes(params.steps).sum() <= self.cpu_max_nodes
+    def _cpu_takes(self, steps: np.ndarray, lattices: int = 1) -> bool:
+        """auto's rule: a call of at most cpu_max_nodes lattice nodes (`lattices` lattices of
+        each of these steps) goes to the CPU."""
+        return bool(self.cpu_max_nodes) and \
+            lattice_nodes(steps).sum() * lattices <= self.cpu_max_nodes
 
     def finish(self, started) -> np.ndarray:
         return started if isinstance(started, np.ndarray) else self.runner().finish(started)
@@ -167,8 +169,7 @@ class GpuEngine(Engine):
 
     def _runner_takes_all(self, shared) -> bool:
         steps = shared.numbers.steps[:shared.spot.size]
-        if steps.size == 0 or (self.cpu_max_nodes and lattice_nodes(steps).sum() * len(shared.sets)
-                               <= self.cpu_max_nodes):
+        if steps.size == 0 or self._cpu_takes(steps, len(shared.sets)):
             return False
         return (self._on_runner.takes_all(int(steps.min()), int(steps.max()))
                 and shared_all_plain(shared))
@@ -188,7 +189,7 @@ class GpuEngine(Engine):
     def prepare(self, steps: np.ndarray, levels: bool = False) -> None:
         """The kernels of the classes these options need and the batch runner's buffers for the
         share's largest chunk, before pricing (the run's `setup` stage)."""
-        if self.cpu_max_nodes and lattice_nodes(steps).sum() <= self.cpu_max_nodes:
+        if self._cpu_takes(steps):
             return
         narrow = steps[self._on_runner.accepts(steps)]
         if narrow.size:
@@ -222,7 +223,7 @@ class GpuEngine(Engine):
         # share's own options, a call for its lattices: one chunk of the larger
         rows = int(np.add.reduceat(narrow if on_gpu is None else np.where(on_gpu, narrow, 0),
                                    starts).max())
-        if not self.cpu_max_nodes or lattice_nodes(steps).sum() > self.cpu_max_nodes:
+        if not self._cpu_takes(steps):
             rows = max(rows, int(self._on_runner.accepts(steps).sum()))
         unit = BATCH_SETS * batch_row_bytes(analytics.greeks)
         rows = chunk_size(rows, self.chunk_options) if rows else 0
