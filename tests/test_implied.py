@@ -169,8 +169,9 @@ def test_bounds_with_negative_rates_and_dividends():
 def test_a_tree_without_a_lattice_at_any_sigma_searched_says_so(rng, tmp_path):
     """crr has p in (0, 1) only where sigma sqrt(dt) > |r - q| dt: American options whose drawn
     rate or dividend needs a sigma above the search's range get status 23 on every CPU backend
-    (their neighbours in the book solve), and the command's summary names it. Their market price,
-    25, is within the bounds (above a payoff of at most 20, below S0 and K)."""
+    (their neighbours in the book, European near the money, solve), and the command's summary
+    names it. Their market price, 25, is within the bounds (above a payoff of at most 20, below
+    S0 and K; a European put's bound K e^-rT would refuse it first)."""
     n = 6
     steps = rng.integers(20, 400, 2 * n)
     maturity = rng.uniform(0.5, 3.0, 2 * n)
@@ -178,11 +179,12 @@ def test_a_tree_without_a_lattice_at_any_sigma_searched_says_so(rng, tmp_path):
     gap = rng.uniform(1.5, 4.0, n) * SIGMA_HIGH / np.sqrt(maturity[:n] / steps[:n])
     high = rng.random(n) < 0.5
     book = dict(id=np.arange(1, 2 * n + 1), spot=np.full(2 * n, 100.0),
-                strike=rng.uniform(80.0, 120.0, 2 * n), maturity=maturity,
+                strike=np.concatenate([rng.uniform(80.0, 120.0, n), rng.uniform(90.0, 110.0, n)]),
+                maturity=maturity,
                 rate=np.concatenate([np.where(high, gap, 0.0), rng.uniform(0.0, 0.05, n)]),
                 dividend=np.concatenate([np.where(high, 0.0, gap), np.zeros(n)]),
-                volatility=rng.uniform(0.1, 0.5, 2 * n), steps=steps,
-                call=rng.random(2 * n) < 0.5, american=np.ones(2 * n, bool),
+                volatility=rng.uniform(0.2, 0.5, 2 * n), steps=steps,
+                call=rng.random(2 * n) < 0.5, american=np.arange(2 * n) < n,
                 tree=np.array(["crr"] * (2 * n)))
     solvable = market_book({k: v[n:] for k, v in book.items()})
     given = {k: np.concatenate([book[k][:n], v]) for k, v in solvable.items()

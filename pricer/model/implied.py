@@ -41,6 +41,9 @@ from pricer.model.greeks import Analytics
 
 SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility
 
+PROBES = (0.25, 1.0, 0.05, 4.0, 0.01, SIGMA_HIGH, 0.002, SIGMA_LOW)   # where a search looks for
+                                     # a lattice while none of its sigmas has had one
+
 # Statuses beside pricer/model/validity.py's (1-6: the option could not be solved for at all).
 CONVERGED = 0
 NO_TIME_VALUE, ABOVE_BOUND, NOT_CONVERGED, NO_LATTICE_FOUND = 20, 21, 22, 23
@@ -54,9 +57,9 @@ REASONS = {
                  f"volatility the search tries ({SIGMA_HIGH:g}, or the tree takes)",
     NOT_CONVERGED: "the search did not converge in its rounds",
     NO_LATTICE_FOUND: "the option's tree has a lattice (probabilities in (0, 1), node prices "
-                      "within FP64's range) at none of the volatilities the search probes, "
-                      f"{SIGMA_LOW:g} to {SIGMA_HIGH:g}: its rate and dividend are too far apart "
-                      "for its steps",
+                      "within FP64's range) at none of the volatilities the search probes "
+                      f"(its start and {', '.join(f'{x:g}' for x in PROBES)}): most often its "
+                      "rate and dividend are too far apart for its steps",
 }
 
 NAMES = {CONVERGED: "converged", NO_TIME_VALUE: "no time value", ABOVE_BOUND: "above the bound",
@@ -80,8 +83,6 @@ MAX_ROUNDS = 100                     # bisection alone narrows [SIGMA_LOW, SIGMA
 START_HIGH = 1.0                     # the highest start: higher volatilities are reached by
                                      # GROWTH steps, past the lattice prices' rise (a start at
                                      # SIGMA_HIGH would see QuantLib's trees' fall beyond it)
-PROBES = (0.25, 1.0, 0.05, 4.0, 0.01, SIGMA_HIGH, 0.002, SIGMA_LOW)   # where a search looks for
-                                     # a lattice while none of its sigmas has had one
 GROWTH = 4.0                         # the most sigma moves a round toward an end not yet priced
 EXPECTED_ROUNDS = 6                  # the cost model's lattices per option (measured 4-7)
 OUTPUTS = ("price", "implied_volatility", "iterations")
