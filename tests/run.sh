@@ -6,10 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[mpich,test]'
-# the package's and the tests' bytecode, once: pip compiles an installed package's, not an
+# the package's and the test helpers' bytecode, once: pip compiles an installed package's, not an
 # editable one's, and where PYTHONDONTWRITEBYTECODE is set every process of the suite (hundreds:
-# each command, each MPI rank) would otherwise compile the sources again (~0.2 s on 2 cores)
-.venv/bin/python -m compileall -q pricer tests > /dev/null
+# each command, each MPI rank) would otherwise compile the sources again (~0.2 s on 2 cores);
+# -q prints only the files that do not compile
+.venv/bin/python -m compileall -q pricer tests
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.venv/numba-cache}"
 # two workers, an idle one taking tests from the other: most tests keep one core busy (a
 # process, or MPI ranks that mostly wait)
