@@ -2,7 +2,7 @@
 
 Cases: one American put (S0 = K = 100, T = 1, r = 5 %, q = 0, sigma = 20 %) at N = 100, 1k, 10k, 100k
 (`--quick`: up to 10k), a batch of 1 000 such puts at N = 100 in one call, and a 10k-option `random`
-portfolio (N uniform in [16, 4096]). Engines: `serial`,
+portfolio (N uniform in [16, 4096]; `--quick`: 1k options). Engines: `serial`,
 `cpu` at 1 thread and at all of numba's threads, and QuantLib's BinomialVanillaEngine(process, "crr", N)
 on one core. A lattice of N steps counts (N+1)(N+2)/2 nodes.
 
@@ -13,8 +13,8 @@ timed with time.perf_counter, and the median sample counts. The share of the mac
 processes used while a case was timed is printed beside it: above BUSY the numbers are suspect.
 
 QuantLib is too slow to run the big cases in full: above QL_MAX_STEPS it is timed at QL_MAX_STEPS, and
-on the portfolio on every QL_STRIDE-th option; its nodes/s there is extrapolated per node, and the
-output says so.
+on QL_PORTFOLIO_OPTIONS of the portfolio's options, evenly spaced; its nodes/s there is extrapolated
+per node, and the output says so.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ SINGLE_STEPS = (100, 1_000, 10_000, 100_000)
 QUICK_STEPS = (100, 1_000, 10_000)
 PUT = {"spot": 100.0, "strike": 100.0, "maturity": 1.0, "rate": 0.05, "dividend": 0.0,
        "volatility": 0.2, "call": False, "american": True}
-PORTFOLIO_COUNT, PORTFOLIO_SEED = 10_000, 2026
+PORTFOLIO_COUNT, QUICK_PORTFOLIO_COUNT, PORTFOLIO_SEED = 10_000, 1_000, 2026
 SMALL_BATCH, SMALL_STEPS = 1_000, 100
 QL_MAX_STEPS = 10_000   # QuantLib single options above this N are timed at this N
-QL_STRIDE = 200         # QuantLib prices every QL_STRIDE-th option of the portfolio
+QL_PORTFOLIO_OPTIONS = 50   # QuantLib prices this many of the portfolio's options, evenly spaced
 MIN_SAMPLE_S, CASE_BUDGET_S, MIN_REPEATS, MAX_REPEATS = 0.02, 1.0, 3, 25
 TARGET_PER_CORE, TARGET_SCALING = 30.0, 1.8
 BUSY = 0.05             # share of the machine used by other processes above which a result is suspect
@@ -119,11 +119,13 @@ def _cases(quick: bool) -> list[Case]:
     index = np.arange(0, SMALL_BATCH, SMALL_BATCH // 50)
     cases.append(Case(f"{SMALL_BATCH:,} puts N={SMALL_STEPS}", batch, index,
                       ql_note=f"QuantLib timed on {index.size} of the {SMALL_BATCH:,} puts"))
-    book = generate("random", PORTFOLIO_COUNT, seed=PORTFOLIO_SEED)
-    index = np.arange(0, PORTFOLIO_COUNT, QL_STRIDE)
-    cases.append(Case(f"portfolio {PORTFOLIO_COUNT:,}", columns_from_matrix(book.to_matrix()), index,
-                      ql_note=f"QuantLib timed on {index.size} of {PORTFOLIO_COUNT:,} options "
-                              f"(every {QL_STRIDE}th), extrapolated per node"))
+    count = QUICK_PORTFOLIO_COUNT if quick else PORTFOLIO_COUNT
+    book = generate("random", count, seed=PORTFOLIO_SEED)
+    stride = count // QL_PORTFOLIO_OPTIONS
+    index = np.arange(0, count, stride)
+    cases.append(Case(f"portfolio {count:,}", columns_from_matrix(book.to_matrix()), index,
+                      ql_note=f"QuantLib timed on {index.size} of {count:,} options "
+                              f"(every {stride}th), extrapolated per node"))
     return cases
 
 
