@@ -2,10 +2,10 @@
 // The plain reference beside them is pricer/engines/cpu/trinomial.py (value_one), whose arithmetic
 // they follow step for step (GPU-OUTER takes a step's factor e^{-alpha_m dt} as the NumPy reference
 // hw1f.price does, by ln and exp; GPU-FLAT as the CPU engine does, P / sum): the forward
-// induction of the Arrow–Debreu prices q (fitting the
-// displacement alpha_m of each step to the curve's discount P(0, (m + 1) dt)), then the backward
-// induction of the bond and of the option, with one e^{-alpha_m dt} a step (written by the forward
-// sweep to `shifts`, read back by the backward one) and e^{-j dr dt} per row.
+// induction of the Arrow–Debreu prices q (fitting the displacement alpha_m of each step to the
+// curve's discount P(0, (m + 1) dt)), then the backward induction of the bond (for an option on
+// it) and of the instrument, with one e^{-alpha_m dt} a step (written by the forward sweep to
+// `shifts`, read back by the backward one) and e^{-j dr dt} per row.
 //
 // Tree geometry (docs/numerics.md): level m has the rows |j| <= w = min(m, jmax); a normal row j
 // branches to j + 1, j, j - 1 with pu, pm, pd; the edge rows +-jmax (present once w = jmax) branch
@@ -156,7 +156,7 @@ extern "C" __global__ void hw_outer(
         }
         const int t = q; q = qn; qn = t;
     }
-    // backward: the bond in Q0/Q1, the instrument in V0/V1
+    // backward: the bond in Q0/Q1 (an option's alone), the instrument in V0/V1
     const double K = strike[i], sg = sign[i];
     const int product = (int)product_of[i];
     // the bond apart is only an option's exercise value: a callable's or puttable's value
