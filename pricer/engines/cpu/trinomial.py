@@ -104,27 +104,20 @@ def value_one(a, dt, steps, jmax, dr, strike, face, sign, product, flows, exerci
         w_next, w = w, min(m, jmax)
         flow = flows[m + 1]
         shift = shifts[m]
-        if with_bond:                                # both in one pass; the option carries no flow
-            for i in range(2 * w_next + 1):
+        carried = 0.0 if with_bond else flow
+        for i in range(2 * w_next + 1):
+            if with_bond:
                 bond_next[i] = bond[i] + flow
-                value_next[i] = value[i]
-            for i in range(2 * w + 1):
-                row = i - w + jmax
-                centre = i - w + offset[row] + w_next
-                disc = shift * local[row]
+            value_next[i] = value[i] + carried
+        for i in range(2 * w + 1):
+            row = i - w + jmax
+            centre = i - w + offset[row] + w_next
+            disc = shift * local[row]
+            if with_bond:
                 bond[i] = disc * (pu[row] * bond_next[centre + 1] + pm[row] * bond_next[centre]
                                   + pd[row] * bond_next[centre - 1])
-                value[i] = disc * (pu[row] * value_next[centre + 1] + pm[row] * value_next[centre]
-                                   + pd[row] * value_next[centre - 1])
-        else:
-            for i in range(2 * w_next + 1):
-                value_next[i] = value[i] + flow
-            for i in range(2 * w + 1):
-                row = i - w + jmax
-                centre = i - w + offset[row] + w_next
-                value[i] = shift * local[row] * (pu[row] * value_next[centre + 1]
-                                                 + pm[row] * value_next[centre]
-                                                 + pd[row] * value_next[centre - 1])
+            value[i] = disc * (pu[row] * value_next[centre + 1] + pm[row] * value_next[centre]
+                               + pd[row] * value_next[centre - 1])
         if exercise[m]:
             _exercise(bond, value, 2 * w + 1, strike, sign, product)
     return value[0]
