@@ -173,7 +173,7 @@ extern "C" __global__ void hw_outer(
         const int wn = w;
         w = min(m, jmax);
         const double flow = flows[at + m + 1];
-        const double carried = product != OPTION ? flow : 0.0;
+        const double carried = with_bond ? 0.0 : flow;
         { int t = b; b = bn; bn = t; t = v; v = vn; vn = t; }
         for (int k = 0; k <= 2 * wn; ++k) {
             if (with_bond)
@@ -406,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
         double* Bn = shared + (m & 1) * 2 * S;
         double* Vn = Bn + S;
         const bool live = mine && m < N;
-        const double f = flow, s = shift, carried = product != OPTION ? f : 0.0;
+        const double f = flow, s = shift, carried = with_bond ? 0.0 : f;
         const bool ex_m = ex;
 #pragma unroll
         for (int e = 0; e < FLAT_ROWS; e += 2) {
