@@ -13,8 +13,8 @@ timed with time.perf_counter, and the median sample counts. The share of the mac
 processes used while a case was timed is printed beside it: above BUSY the numbers are suspect.
 
 QuantLib is too slow to run the big cases in full: above QL_MAX_STEPS it is timed at QL_MAX_STEPS, and
-on QL_PORTFOLIO_OPTIONS of the portfolio's options, evenly spaced; its nodes/s there is extrapolated
-per node, and the output says so.
+on QL_OPTIONS of the batch's and of the portfolio's options, evenly spaced; its nodes/s there is
+extrapolated per node, and the output says so.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PUT = {"spot": 100.0, "strike": 100.0, "maturity": 1.0, "rate": 0.05, "dividend"
 PORTFOLIO_COUNT, QUICK_PORTFOLIO_COUNT, PORTFOLIO_SEED = 10_000, 1_000, 2026
 SMALL_BATCH, SMALL_STEPS = 1_000, 100
 QL_MAX_STEPS = 10_000   # QuantLib single options above this N are timed at this N
-QL_PORTFOLIO_OPTIONS = 50   # QuantLib prices this many of the portfolio's options, evenly spaced
+QL_OPTIONS = 50         # QuantLib prices this many of a many-option case's options, evenly spaced
 MIN_SAMPLE_S, CASE_BUDGET_S, MIN_REPEATS, MAX_REPEATS = 0.02, 1.0, 3, 25
 TARGET_PER_CORE, TARGET_SCALING = 30.0, 1.8
 BUSY = 0.05             # share of the machine used by other processes above which a result is suspect
@@ -116,12 +116,12 @@ def _cases(quick: bool) -> list[Case]:
     # overhead is a large share of it: docs/performance.md); a batch of them per call
     # shows the per-node rate at small N.
     batch = {k: np.repeat(v, SMALL_BATCH) for k, v in _single_put(SMALL_STEPS).items()}
-    index = np.arange(0, SMALL_BATCH, SMALL_BATCH // 50)
+    index = np.arange(0, SMALL_BATCH, SMALL_BATCH // QL_OPTIONS)
     cases.append(Case(f"{SMALL_BATCH:,} puts N={SMALL_STEPS}", batch, index,
                       ql_note=f"QuantLib timed on {index.size} of the {SMALL_BATCH:,} puts"))
     count = QUICK_PORTFOLIO_COUNT if quick else PORTFOLIO_COUNT
     book = generate("random", count, seed=PORTFOLIO_SEED)
-    stride = count // QL_PORTFOLIO_OPTIONS
+    stride = count // QL_OPTIONS
     index = np.arange(0, count, stride)
     cases.append(Case(f"portfolio {count:,}", columns_from_matrix(book.to_matrix()), index,
                       ql_note=f"QuantLib timed on {index.size} of {count:,} options "
