@@ -1,9 +1,10 @@
 """Callable and puttable fixed-rate bonds against QuantLib's TreeCallableFixedRateBondEngine
 (pricer/model/hw1f_ql.py, docs/numerics.md "Against QuantLib's tree"), on fresh random inputs:
-QuantLib = hw1f_ql with QuantLib's conventions, and hw1f_ql with pricer's three conventions
-(uniform grid, 0.184 branching bound, dr = sigma sqrt(3 dt)) = pricer's own tree, hw1f.price. So
-every difference between pricer's tree and QuantLib's is one of those conventions, or of the
-instrument (coupon day count, accrued interest, stub periods)."""
+QuantLib = hw1f_ql with QuantLib's conventions, and hw1f_ql with pricer's grid (uniform) and
+branching (0.184 bound) and either spacing (QuantLib's exact variance, or sigma sqrt(3 dt)) =
+pricer's own tree of that spacing (hw1f.price, the CPU engine). So every difference between
+pricer's tree and QuantLib's is one of those conventions, or of the instrument (coupon day count,
+accrued interest, stub periods); where none applies, pricer's engine is QuantLib's to rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import pricer.model.bond_book as B
 import pricer.model.hw1f as H
 import pricer.model.hw1f_ql as Q
 from test_hw1f import random_curve, random_instruments
@@ -123,20 +125,28 @@ def test_quantlibs_special_cases(rng):
                                                   rtol=1e-15, atol=0.0)
 
 
-def test_pricers_conventions_give_pricers_tree(rng):
-    """With the grid, the branching and the spacing pricer's, and the instrument as pricer's
-    (hw1f_ql.terms_of), this is hw1f.price (measured within 3e-15)."""
+@pytest.mark.parametrize("ours, theirs", [("variance", "quantlib"), ("sqrt-dt", "sqrt-dt")])
+def test_pricers_conventions_give_pricers_tree(rng, ours, theirs):
+    """With the grid and the branching pricer's, the spacing QuantLib's exact variance (or
+    sigma sqrt(3 dt)), and the instrument as pricer's (hw1f_ql.terms_of), this is hw1f.price and
+    the CPU engine with spacing "variance" (or "sqrt-dt"): measured within 3e-15."""
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+
     curve = random_curve(rng)
-    instruments = random_instruments(rng, 60)
+    instruments = [replace(inst, product=("callable", "puttable")[k % 2])
+                   for k, inst in enumerate(random_instruments(rng, 60))]
+    a, sigma = rng.uniform(0.02, 0.3, 60), rng.uniform(0.003, 0.02, 60)
+    per_year = rng.choice([4, 12, 26, 52], 60)
+    engine = HullWhiteCpuEngine().price(B.parameters(instruments, a, sigma, per_year, curve,
+                                                     spacing=ours))
     for k, inst in enumerate(instruments):
-        inst = replace(inst, product=("callable", "puttable")[k % 2])
-        a, sigma = rng.uniform(0.02, 0.3), rng.uniform(0.003, 0.02)
-        per_year = int(rng.choice([4, 12, 26, 52]))
-        want = H.price(inst, a, sigma, per_year, curve)
-        got = Q.price(Q.terms_of(inst, per_year), a, sigma, curve,
-                      H.steps_of(inst.maturity, per_year), grid="uniform", branching="pricer",
-                      spacing="pricer")
-        assert abs(got / want - 1.0) <= 1e-12, (inst, a, sigma, per_year)
+        want = H.price(inst, a[k], sigma[k], per_year[k], curve, spacing=ours)
+        got = Q.price(Q.terms_of(inst, per_year[k]), a[k], sigma[k], curve,
+                      H.steps_of(inst.maturity, per_year[k]), grid="uniform",
+                      branching="pricer", spacing=theirs)
+        case = (inst, a[k], sigma[k], per_year[k])
+        assert abs(got / want - 1.0) <= 1e-12, case
+        assert abs(engine[k] / got - 1.0) <= 1e-12, case
 
 
 def test_each_convention_is_small_at_monthly_steps(rng):
@@ -154,8 +164,91 @@ def test_each_convention_is_small_at_monthly_steps(rng):
         base = Q.price(terms, a, sigma, curve, months)
         effects["grid"].append(Q.price(terms, a, sigma, curve, months, grid="uniform") / base - 1)
         for name in ("branching", "spacing"):
-            effects[name].append(Q.price(terms, a, sigma, curve, months, **{name: "pricer"})
+            pricers = {"branching": "pricer", "spacing": "sqrt-dt"}[name]
+            effects[name].append(Q.price(terms, a, sigma, curve, months, **{name: pricers})
                                  / base - 1)
     size = {name: np.abs(values) for name, values in effects.items()}
     assert all(np.max(values) < 1e-3 for values in size.values())
     assert np.median(size["branching"]) < np.median(size["spacing"])
+
+
+def test_pricers_engine_is_quantlibs_where_the_conventions_coincide(rng):
+    """Where the grid and the branching cannot differ, pricer's engine with its default spacing
+    (the exact variance) is QuantLib's TreeCallableFixedRateBondEngine to rounding: every date
+    (coupons, calls, maturity) a whole number of months from today on a 30/360 day count (the
+    curve's and the coupons': times k / 12 years), steps a multiple of 12 a year (so QuantLib's
+    TimeGrid through those dates is pricer's uniform grid and every date is on a step), and
+    a T <= 0.184 (the tree has at most j_max = ceil(0.184 / (a dt)) steps, so no node reaches
+    j_max, where Hull and White's branching and QuantLib's nearest-node branching differ). Dirty
+    call prices on a face of 100 (no accrued interest), none a week or less before a coupon date
+    (QuantLib would move it onto the coupon date). Through the CPU engine (bond_book.parameters,
+    and pricer.price_bonds, which takes the default spacing); sigma sqrt(3 dt) differs by far
+    more (the measure of the test)."""
+    import pricer
+    from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
+
+    dc = ql.Thirty360(ql.Thirty360.BondBasis)
+    today = ql.Date(15, int(rng.integers(1, 13)), int(rng.integers(2025, 2031)))
+    ql.Settings.instance().evaluationDate = today
+    months = np.array([3, 12, 36, 84, 180, 360])
+    curve = random_curve(rng)
+    curve = H.YieldCurve(months / 12.0, curve.rates)
+    zero = ql.ZeroCurve([today] + [today + ql.Period(int(m), ql.Months) for m in months],
+                        [float(curve.rates[0])] + curve.rates.tolist(), dc, ql.NullCalendar(),
+                        ql.Linear(), ql.Continuous)
+    assert [dc.yearFraction(today, today + ql.Period(int(m), ql.Months)) for m in months] \
+        == (months / 12.0).tolist()
+    cases, theirs, by_sqrt_dt = [], [], []
+    for k in range(24):
+        frequency = int(rng.choice([1, 2, 4, 12]))
+        period = 12 // frequency
+        periods = int(rng.integers(1, max(2, 120 // period) + 1))
+        n = periods * period                        # months to maturity
+        per_year = 12 * int(rng.integers(1, 5))
+        steps = n * per_year // 12
+        a = float(rng.uniform(0.005, 0.99 * 0.184 * 12 / n))
+        sigma = float(rng.uniform(0.003, 0.025))
+        coupon = float(rng.uniform(0.0, 0.08))
+        every = int(rng.choice([1, 3, 6, 12]))      # months between call dates
+        first = int(rng.integers(1, n + 1))
+        last = int(rng.integers(first, n + 1))
+        last = first + (last - first) // every * every
+        strike = float(rng.uniform(95.0, 105.0))
+        put = k % 2 == 1
+        inst = H.BondOption(100.0, coupon, frequency, n / 12.0, strike, not put, "bermudan",
+                            first=first / 12.0, last=last / 12.0, every=12.0 / every,
+                            product="puttable" if put else "callable")
+        calls = [first + every * c for c in range((last - first) // every + 1)]
+        assert np.allclose(inst.exercise_times() * 12.0, calls, rtol=0.0, atol=1e-9)
+        rights = ql.CallabilitySchedule()
+        for m in calls:
+            rights.append(ql.Callability(ql.BondPrice(strike, ql.BondPrice.Dirty),
+                                         ql.Callability.Put if put else ql.Callability.Call,
+                                         today + ql.Period(m, ql.Months)))
+        schedule = ql.Schedule(today, today + ql.Period(n, ql.Months),
+                               ql.Period(period, ql.Months), ql.NullCalendar(), ql.Unadjusted,
+                               ql.Unadjusted, ql.DateGeneration.Backward, False)
+        bond = ql.CallableFixedRateBond(0, 100.0, schedule, [coupon], dc, ql.Unadjusted, 100.0,
+                                        today, rights)
+        model = ql.HullWhite(ql.YieldTermStructureHandle(zero), a, sigma)
+        bond.setPricingEngine(ql.TreeCallableFixedRateBondEngine(model, steps))
+        theirs.append(bond.NPV())
+        cases.append((inst, a, sigma, per_year))
+    instruments = [c[0] for c in cases]
+    a, sigma, per_year = (np.array([c[i] for c in cases]) for i in (1, 2, 3))
+    params = B.parameters(instruments, a, sigma, per_year, curve)
+    assert params.spacing == "variance" and np.all(params.steps <= params.jmax)
+    assert np.array_equal(params.steps, np.rint([c[0].maturity * c[3] for c in cases]))
+    engine = HullWhiteCpuEngine()
+    ours, theirs = engine.price(params), np.array(theirs)
+    worst = np.max(np.abs(ours / theirs - 1.0))
+    assert worst <= 1e-12, (worst, cases[int(np.argmax(np.abs(ours / theirs - 1.0)))])
+    columns = dict(B.columns_of(instruments, a, sigma, per_year), id=np.arange(len(cases)))
+    columns.update(exercise=np.array(["bermudan"] * len(cases)),
+                   product=np.array([i.product for i in instruments]),
+                   curve=np.array(["c"] * len(cases)))
+    public = pricer.price_bonds(columns, {"c": curve})["price"].to_numpy()
+    assert np.max(np.abs(public / theirs - 1.0)) <= 1e-12
+    old = engine.price(B.parameters(instruments, a, sigma, per_year, curve, spacing="sqrt-dt"))
+    print(f"worst {worst:.2e}, sqrt-dt median {np.median(np.abs(old / theirs - 1.0)):.2e}")
+    assert np.median(np.abs(old / theirs - 1.0)) > 100 * worst

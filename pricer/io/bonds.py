@@ -43,13 +43,13 @@ class BondBook:
     def __len__(self) -> int:
         return int(self.id.size)
 
-    def parameters(self) -> bond_book.HullWhiteParams:
-        """The trees of the rows to be priced."""
+    def parameters(self, spacing: str = hw1f.SPACING) -> bond_book.HullWhiteParams:
+        """The trees of the rows to be priced, spaced by `spacing` (hw1f.SPACINGS)."""
         if self.status is not None and self.status.any():
             keep = self.status == 0
             return bond_book.tree_parameters({k: v[keep] for k, v in self.columns.items()},
-                                             self.curves, self.id[keep])
-        return bond_book.tree_parameters(self.columns, self.curves, self.id)
+                                             self.curves, self.id[keep], spacing=spacing)
+        return bond_book.tree_parameters(self.columns, self.curves, self.id, spacing=spacing)
 
 
 def book_from_columns(columns: dict, curves: dict, default: str | None = None,

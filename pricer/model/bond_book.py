@@ -13,8 +13,8 @@ import numpy as np
 from numba import njit, prange
 
 from pricer.errors import InputError, first_ids
-from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, TODAY, jmax_of,
-                               steps_of)
+from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, SPACING, TODAY,
+                               jmax_of, spacing_of, steps_of)
 
 MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
 MAX_JMAX = 50_000
@@ -36,7 +36,7 @@ class HullWhiteParams:
     dt: np.ndarray
     steps: np.ndarray       # int64: the tree's height
     jmax: np.ndarray        # int64: width 2 jmax + 1
-    dr: np.ndarray
+    dr: np.ndarray          # the node spacing, hw1f.spacing_of(a, sigma, dt, spacing)
     strike: np.ndarray
     face: np.ndarray        # the redemption, which an exercise at maturity is compared with
     sign: np.ndarray        # +1 call, -1 put
@@ -47,6 +47,7 @@ class HullWhiteParams:
     discount: np.ndarray | None  # P(0, m dt) from the instrument's curve
     schedule: tuple = ()    # fill_steps' arguments after dt: what the per-step arrays follow from
                             # (None above where tree_parameters left them to the engine)
+    spacing: str = SPACING  # the book's hw1f.SPACINGS, which dr follows (for the provenance)
 
     @property
     def total_steps(self) -> int:
@@ -96,13 +97,16 @@ def columns_of(instruments, a, sigma, steps_per_year, curve=0) -> dict:
 INTEGER_COLUMNS = ("frequency", "exercise", "product", "curve")
 
 
-def parameters(instruments, a, sigma, steps_per_year, curves) -> HullWhiteParams:
+def parameters(instruments, a, sigma, steps_per_year, curves,
+               spacing: str = SPACING) -> HullWhiteParams:
     """The HullWhiteParams of a list of BondOption (columns_of) on one curve or a list of them
-    (one per instrument)."""
+    (one per instrument), the trees spaced by `spacing` (hw1f.SPACINGS)."""
     if isinstance(curves, (list, tuple)):
         return tree_parameters(columns_of(instruments, a, sigma, steps_per_year,
-                                          np.arange(len(instruments))), list(curves))
-    return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves])
+                                          np.arange(len(instruments))), list(curves),
+                               spacing=spacing)
+    return tree_parameters(columns_of(instruments, a, sigma, steps_per_year), [curves],
+                           spacing=spacing)
 
 
 def tree_shapes(cols: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -293,12 +297,16 @@ class StepBuffers:
 
 
 def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
-                    buffers: StepBuffers | None = None, fill: bool = True) -> HullWhiteParams:
+                    buffers: StepBuffers | None = None, fill: bool = True,
+                    spacing: str = SPACING) -> HullWhiteParams:
     """The trees of a book given as columns (BOND_COLUMNS; the dates and flows as `price` places
     them: each on its nearest step, one after today on its nearest after today), vectorised over
     the book; bad columns refused first (check_columns). `buffers`: the per-step arrays' storage
     (StepBuffers), else new arrays; fill=False leaves them to the engine (the `schedule`: a GPU
-    fills them in its memory, cuda/trinomial.cu's hw_fill, as fill_steps does here)."""
+    fills them in its memory, cuda/trinomial.cu's hw_fill, as fill_steps does here). `spacing`:
+    the trees' node spacing dr (hw1f.SPACINGS, hw1f.spacing_of), one for the whole book; the
+    engines take dr as given."""
+    spacing_of(0.1, 0.01, 0.1, spacing)     # an unknown spacing refused before any work
     check_columns(cols, curves, ids)
     maturity = np.asarray(cols["maturity"], dtype=np.float64)
     n = maturity.size
@@ -327,9 +335,10 @@ def tree_parameters(cols: dict, curves: list, ids: np.ndarray | None = None,
     a = np.asarray(cols["mean_reversion"], dtype=np.float64)
     sigma = np.asarray(cols["volatility"], dtype=np.float64)
     return HullWhiteParams(
-        a=a, sigma=sigma, dt=dt, steps=steps, jmax=jmax_of(a, dt), dr=sigma * np.sqrt(3.0 * dt),
+        a=a, sigma=sigma, dt=dt, steps=steps, jmax=jmax_of(a, dt),
+        dr=np.asarray(spacing_of(a, sigma, dt, spacing), dtype=np.float64),
         strike=np.asarray(cols["strike"], dtype=np.float64),
         face=np.asarray(cols["face"], dtype=np.float64),
         sign=np.where(np.asarray(cols["call"], dtype=np.bool_), 1.0, -1.0),
         product=np.asarray(cols["product"], dtype=np.int64), starts=starts, flows=flows,
-        exercise=exercise, discount=discount, schedule=schedule)
+        exercise=exercise, discount=discount, schedule=schedule, spacing=spacing)

@@ -10,10 +10,12 @@ pricer/model/bond_book.py.
 
 - YieldCurve: continuously compounded zero rates at given times, linear in between, flat beyond
   the ends (QuantLib's ZeroCurve with Linear interpolation, Continuous compounding).
-- HullWhiteTree: one instrument's tree: Δt, Δr = sigma sqrt(3 Δt), j_max = ceil(0.184 / (a Δt)),
-  the branching of every node and its probabilities (M = e^{-a Δt} - 1, the papers' M), and the
-  displacements alpha_m fitted by forward induction of the Arrow–Debreu prices so that the tree
-  reprices the curve's zero-coupon bonds at every step.
+- HullWhiteTree: one instrument's tree: Δt, the node spacing Δr (`spacing_of`: sqrt(3 V), V the
+  exact variance of a step, by default; Hull and White's first-order sigma sqrt(3 Δt) by choice),
+  j_max = ceil(0.184 / (a Δt)), the branching of every node and its probabilities
+  (M = e^{-a Δt} - 1, the papers' M), and the displacements alpha_m fitted by forward induction
+  of the Arrow–Debreu prices so that the tree reprices the curve's zero-coupon bonds at every
+  step.
 - BondOption: a fixed-coupon bond (face, coupon rate and frequency, maturity) with an option on it
   (call or put, strike, European / Bermudan / American exercise), priced either as an option on
   the bond (`product="option"`: payoff max(±(B - K), 0)) or as the bond with the option embedded
@@ -37,6 +39,14 @@ TODAY = 1e-12               # a date (years) at most this is today: one after it
                             # after today (cuda/trinomial.cu's hw_fill has the same literal)
 PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
+# the node spacing Δr of a tree (spacing_of): "variance", sqrt(3 V) with V the exact variance of
+# the short rate over a step, sigma^2 (1 - e^{-2 a Δt}) / (2 a), as QuantLib's HullWhite tree and
+# Pawlak et al.'s reference code space it; "sqrt-dt", sigma sqrt(3 Δt), Hull and White's (1994)
+# first-order variance sigma^2 Δt. The default is the exact one: at the same tree size (j_max does
+# not depend on the spacing) it is closer to Jamshidian's closed form (docs/numerics.md,
+# "The spacing").
+SPACINGS = ("variance", "sqrt-dt")
+SPACING = "variance"
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,24 @@ class HullWhiteTree:
         return min(m, self.jmax)
 
 
+def spacing_of(a, sigma, dt, spacing: str = SPACING):
+    """The node spacing Δr of trees of steps dt (numbers or arrays alike; SPACINGS). With either,
+    the branching probabilities (branching) are the same functions of j M: they match the step's
+    mean j M Δr and a variance of Δr² / 3, which is the exact variance of the mean-reverting step
+    with "variance" and its first-order value sigma² dt with "sqrt-dt". The exact variance is
+    computed with expm1, accurate for any a dt > 0 (QuantLib's 1 - e^{-2 a dt} loses digits as
+    a dt falls: ~1e-12 relative at 2 a dt = 1e-4)."""
+    if spacing == "variance":
+        a = np.asarray(a, dtype=np.float64)
+        dr = np.sqrt(3.0 * (sigma * sigma) * (-np.expm1(-2.0 * a * dt)) / (2.0 * a))
+    elif spacing == "sqrt-dt":
+        dr = sigma * np.sqrt(3.0 * np.asarray(dt, dtype=np.float64))
+    else:
+        raise InputError(f"a Hull–White tree's spacing is one of {', '.join(SPACINGS)} "
+                         f"(not {spacing!r})")
+    return float(dr) if np.ndim(dr) == 0 else dr
+
+
 def jmax_of(a, dt):
     """Hull and White's bound on |j|: ceil(0.184 / (a dt)), at least 1."""
     return np.maximum(1, np.ceil(JMAX_FACTOR / (np.asarray(a) * np.asarray(dt)))).astype(np.int64)
@@ -132,15 +160,17 @@ def _step_forward(q: np.ndarray, m: int, tree_jmax: int, offset, pu, pm, pd, wei
     return out
 
 
-def build(a: float, sigma: float, dt: float, steps: int, curve: YieldCurve) -> HullWhiteTree:
-    """The tree of one instrument: the branching, then alpha_m step by step (forward induction):
+def build(a: float, sigma: float, dt: float, steps: int, curve: YieldCurve,
+          spacing: str = SPACING) -> HullWhiteTree:
+    """The tree of one instrument, its nodes spaced by spacing_of(a, sigma, dt, spacing): the
+    branching, then alpha_m step by step (forward induction):
     alpha_m = (ln sum_j Q(m, j) e^{-j dr dt} - ln P(0, (m + 1) dt)) / dt, and
     Q(m + 1, k) = sum_j Q(m, j) q(j, k) e^{-(alpha_m + j dr) dt}, from Q(0, 0) = 1."""
     if not (a > 0.0 and sigma > 0.0 and dt > 0.0 and steps >= 1):
         raise InputError(f"a Hull–White tree needs a > 0, sigma > 0, dt > 0 and steps >= 1 "
                          f"(a {a}, sigma {sigma}, dt {dt}, steps {steps})")
     jmax = int(jmax_of(a, dt))
-    dr = sigma * math.sqrt(3.0 * dt)
+    dr = spacing_of(a, sigma, dt, spacing)
     offset, pu, pm, pd = branching(jmax, math.expm1(-a * dt))
     alphas = np.empty(steps)
     sums = np.empty(steps + 1)
@@ -197,14 +227,15 @@ def steps_of(maturity, steps_per_year):
 
 
 def price(instrument: BondOption, a: float, sigma: float, steps_per_year: float,
-          curve: YieldCurve, tree: HullWhiteTree | None = None) -> float:
-    """The instrument's value today on its Hull–White tree (built here unless given): backward
-    induction of the bond's cash flows and of the option. A date falls on the nearest step. Node
-    (m, j) discounts by e^{-alpha_m dt} e^{-j dr dt}, the product the forward induction's
-    weights use too (in the engines a table of e^{-j dr dt} a tree and one factor a step)."""
+          curve: YieldCurve, tree: HullWhiteTree | None = None, spacing: str = SPACING) -> float:
+    """The instrument's value today on its Hull–White tree (built here with `spacing` unless
+    given): backward induction of the bond's cash flows and of the option. A date falls on the
+    nearest step. Node (m, j) discounts by e^{-alpha_m dt} e^{-j dr dt}, the product the forward
+    induction's weights use too (in the engines a table of e^{-j dr dt} a tree and one factor a
+    step)."""
     steps = steps_of(instrument.maturity, steps_per_year)
     dt = instrument.maturity / steps
-    tree = tree or build(a, sigma, dt, steps, curve)
+    tree = tree or build(a, sigma, dt, steps, curve, spacing)
     flows = cash_flows(instrument, dt, steps)
     exercise = exercise_steps(instrument, dt, steps)
     offset, pu, pm, pd = branching(tree.jmax, math.expm1(-a * dt))
@@ -295,3 +326,46 @@ def zero_bond_option(curve: YieldCurve, a: float, sigma: float, strike: float, e
     if call:
         return p_s * normal(h) - strike * p_t * normal(h - spread)
     return strike * p_t * normal(-h + spread) - p_s * normal(-h)
+
+
+def zero_bond_price(curve: YieldCurve, a: float, sigma: float, t: float, maturity, x):
+    """P(t, T) on the model fitted to `curve`, where x = r(t) - alpha(t) is the Ornstein–Uhlenbeck
+    part of the short rate (x(0) = 0, dx = -a x dt + sigma dW): Brigo and Mercurio's eq. 3.39 with
+    r = x + f(0, t) + sigma^2 / (2 a^2) (1 - e^{-a t})^2 (eq. 3.37), whose forward rate cancels:
+    P(0, T) / P(0, t) e^{-B x - B^2 sigma^2 (1 - e^{-2 a t}) / (4 a) - B sigma^2 (1 - e^{-a t})^2
+    / (2 a^2)}, B = (1 - e^{-a (T - t)}) / a."""
+    maturity = np.asarray(maturity, dtype=np.float64)
+    b = -np.expm1(-a * (maturity - t)) / a
+    shift = (b * b * sigma * sigma * -math.expm1(-2.0 * a * t) / (4.0 * a)
+             + b * sigma * sigma * math.expm1(-a * t) ** 2 / (2.0 * a * a))
+    return curve.discount(maturity) / float(curve.discount(t)) * np.exp(-b * x - shift)
+
+
+def coupon_bond_option(curve: YieldCurve, a: float, sigma: float, strike: float, expiry: float,
+                       times, amounts, call: bool) -> float:
+    """The Hull–White closed form of a European option at `expiry` on the cash flows `amounts`
+    paid at `times` (all after the expiry): Jamshidian's (1989) decomposition. The bond's value at
+    the expiry falls with x, so x* where it equals the strike is found by bisection; then the
+    option is the sum of amount_i times options on the zero-coupon bonds of `times` at strikes
+    P(expiry, t_i; x*) (zero_bond_option)."""
+    times, amounts = np.asarray(times, dtype=np.float64), np.asarray(amounts, dtype=np.float64)
+    if not (np.all(times > expiry) and np.all(amounts > 0.0) and strike > 0.0):
+        raise InputError("Jamshidian's decomposition needs positive flows after the expiry and a "
+                         "positive strike")
+
+    def gap(x):
+        return float(amounts @ zero_bond_price(curve, a, sigma, expiry, times, x)) - strike
+
+    lo, hi = -1.0, 1.0
+    while gap(lo) < 0.0:
+        lo *= 2.0
+    while gap(hi) > 0.0:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if gap(mid) > 0.0 else (lo, mid)
+    strikes = zero_bond_price(curve, a, sigma, expiry, times, 0.5 * (lo + hi))
+    return float(sum(c * zero_bond_option(curve, a, sigma, float(k), expiry, float(t), call)
+                     for c, k, t in zip(amounts, strikes, times)))

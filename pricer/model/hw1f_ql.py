@@ -33,12 +33,15 @@ What QuantLib does (lballabio/QuantLib), and so what this module does:
   times their probabilities, times the node's discount, then the step's adjustments, the first
   and last steps included; the price is the value at the root.
 
-Each of the three places where pricer's tree differs can be switched to pricer's convention, so
-that the effect of each can be measured: `grid="uniform"` (time_steps equal steps over the
+Each of the three places where pricer's tree may differ can be switched to pricer's convention,
+so that the effect of each can be measured: `grid="uniform"` (time_steps equal steps over the
 redemption time, a date on its nearest step), `branching="pricer"` (Hull and White's
-j_max = ceil(0.184 / (a dt)): the middle child is j, one node in at +-j_max), `spacing="pricer"`
-(dx = sigma sqrt(3 dt), variance sigma^2 dt, no floor). With all three and pricer's instrument
-(`terms_of`) this is pricer's tree, hw1f.price.
+j_max = ceil(0.184 / (a dt)): the middle child is j, one node in at +-j_max), `spacing="sqrt-dt"`
+(dx = sigma sqrt(3 dt), variance sigma^2 dt, no floor: pricer's hw1f.spacing_of "sqrt-dt"). On a
+uniform grid QuantLib's spacing is pricer's "variance" one (the floor needs a step under 1 % of
+the longest). With the grid and the branching pricer's, the spacing QuantLib's (or "sqrt-dt"),
+and pricer's instrument (`terms_of`), this is pricer's tree, hw1f.price with spacing "variance"
+(or "sqrt-dt").
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ TODAY = _dt.date(2026, 11, 27)      # the valuation date of the QuantLib-side in
 DAYS_A_YEAR = 365.0                 # Actual/365 (Fixed): the curve's and the coupons' day count
 WEEK = 1.0 / 52                     # DiscretizedCallableFixedRateBond's snapping window
 FLOOR_BELOW = 0.01                  # TrinomialTree: a step below this x the longest is floored
-CONVENTIONS = ("quantlib", "pricer")
+CONVENTIONS = ("quantlib", "pricer")      # the branching's
+SPACINGS = ("quantlib", "sqrt-dt")
 GRIDS = ("quantlib", "uniform")
 
 
@@ -221,13 +225,16 @@ class Tree:
 
 def build(times, dts, a: float, sigma: float, curve: YieldCurve, branching: str = "quantlib",
           spacing: str = "quantlib") -> Tree:
-    """HullWhite::tree(grid) (module doc), its branching and its spacing QuantLib's or pricer's;
-    then phi_i step by step, by forward induction of the Arrow–Debreu prices."""
-    if branching not in CONVENTIONS or spacing not in CONVENTIONS:
-        raise InputError(f"a convention is one of {CONVENTIONS}")
+    """HullWhite::tree(grid) (module doc), its branching QuantLib's or pricer's (CONVENTIONS), its
+    spacing QuantLib's or sigma sqrt(3 dt) (SPACINGS); then phi_i step by step, by forward
+    induction of the Arrow–Debreu prices."""
+    if branching not in CONVENTIONS:
+        raise InputError(f"a branching is one of {CONVENTIONS}")
+    if spacing not in SPACINGS:
+        raise InputError(f"a spacing is one of {SPACINGS}")
     times, dts = np.asarray(times, dtype=np.float64), np.asarray(dts, dtype=np.float64)
     n = dts.size
-    if spacing == "pricer" or a < math.sqrt(np.finfo(np.float64).eps):
+    if spacing == "sqrt-dt" or a < math.sqrt(np.finfo(np.float64).eps):
         v2s = sigma * sigma * dts
     else:                               # OrnsteinUhlenbeckProcess::variance (libm's exp, as C++)
         v2s = np.array([0.5 * sigma * sigma / a * (1.0 - math.exp(-2.0 * a * dt)) for dt in dts])
@@ -238,7 +245,7 @@ def build(times, dts, a: float, sigma: float, curve: YieldCurve, branching: str 
         dt, v2 = float(dts[i]), float(v2s[i])
         v = math.sqrt(v2)
         natural = v * math.sqrt(3.0)
-        if spacing == "pricer":
+        if spacing == "sqrt-dt":
             dx[i + 1] = sigma * math.sqrt(3.0 * dt)
         else:       # a very short step keeps the grid's widest spacing (no fan of empty nodes)
             dx[i + 1] = max(natural, dx_floor) if dt < floor_below else natural
@@ -261,7 +268,7 @@ def build(times, dts, a: float, sigma: float, curve: YieldCurve, branching: str 
             e3 = e * math.sqrt(3.0)
             p = [(1.0 + e2 / v2 - e3 / v) / 6.0, (2.0 - e2 / v2) / 3.0,
                  (1.0 + e2 / v2 + e3 / v) / 6.0]
-        else:                           # in pricer's: eta = e / dr, as hw1f.branching
+        else:                           # sqrt-dt, in pricer's form: eta = e / dr, as hw1f.branching
             eta = e / dx[i + 1]
             p = [1.0 / 6.0 + (eta * eta - eta) / 2.0, 2.0 / 3.0 - eta * eta,
                  1.0 / 6.0 + (eta * eta + eta) / 2.0]
@@ -319,7 +326,7 @@ def price(terms: BondTerms, a: float, sigma: float, curve: YieldCurve, time_step
           grid: str = "quantlib", branching: str = "quantlib", spacing: str = "quantlib") -> float:
     """The bond's value today: TreeCallableFixedRateBondEngine(HullWhite(curve, a, sigma),
     time_steps) where every convention is QuantLib's; `grid="uniform"`, `branching="pricer"`,
-    `spacing="pricer"` take pricer's instead (module doc)."""
+    `spacing="sqrt-dt"` take pricer's instead (module doc)."""
     if not (a > 0.0 and sigma > 0.0 and time_steps >= 1):
         raise InputError(f"a Hull–White tree needs a > 0, sigma > 0 and time_steps >= 1 "
                          f"(a {a}, sigma {sigma}, time_steps {time_steps})")
