@@ -5,6 +5,7 @@ messages, raised as pricer.InputError with the column and the ids."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -107,7 +108,9 @@ def test_bad_books_raise_the_command_lines_message(tmp_path, book, edit, column)
 
 @pytest.mark.parametrize("given,needle", [
     ({"id": np.arange(3)}, "book: missing column(s) spot"),
-    ("not a book", "a book is a pandas DataFrame, a dict of arrays or a NumPy structured array"),
+    ("no-such-book.h5", "no-such-book.h5: no such file"),
+    (42, "a book is a file's path (str or pathlib.Path), a pandas DataFrame, a dict of arrays or "
+         "a NumPy structured array, not int"),
 ])
 def test_malformed_books_are_named(given, needle):
     with pytest.raises(pricer.InputError, match=None) as raised:
@@ -143,3 +146,85 @@ def test_the_readmes_example_runs():
     results = scope["results"]
     assert list(results.columns) == ["id", "price", "delta", "gamma", "theta", "vega", "rho"]
     assert abs(results["price"][0] - 6.0896) < 1e-3      # QuantLib's CRR: 6.089622 at N = 1000
+
+
+@pytest.mark.parametrize("fmt", ["h5", "csv", "parquet"])
+@pytest.mark.parametrize("as_path", [str, Path])
+def test_every_entry_point_takes_a_path_of_any_format(tmp_path, book, fmt, as_path):
+    """price, implied_volatility and read_book take a book file's path, str or pathlib.Path, of
+    every format: bitwise what the same book in memory gives (and `pricer price` on the file)."""
+    path, cols = book
+    file = tmp_path / f"book.{fmt}"
+    if fmt == "h5":
+        file = path
+    else:
+        frame = pd.DataFrame(cols)
+        frame.to_csv(file, index=False, float_format="%.17g") if fmt == "csv" \
+            else frame.to_parquet(file)
+    read = pricer.read_book(as_path(file))
+    assert list(read.columns) == list(cols)
+    for name, values in cols.items():
+        assert np.array_equal(read[name].to_numpy(), values), name
+    got = pricer.price(as_path(file), backend="cpu")
+    assert got["price"].to_numpy().tobytes() == \
+        pricer.price(cols, backend="cpu")["price"].to_numpy().tobytes()
+    market = dict(cols, market_price=got["price"].to_numpy(), volatility=cols["volatility"])
+    if fmt == "h5":
+        from pricer.io.portfolio import Portfolio
+        write_portfolio(str(tmp_path / "market.h5"), Portfolio(**market))
+        file = tmp_path / "market.h5"
+    else:
+        frame = pd.DataFrame(market)
+        file = tmp_path / f"market.{fmt}"
+        frame.to_csv(file, index=False, float_format="%.17g") if fmt == "csv" \
+            else frame.to_parquet(file)
+    vols = pricer.implied_volatility(as_path(file), backend="cpu")
+    assert vols["implied_volatility"].to_numpy().tobytes() == \
+        pricer.implied_volatility(market, backend="cpu")["implied_volatility"].to_numpy().tobytes()
+
+
+def test_read_book_names_a_fault_as_the_command_line_does(tmp_path, book):
+    """A bad file: InputError with the command line's message, the column and the ids; with
+    invalid="skip" its rows come back to be judged one by one."""
+    _, cols = book
+    from pricer.io.portfolio import Portfolio
+    file = tmp_path / "bad.h5"
+    write_portfolio(str(file), Portfolio(**_bad(cols, "spot", [5], np.nan)))
+    with pytest.raises(pricer.InputError) as raised:
+        pricer.read_book(file)
+    assert raised.value.column == "spot" and cols["id"][5] in raised.value.ids.tolist()
+    proc = run_pricer(["price", file, "-o", tmp_path / "o.h5"])
+    assert proc.returncode == 2 and proc.stderr.strip() == f"pricer: error: {raised.value}"
+    assert np.isnan(pricer.read_book(file, invalid="skip")["spot"].to_numpy()[5])
+    with pytest.raises(pricer.InputError, match="takes a file's path"):
+        pricer.read_book(pd.DataFrame(cols))
+
+
+def test_bond_books_by_path_frame_and_table(tmp_path):
+    """price_bonds takes the path (str or Path) of an HDF5 bond book; read_book gives its rows as
+    a DataFrame that carries its curves, which price_bonds prices again, as it prices the same
+    rows written to CSV or Parquet with those curves: bitwise the same prices every way, those of
+    `pricer price` on the file. A table without curves is refused by name."""
+    from pricer.tools.bond_datasets import write_dataset
+
+    path = tmp_path / "bonds.h5"
+    write_dataset(str(path), "R1", 60, 5, False)
+    want = pricer.price_bonds(str(path))
+    proc = run_pricer(["price", path, "-o", tmp_path / "out.h5", "--backend", "cpu", "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    import h5py
+    with h5py.File(tmp_path / "out.h5") as f:
+        assert f["results/bonds/price"][()].tobytes() == want["price"].to_numpy().tobytes()
+    frame = pricer.read_book(path)
+    assert frame["id"].tolist() == want["id"].tolist() and set(frame.attrs["curves"]) == {"default"}
+    assert frame["exercise"].isin(["european", "bermudan", "american"]).all()
+    frame.to_csv(tmp_path / "bonds.csv", index=False, float_format="%.17g")
+    frame.to_parquet(tmp_path / "bonds.parquet")
+    for given, curves in ((Path(path), None), (frame, None),
+                          (tmp_path / "bonds.csv", frame.attrs["curves"]),
+                          (str(tmp_path / "bonds.parquet"), frame.attrs["curves"])):
+        got = pricer.price_bonds(given, curves)
+        assert got["price"].to_numpy().tobytes() == want["price"].to_numpy().tobytes(), given
+    with pytest.raises(pricer.InputError, match="bonds.csv: a table of bond options needs its "
+                                                "curves"):
+        pricer.price_bonds(tmp_path / "bonds.csv")

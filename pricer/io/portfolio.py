@@ -205,8 +205,9 @@ def portfolio_from_columns(book, source: str = "book", values: bool = True) -> P
     elif isinstance(book, dict):
         names, column = [str(c) for c in book], lambda name: book[name]
     else:
-        raise InputError(f"{source}: a book is a pandas DataFrame, a dict of arrays or a NumPy "
-                         f"structured array, not {type(book).__name__}")
+        raise InputError(f"{source}: a book is a file's path (str or pathlib.Path), a pandas "
+                         f"DataFrame, a dict of arrays or a NumPy structured array, not "
+                         f"{type(book).__name__}")
     unknown = sorted(set(names) - set(ALL_COLUMNS))
     if unknown:
         raise InputError(f"{source}: unknown column(s) {', '.join(unknown)}; known columns are "
