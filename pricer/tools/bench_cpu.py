@@ -14,7 +14,8 @@ processes used while a case was timed is printed beside it: above BUSY the numbe
 
 QuantLib is too slow to run the big cases in full: above QL_MAX_STEPS it is timed at QL_MAX_STEPS, and
 on QL_OPTIONS of the batch's and of the portfolio's options, evenly spaced; its nodes/s there is
-extrapolated per node, and the output says so.
+extrapolated per node, and the output says so. Without QuantLib installed (the `bench` extra) the
+engines are timed alone and the per-core verdict says it was not measured.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pricer.tools.generate import generate
 from pricer.model.lattice import lattice_parameters
 from pricer.io.portfolio import columns_from_matrix
 from pricer.model.cost import lattice_nodes
+from pricer.tools.anchors import have_quantlib, missing
 
 SINGLE_STEPS = (100, 1_000, 10_000, 100_000)
 QUICK_STEPS = (100, 1_000, 10_000)
@@ -146,13 +148,15 @@ def _warm_up(configs) -> None:
         engine.price(lattice_parameters(cols))
 
 
-def _contestants(case: Case, configs) -> dict:
+def _contestants(case: Case, configs, quantlib: bool) -> dict:
     params = lattice_parameters(case.cols)
     nodes = float(lattice_nodes(case.cols["steps"]).sum())
     # functools.partial calls engine.price itself; a lambda's own Python frame would add a
     # measurable share to a small call
     out = {name: Contestant(threads, functools.partial(engine.price, params), nodes)
            for name, engine, threads in configs}
+    if not quantlib:
+        return out
     options = _ql_options(case.cols, case.ql_index, case.ql_steps)
     steps = case.cols["steps"][case.ql_index] if case.ql_steps is None else case.ql_steps
     ql_nodes = float(np.sum(lattice_nodes(np.broadcast_to(steps, case.ql_index.shape))))
@@ -197,17 +201,20 @@ def _reprice(options) -> list[float]:
     return prices
 
 
-def _price_check(steps: int = 1_000) -> tuple[float, float]:
+def _price_check(quantlib: bool, steps: int = 1_000) -> tuple[float, float | None]:
     """Both prices of the N = 1000 put: the trees differ (QuantLib's CRR uses another p), so
-    they agree to about 1e-4, not bitwise; a larger gap would mean the two price different things."""
+    they agree to about 1e-4, not bitwise; a larger gap would mean the two price different things.
+    QuantLib's is None where it is not installed."""
     cols = _single_put(steps)
     ours = SerialEngine().price(lattice_parameters(cols))[0]
+    if not quantlib:
+        return float(ours), None
     return float(ours), _reprice(_ql_options(cols, np.array([0]), None))[0]
 
 
 # --- machine, load and report ----------------------------------------------------------------------
 
-def machine() -> dict:
+def machine(quantlib: bool = True) -> dict:
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -216,11 +223,13 @@ def machine() -> dict:
                 f"model {info.get('model', '?')})"
     except OSError:
         pass
-    import QuantLib
-
+    version = "not installed"
+    if quantlib:
+        import QuantLib
+        version = QuantLib.__version__
     return {"cpu": model, "cores": len(os.sched_getaffinity(0)),
             "numba_threads": numba.config.NUMBA_NUM_THREADS, "python": platform.python_version(),
-            "numpy": np.__version__, "numba": numba.__version__, "QuantLib": QuantLib.__version__,
+            "numpy": np.__version__, "numba": numba.__version__, "QuantLib": version,
             "pricer": __version__}
 
 
@@ -241,31 +250,33 @@ def _background(before, after, wall: float, cores: int) -> dict:
     return {"other_processes_share": max(0.0, busy - own) / capacity, "steal_share": steal / capacity}
 
 
-def _row(case: Case, configs, cores: int) -> dict:
+def _row(case: Case, configs, cores: int, quantlib: bool) -> dict:
     print(f"timing {case.name} ...", file=sys.stderr, flush=True)
     before, t0 = _cpu_seconds(), time.perf_counter()
-    rates, samples = _median_rates(_contestants(case, configs))
+    rates, samples = _median_rates(_contestants(case, configs, quantlib))
     load = _background(before, _cpu_seconds(), time.perf_counter() - t0, cores)
     return {"case": case.name, "options": int(case.cols["steps"].size),
             "nodes": float(lattice_nodes(case.cols["steps"]).sum()), "nodes_per_s": rates,
-            "note": case.ql_note, "load": load, "samples_s": samples}
+            "note": case.ql_note if quantlib else "", "load": load, "samples_s": samples}
 
 
 def _ratios(row: dict, configs) -> dict:
     r = row["nodes_per_s"]
-    out = {"serial/QL": r["serial"] / r["QuantLib"], "cpu 1t/QL": r["cpu 1t"] / r["QuantLib"]}
+    out = {"serial/QL": r["serial"] / r["QuantLib"], "cpu 1t/QL": r["cpu 1t"] / r["QuantLib"]} \
+        if "QuantLib" in r else {}
     if len(configs) > 2:
         out[f"{configs[2][0]}/1t"] = r[configs[2][0]] / r["cpu 1t"]
     return out
 
 
 def _table(rows: list[dict], configs) -> list[str]:
-    names = [c[0] for c in configs] + ["QuantLib"]
+    names = list(rows[0]["nodes_per_s"])
     ratio_names = list(_ratios(rows[0], configs))
     head = f"{'case':<18}{'nodes':>10}" + "".join(f"{n:>12}" for n in names) + \
         "".join(f"{n:>12}" for n in ratio_names) + f"{'others':>8}"
-    lines = ["nodes/s (median), per-core speedup vs QuantLib, thread scaling of the cpu engine, and the "
-             "share of the machine other processes used while the row was timed", head]
+    lines = ["nodes/s (median), per-core speedup vs QuantLib (where it is installed), thread scaling "
+             "of the cpu engine, and the share of the machine other processes used while the row "
+             "was timed", head]
     for row in rows:
         ratios = _ratios(row, configs)
         lines.append(f"{row['case']:<18}{row['nodes']:>10.3g}"
@@ -284,13 +295,16 @@ def _caveat(rows: list[dict]) -> str:
 
 
 def _verdicts(rows: list[dict], configs) -> tuple[list[str], dict]:
-    per_core = {row["case"]: _ratios(row, configs)["cpu 1t/QL"] for row in rows}
-    worst = min(per_core, key=per_core.get)
-    met_core = per_core[worst] >= TARGET_PER_CORE
-    lines = [f"per core vs QuantLib (cpu engine, 1 thread): {per_core[worst]:.1f}x at worst ({worst}), "
-             f"{per_core[rows[-1]['case']]:.1f}x on the portfolio; target >= {TARGET_PER_CORE:.0f}x: "
-             f"{'met' if met_core else 'NOT met'}{_caveat(rows)}"]
-    verdict = {"per_core_vs_quantlib": per_core, "per_core_target_met": met_core}
+    if "QuantLib" not in rows[0]["nodes_per_s"]:
+        lines, verdict = [missing("per core vs QuantLib")], {}
+    else:
+        per_core = {row["case"]: _ratios(row, configs)["cpu 1t/QL"] for row in rows}
+        worst = min(per_core, key=per_core.get)
+        met_core = per_core[worst] >= TARGET_PER_CORE
+        lines = [f"per core vs QuantLib (cpu engine, 1 thread): {per_core[worst]:.1f}x at worst "
+                 f"({worst}), {per_core[rows[-1]['case']]:.1f}x on the portfolio; target >= "
+                 f"{TARGET_PER_CORE:.0f}x: {'met' if met_core else 'NOT met'}{_caveat(rows)}"]
+        verdict = {"per_core_vs_quantlib": per_core, "per_core_target_met": met_core}
     if len(configs) > 2:
         name = configs[2][0]
         scaling = _ratios(rows[-1], configs)[f"{name}/1t"]
@@ -309,9 +323,10 @@ def _header(info: dict, quick: bool) -> list[str]:
             "versions: " + ", ".join(f"{k} {info[k]}" for k in VERSIONED)]
 
 
-def _footer(load: dict, wall: float, check: tuple[float, float]) -> list[str]:
-    lines = [f"price check, American put N=1000: pricer {check[0]:.6f}, QuantLib {check[1]:.6f} "
-             f"(different CRR p, so ~1e-4 apart)",
+def _footer(load: dict, wall: float, check: tuple[float, float | None]) -> list[str]:
+    theirs = (f"QuantLib {check[1]:.6f} (different CRR p, so ~1e-4 apart)" if check[1] is not None
+              else "QuantLib not installed")
+    lines = [f"price check, American put N=1000: pricer {check[0]:.6f}, {theirs}",
              f"wall {wall:.0f}s; other processes used {load['other_processes_share']:.0%} of the machine "
              f"during the run, hypervisor steal {load['steal_share']:.0%}"]
     if load["other_processes_share"] > BUSY or load["steal_share"] > BUSY:
@@ -321,13 +336,15 @@ def _footer(load: dict, wall: float, check: tuple[float, float]) -> list[str]:
 
 def bench_cpu(quick: bool = False, out: str | None = None) -> dict:
     """Time every case, print the table and the verdicts, and write JSON to `out` if given."""
-    info = machine() | {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    quantlib = have_quantlib("cpu")
+    info = machine(quantlib) | {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(
+        timespec="seconds")}
     configs = _engine_configs()
     before, t0 = _cpu_seconds(), time.perf_counter()
     _warm_up(configs)
-    rows = [_row(case, configs, info["cores"]) for case in _cases(quick)]
+    rows = [_row(case, configs, info["cores"], quantlib) for case in _cases(quick)]
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    check = _price_check()
+    check = _price_check(quantlib)
     wall = time.perf_counter() - t0
     load = _background(before, _cpu_seconds(), wall, info["cores"])
     verdict_lines, verdicts = _verdicts(rows, configs)

@@ -127,6 +127,11 @@ def bench_trinomial(args) -> list[dict]:
 
     from pricer.model import bond_book
 
+    from pricer.tools.anchors import have_quantlib, missing
+
+    if args.quantlib and not have_quantlib("trinomial"):
+        args.quantlib = 0
+        print(missing("cpu engine per core against QuantLib's tree engine"), flush=True)
     engines = _engines(args.engines, args.flat_rows, args.flat_threads)
     cpu = engines.get("cpu")
     threads = numba.get_num_threads()
