@@ -556,12 +556,15 @@ def test_analytics_bad_input_exit_2_nothing_written(tmp_path, case, ranks):
     assert sorted(os.listdir(tmp_path)) == ["book.h5"]
 
 
-def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
+def test_bench_batch_times_each_portfolio_for_at_least_min_seconds(monkeypatch):
     """`pricer bench batch` times `repeats` calls and, past those, calls for `min_seconds` (the
     a few sub-millisecond calls would see only a moment of a host whose speed drifts);
-    the median call's wall and stats come back. A stand-in engine whose calls sleep 1 ms."""
+    the median call's wall and stats come back. A stand-in engine whose calls sleep 1 ms; then
+    one whose calls each advance a stand-in clock by exactly one tick, so that how many calls
+    `time_case` makes for `min_seconds` is exact, whatever the host's load."""
     import time
     from types import SimpleNamespace
+    from pricer.tools import bench_batch
     from pricer.tools.bench_batch import time_case
 
     class Sleeper:
@@ -580,9 +583,23 @@ def test_bench_batch_times_each_portfolio_for_at_least_min_seconds():
     wall, stats, walls = time_case(engine, None, repeats=5, min_seconds=0.0)
     assert walls.size == 5 and engine.calls == 6                  # a warm-up, then 5
     assert wall == np.sort(walls)[2] and stats["call"] == 2 + int(np.argsort(walls)[2])
-    engine = Sleeper()
-    _, _, walls = time_case(engine, None, repeats=5, min_seconds=0.05)
-    assert walls.size >= 25 and walls.sum() >= 0.045
+
+    tick = 2.0 ** -10                        # binary: the clock's sums are exact
+    clock = SimpleNamespace(now=0.0)
+
+    class Ticker(Sleeper):
+        def price(self, params):
+            self.calls += 1
+            self._runner.last_stats = dict(call=self.calls)
+            clock.now += tick                 # the call takes one tick; nothing else does
+
+    monkeypatch.setattr(bench_batch, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    for repeats, min_ticks, timed in ((5, 48, 48), (60, 48, 60), (5, 0, 5)):
+        engine = Ticker()
+        _, _, walls = time_case(engine, None, repeats=repeats, min_seconds=min_ticks * tick)
+        # calls until both `repeats` are timed and the timed calls' walls reach min_seconds
+        assert walls.size == timed and engine.calls == timed + 1, (repeats, min_ticks, walls.size)
+        assert (walls == tick).all() and walls.sum() == max(repeats, min_ticks) * tick
 
 
 @pytest.mark.heavy

@@ -1,9 +1,10 @@
 """Fault handling on the GPU backends: an injected fault (an exception, a GPU error, a hard kill) in a rank
-pricing on the GPU ends the whole job within 10 s, named by rank 0, with nothing written and no rank
-left; kill -9 and a restart with the `batch` backend give bitwise the prices and Greeks of an
-uninterrupted `batch` run (a price does not depend on the chunk or launch that priced it). Real
-`mpirun -n 2` runs of the real command, both ranks on one GPU. Marked `gpu`: skipped here with the
-reason, run on the GPU machine (../shared/device)."""
+pricing on the GPU ends the whole job (each run under a 120 s timeout against hangs; the seconds it
+took printed, not bounded), named by rank 0, with nothing written and no rank left; kill -9 and
+a restart with the `batch` backend give bitwise the prices and Greeks of an uninterrupted `batch`
+run (a price does not depend on the chunk or launch that priced it). Real `mpirun -n 2` runs of
+the real command, both ranks on one GPU. Marked `gpu`: skipped here with the reason, run on the
+GPU machine (../shared/device)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import pytest
 from helpers import env, mpiexec, pricer_command
 from pricer.io.results import read_results
 from gpu_cases import GPU
-from test_reliability import (CHUNK, DEADLINE, _chunks, bitwise_equal, book,  # noqa: F401 (fixture)
-                              kill_9_after_chunks, leftover_processes)
+from test_reliability import (CHUNK, HANG_TIMEOUT, _chunks, bitwise_equal,  # noqa: F401 (book)
+                              book, kill_9_after_chunks, leftover_processes)
 
 pytestmark = GPU
 RANKS = 2
 
 
-def run(args, extra_env: dict | None = None, timeout: float = 120):
+def run(args, extra_env: dict | None = None, timeout: float = HANG_TIMEOUT):
     e = env()
     e.update(extra_env or {})
     cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
@@ -52,7 +53,6 @@ def test_gpu_fault_ends_job_named_nothing_written(tmp_path, book, backend, fault
     assert proc.returncode != 0, text
     for needle in needles:
         assert needle in text, (needle, text)
-    assert seconds < DEADLINE, seconds
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)   # no result, no temp file
     assert leftover_processes(str(out)) == []
     print(f"GPU FAULT backend={backend} fault={fault} exit={proc.returncode} seconds={seconds:.2f}")

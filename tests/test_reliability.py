@@ -1,7 +1,12 @@
-"""Issue 7 through real `mpiexec -n 3 pricer price` runs on real files: injected faults end the job
-within 10 s, named by rank 0, with nothing written and no rank left; kill -9 of the whole job and
+"""Issue 7 through real `mpiexec -n 3 pricer price` runs on real files: injected faults end the job,
+named by rank 0, with nothing written and no rank left; kill -9 of the whole job and
 --resume give bitwise the prices of an uninterrupted run; checkpoints of another input or other
 settings are refused by name; the memory guard refuses a run that would not fit, with the numbers.
+
+No test bounds how long a job takes (a busy host is no failure: tests/test_suite_rules.py): each
+must end within HANG_TIMEOUT (a job that did not has hung), and what ended it is shown by what it
+did — its exit code and message, the chunks it had priced, the files it left; the seconds it took
+are recorded (PRICER_RELIABILITY_REPORT, docs/reliability.md's figures).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from pricer.io.results import read_results
 from pricer.tools.generate import generate
 
 RANKS = 3
-DEADLINE = 10.0
+HANG_TIMEOUT = 120   # seconds: a job, or a wait on one, that has not ended by then has hung
+# a run that reaches its pricing fails there at once, on every rank (exit 1, InjectedFault):
+# with it, a refusal (exit 2, its message) shows that the run was refused before any pricing
+NO_PRICING = {"PRICER_FAULT": ",".join(f"raise:{rank}:0" for rank in range(RANKS))}
 CHUNK = "2e4"      # lattice nodes per chunk: ~40 chunks for the book below
 FIGURES = os.environ.get("PRICER_RELIABILITY_REPORT")  # docs/reliability.md's figures
 
@@ -66,7 +74,7 @@ def bitwise_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
 
 
-def leftover_processes(marker: str, grace: float = 3.0) -> list[str]:
+def leftover_processes(marker: str, grace: float = 30.0) -> list[str]:
     """Processes whose command line names `marker` (a unique output path) still there after
     `grace` seconds (the launcher may return while its killed ranks are being reaped)."""
     deadline = time.monotonic() + grace
@@ -88,14 +96,14 @@ def _processes(marker: str) -> list[str]:
     return found
 
 
-def wait_while(job, condition, timeout: float = 60.0) -> None:
+def wait_while(job, condition, timeout: float = HANG_TIMEOUT) -> None:
     """Poll until `condition()` is false, the job has ended, or `timeout` seconds have passed."""
     deadline = time.monotonic() + timeout
     while condition() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
-def take_over(target, timeout: float = 10.0) -> None:
+def take_over(target, timeout: float = HANG_TIMEOUT) -> None:
     """Claim and release `target` as the next run would: a killed holder's lock goes with its
     process, a moment after its command line has gone from /proc (the kernel releases the
     process's memory before its files)."""
@@ -112,7 +120,7 @@ def take_over(target, timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
-def timed_run(args, extra_env: dict, timeout: float = 60):
+def timed_run(args, extra_env: dict, timeout: float = HANG_TIMEOUT):
     e = env()
     e.update(extra_env)
     cmd = [mpiexec(), "-n", str(RANKS)] + pricer_command() + [str(a) for a in args]
@@ -152,7 +160,6 @@ def test_fault_ends_job_named_nothing_written(tmp_path, book, fault):
     for needle in needles:
         assert any(n in text for n in ((needle,) if isinstance(needle, str) else needle)), \
             (needle, text)
-    assert seconds < DEADLINE, seconds
     left = sorted(os.listdir(tmp_path))                 # no result, no temporary file
     if kind in ("exit", "kill"):
         # the launcher kills rank 0 outright, so the output's lock file may stay; the operating
@@ -170,7 +177,7 @@ def test_fault_ends_job_named_nothing_written(tmp_path, book, fault):
 STALL = 2.0     # --stall-timeout of the stall tests (seconds)
 
 
-def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
+def rank_pid(marker: str, rank: int, timeout: float = HANG_TIMEOUT) -> int:
     """The process id of rank `rank` of the job whose command line names `marker` (the launcher
     gives every rank its number in the environment: PMI_RANK for MPICH, OMPI_COMM_WORLD_RANK)."""
     deadline = time.monotonic() + timeout
@@ -192,9 +199,11 @@ def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
 @pytest.mark.parametrize("how,rank", [("stop", 1), ("stop", 0), ("hang", 2), ("stop-at-end", 1)])
 def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
     """kill -STOP of a rank (its process silent), or a rank whose pricing never returns (its main
-    thread stuck, as on a wedged GPU; PRICER_FAULT=hang): the job ends within the stall timeout
-    and a few seconds, non-zero, naming the rank, its host and its chunks; nothing is written,
-    no process is left, and the same command then finishes from the checkpoint, bitwise."""
+    thread stuck, as on a wedged GPU; PRICER_FAULT=hang): the job ends (the stopped or hung rank
+    would otherwise hold it for ever: HANG_TIMEOUT on the launcher), non-zero, naming the rank,
+    its host and its chunks — the hung rank's job before its chunks were all priced; nothing is
+    written, no process is left, and the same command then finishes from the checkpoint,
+    bitwise. The seconds from the stall to the end are recorded."""
     path, portfolio = book
     out, folder = tmp_path / "prices.h5", tmp_path / "ck"
     args = ["price", path, "-o", out, "--chunk-nodes", CHUNK, "--threads", "1",
@@ -214,7 +223,7 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
         stopped = time.monotonic()
         if how == "stop":
             os.kill(pid, signal.SIGSTOP)
-        stdout, stderr = job.communicate(timeout=60)
+        stdout, stderr = job.communicate(timeout=HANG_TIMEOUT)
         seconds = time.monotonic() - stopped
     assert job.returncode != 0, stdout + stderr
     host = os.uname().nodename
@@ -222,7 +231,6 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
     assert host.split(".")[0] in stderr, stderr
     assert ("has finished no chunk" if how == "hang" else "has not been heard from") in stderr
     assert "Traceback" not in stderr, stderr
-    assert seconds < STALL + DEADLINE, seconds
     assert not out.exists()
     assert leftover_processes(str(out)) == []
     saved = _chunks(folder)
@@ -230,6 +238,8 @@ def test_a_stalled_rank_ends_the_job_named(tmp_path, book, how, rank):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = read_results(str(out))
     assert bitwise_equal(r["price"], reference(portfolio)["price"])
+    if how == "hang":     # its rank priced 3 of its chunks, then never another: the watchdog ended it
+        assert saved < _chunks(folder), (saved, _chunks(folder))
     record(f"stall {how} rank {rank}", {"exit": job.returncode, "seconds after the stall":
                                         round(seconds, 2), "chunks kept": saved})
 
@@ -244,8 +254,10 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.parametrize("ranks,rank", [(2, 0), (3, 0), (3, 2)])
 def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, rank):
-    """SIGTERM to one rank, whichever: the whole job ends with the launcher's exit code 1 (the rank
-    calls MPI_Abort; before, hydra said 1 at -n 2 and 9 at -n 3), nothing written, nothing left."""
+    """SIGTERM to one rank, whichever: the whole job ends (the other ranks do not wait for it:
+    HANG_TIMEOUT) with the launcher's exit code 1 (the rank calls MPI_Abort; before, hydra said 1
+    at -n 2 and 9 at -n 3), nothing written — the signal was honoured before the run's end (a
+    signal after it exits with the run's code) — nothing left. The seconds it took are recorded."""
     path, _ = book
     out = tmp_path / "prices.h5"
     e = env()
@@ -260,11 +272,10 @@ def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, ra
         assert job.poll() is None, job.communicate()
         sent = time.monotonic()
         os.kill(pid, signal.SIGTERM)
-        stdout, stderr = job.communicate(timeout=30)
+        stdout, stderr = job.communicate(timeout=HANG_TIMEOUT)
         seconds = time.monotonic() - sent
     assert job.returncode == 1, (job.returncode, stderr)
     assert "pricer: terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
-    assert seconds < 5, seconds
     assert leftover_processes(str(out)) == []
     left = sorted(set(os.listdir(tmp_path)) - {"ck"})
     if rank != 0:   # the abort kills rank 0 outright: its lock files may stay, its locks do not
@@ -329,7 +340,7 @@ def kill_9_after_chunks(args, folder, wanted: int, ranks: int = RANKS) -> None:
                            start_new_session=True)
     wait_while(job, lambda: _chunks(folder) < wanted)
     os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=10)
+    job.wait(timeout=HANG_TIMEOUT)
     time.sleep(0.5)
 
 
@@ -458,14 +469,17 @@ def test_a_chunk_of_another_run_is_never_used(tmp_path):
 # ------------------------------------------------------------------------------- memory guard
 
 def test_memory_guard_refuses_with_the_numbers(tmp_path, book):
+    """Refused before any pricing (NO_PRICING: a run that priced would fail differently), exit 2,
+    with the numbers, nothing written."""
     path, _ = book
     out = tmp_path / "prices.h5"
-    e = {"PRICER_MEMORY_LIMIT": "64K"}
-    proc, seconds = timed_run(["price", path, "-o", out], e)
+    e = dict(NO_PRICING, PRICER_MEMORY_LIMIT="64K")
+    proc, _ = timed_run(["price", path, "-o", out], e)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "not enough memory" in proc.stderr and "GiB on rank 0" in proc.stderr \
         and "0.00 GiB available" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert not out.exists() and seconds < DEADLINE
+    assert "InjectedFault" not in proc.stderr and "chunk(s)" not in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def _memory_cgroup_v1() -> str | None:
@@ -531,8 +545,8 @@ def test_sigterm_exits_1(tmp_path, book):
                                                "--checkpoint", str(folder)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
     wait_while(job, lambda: _chunks(folder) < 1)
-    job.send_signal(signal.SIGTERM)    # it sleeps after its first chunk
-    stdout, stderr = job.communicate(timeout=10)
+    job.send_signal(signal.SIGTERM)    # it sleeps 30 s after each of its ~40 chunks
+    stdout, stderr = job.communicate(timeout=HANG_TIMEOUT)
     assert job.returncode == 1 and "pricer: terminated (SIGTERM)" in stderr, (job.returncode, stderr)
 
 

@@ -2,9 +2,12 @@
 rank 0 draws ~1000 malformed portfolio files from hypothesis (tests/fuzz_portfolios.py), and for
 each one every rank calls the real entry point, `pricer.cli.main(["price", ...])`, in-process — the
 code `mpiexec -n 3 pricer price` runs, without paying a launch per case; every other case with
-`--distribute read`, where each rank reads and checks its own rows. Every rank must exit 2
-within 10 s, rank 0 alone prints one message naming the cause, the input is unchanged and nothing
-is written. (tests/test_fuzz_cli.py runs a few dozen of the same cases through real launches.)
+`--distribute read`, where each rank reads and checks its own rows. Every rank must exit 2 (return
+from the command: a rank that never did would hold the gather after each case, and the MPI
+suite's 600 s mpiexec timeout in tests/test_mpi_suite.py ends such a hang), rank 0 alone prints
+one message naming the cause, the input is unchanged and nothing is written. The slowest exit of
+any rank is recorded (PRICER_FUZZ_REPORT: docs/reliability.md's figures), not bounded: a busy host
+is no failure. (tests/test_fuzz_cli.py runs a few dozen of the same cases through real launches.)
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from pricer.cli import main  # noqa: E402
 comm = MPI.COMM_WORLD
 RANK, SIZE = comm.Get_rank(), comm.Get_size()
 ROOT = 0
-DEADLINE = 10.0   # seconds: every rank must have exited the command by then
 DISTRIBUTIONS = ("scatter", "read")
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -108,8 +110,6 @@ def _case_problems(case, path, folder, before, reports) -> list[str]:
     problems += message_problems(case, path, reports[0][1])
     if any(err for _, err, _ in reports[1:]):
         problems.append(f"ranks other than 0 printed {[e for _, e, _ in reports[1:]]}")
-    if max(s for _, _, s in reports) > DEADLINE:
-        problems.append(f"a rank took {max(s for _, _, s in reports):.1f}s to exit")
     if (sorted(os.listdir(folder)), _digest(path)) != before:
         problems.append(f"files changed: {before[0]} -> {sorted(os.listdir(folder))}, or the input")
     return problems
