@@ -1,13 +1,18 @@
 """The slurm/ scripts on a real single-host Slurm cluster, and the shipped job specs.
 
-The cluster: Debian's slurm-wlm and munge (installed here with apt-get when `slurmctld` is missing:
-CI's machine is a fresh root Debian with apt), munged + slurmctld + slurmd on localhost with every
-file (slurm.conf, gres.conf, key, state, spool, logs) under a temporary directory and free ports,
-started by the module fixture and stopped (by process id) at its teardown. One real node of 2 CPUs
-(`cpu` partition, default) runs the CPU scripts for real with `sbatch`; a `gpu` partition of two
-power-saved CLOUD nodes of 4 fake GPUs each (never started) lets `sbatch --test-only` check the GPU
-scripts' requests against a gres configuration. If Slurm cannot be installed or started, the tests
-fail with the reason (never skip).
+The shipped job specs, docs/jobs.md and the scripts' syntax are checked everywhere (no cluster).
+
+The cluster tests are opt-in: they run only with PRICER_TEST_SLURM=1 (`.ci/run` sets it), and skip
+otherwise, naming the variable, before anything is installed or started — where Slurm is
+installed too. With it: Debian's slurm-wlm (which brings slurmctld and slurmd) and munge,
+installed here with `apt-get` as root when `slurmctld` is missing (CI's machine is a fresh root
+Debian with apt), munged + slurmctld + slurmd on localhost with every file (slurm.conf, gres.conf,
+key, state, spool, logs) under a temporary directory and free ports, started by the module
+fixture and stopped (by process id) at its teardown. One real node of 2 CPUs (`cpu` partition,
+default) runs the CPU scripts for real with `sbatch`; a `gpu` partition of two power-saved CLOUD
+nodes of 4 fake GPUs each (never started) lets `sbatch --test-only` check the GPU scripts'
+requests against a gres configuration. Once opted in, if Slurm cannot be installed or started,
+the tests fail with the reason (never skip).
 """
 
 from __future__ import annotations
@@ -30,6 +35,21 @@ from tests.helpers import BIN, ROOT, env as base_env, run_pricer
 SLURM = ROOT / "slurm"
 JOBS = ROOT / "jobs"
 APT_PACKAGES = ["slurm-wlm", "munge"]
+OPT_IN = "PRICER_TEST_SLURM"
+SKIP_REASON = (f"real-Slurm tests are opt-in: set {OPT_IN}=1 to run them (they start munged, "
+               f"slurmctld and slurmd on this host and, where slurmctld is missing, install "
+               f"{' and '.join(APT_PACKAGES)} (slurmctld, slurmd) with apt-get as root)")
+
+
+def _opted_in() -> bool:
+    return os.environ.get(OPT_IN, "") not in ("", "0")
+
+
+def _require_opt_in() -> None:
+    """Skip a cluster test unless PRICER_TEST_SLURM is set: decided before anything is installed
+    or started, whether Slurm is installed or not."""
+    if not _opted_in():
+        pytest.skip(SKIP_REASON)
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
         "DEADLINE", "PREEMPTED"}
 
@@ -81,15 +101,6 @@ def test_docs_jobs_lists_every_shipped_job():
         assert f"| `jobs/{path.name}` |" in text, f"docs/jobs.md's table of shipped jobs lacks {path.name}"
 
 
-def test_docs_jobs_lists_every_key():
-    from pricer.io.jobs import KEYS
-
-    text = (ROOT / "docs" / "jobs.md").read_text()
-    for table, keys in KEYS.items():
-        for key in keys - {"generate"}:
-            assert f"| `{table}.{key}` |" in text, f"docs/jobs.md has no row for {table}.{key}"
-
-
 @pytest.mark.parametrize("table,key", [("portfolio", "colour"), ("portfolio.generate", "size"),
                                        ("pricing", "engine"), ("output", "compress")])
 def test_unknown_job_keys_refused_by_name(tmp_path, table, key):
@@ -117,6 +128,45 @@ def test_scripts_parse(script):
     proc = subprocess.run(["bash", "-n", str(SLURM / script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert os.access(SLURM / script, os.X_OK), f"{script} is not executable"
+
+
+def _cluster_tests() -> list[str]:
+    """This module's tests that need the cluster (they take the `cluster` fixture)."""
+    import inspect
+
+    return [name for name, f in sorted(globals().items()) if name.startswith("test_")
+            and callable(f) and "cluster" in inspect.signature(f).parameters]
+
+
+@pytest.mark.parametrize("slurm", ["missing", "installed"])
+def test_cluster_tests_are_opt_in(tmp_path, slurm):
+    """Without PRICER_TEST_SLURM the cluster tests skip, naming it, and nothing is installed or
+    started: with Slurm missing, no apt-get; with Slurm installed, no daemon. The cluster tests
+    alone in a pytest of their own, with stand-ins first on PATH (apt-get; and slurmctld,
+    slurmd, munged, sbatch where Slurm is "installed") that record every call, and any real
+    Slurm off PATH."""
+    names = _cluster_tests()
+    assert len(names) >= 10, names
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    slurm_commands = ["slurmctld", "slurmd", "munged", "sbatch"]
+    for name in ["apt-get"] + (slurm_commands if slurm == "installed" else []):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexit 1\n')
+        stub.chmod(0o755)
+    path = [str(bin_dir)] + [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and
+                             not any(os.path.exists(os.path.join(d, c)) for c in slurm_commands)]
+    environ = {k: v for k, v in os.environ.items() if k != OPT_IN and not k.startswith("PYTEST_")}
+    environ["PATH"] = os.pathsep.join(path)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-q", "-p", "no:cacheprovider",
+                           *(f"tests/test_slurm.py::{name}" for name in names)],
+                          capture_output=True, text=True, timeout=300, env=environ, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    summary = re.search(r"^(\d+) skipped in ", proc.stdout, re.M)   # and nothing else
+    assert summary and int(summary.group(1)) >= len(names), out
+    assert SKIP_REASON in " ".join(out.split()), out          # -rs may wrap the reason
+    assert not calls.exists(), calls.read_text()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,6 +315,7 @@ PartitionName=gpu Nodes=gpunode[1-2] MaxTime=INFINITE State=UP
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    _require_opt_in()              # first: no apt-get, no daemon without the opt-in
     report = []
     log = report.append
     t0 = time.perf_counter()
@@ -281,13 +332,13 @@ def cluster(tmp_path_factory):
         c.start("munged", ["munged", "-F", "--force", f"--key-file={key}",
                            f"--socket={root}/munge/munge.socket", f"--pid-file={root}/munge/munged.pid",
                            f"--seed-file={root}/munge/seed", f"--log-file={root}/log/munged.log"])
-        _wait_for(lambda: (root / "munge" / "munge.socket").exists(), 10, c, "munged's socket")
+        _wait_for(lambda: (root / "munge" / "munge.socket").exists(), 120, c, "munged's socket")
         c.start("slurmctld", ["slurmctld", "-D", "-c", "-i"])
-        _wait_for(lambda: c.slurm("scontrol", "ping", check=False).returncode == 0, 30, c,
+        _wait_for(lambda: c.slurm("scontrol", "ping", check=False).returncode == 0, 120, c,
                   "slurmctld to answer `scontrol ping`")
         c.start("slurmd", ["slurmd", "-D", "-N", "localnode"])
         _wait_for(lambda: c.slurm("sinfo", "-h", "-n", "localnode", "-o", "%T",
-                                  check=False).stdout.strip() == "idle", 30, c, "localnode to be idle")
+                                  check=False).stdout.strip() == "idle", 120, c, "localnode to be idle")
         log(f"cluster up (install included) in {time.perf_counter() - t0:.1f}s")
         c.report = report
         yield c
@@ -335,7 +386,9 @@ def job_dirs(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """SMALL_JOB priced by the serial engine on one process, without Slurm."""
+    """SMALL_JOB priced by the serial engine on one process, without Slurm (for the cluster
+    tests: opt-in too)."""
+    _require_opt_in()
     d = tmp_path_factory.mktemp("reference")
     (d / "job.toml").write_text(SMALL_JOB)
     proc = run_pricer(["run", "job.toml", "--backend", "serial"], cwd=d)
@@ -352,13 +405,15 @@ def _finished(c: Cluster, job_id: str, submit: Path, state="COMPLETED", code="0:
 
 
 def test_cpu_script_srun(cluster, job_dirs, reference):
-    """srun --mpi=pmi2 starts the venv's mpich ranks; results beside the job spec, bitwise serial."""
+    """srun --mpi=pmi2 starts the venv's mpich ranks; the job spec's relative paths are taken from
+    the submit directory (as `pricer run`'s from where it starts), results bitwise serial."""
     job, submit = job_dirs
     jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=submit, extra_env=_venv_env())
     text = _finished(cluster, jid, submit)
     assert "launcher srun" in text and "priced 400 options" in text and "on 2 rank(s)" in text, text
-    assert sorted(p.name for p in job.iterdir()) == ["book.h5", "job.toml", "results.h5"]
-    assert np.array_equal(_prices(job / "results.h5"), reference)
+    assert sorted(p.name for p in job.iterdir()) == ["job.toml"]
+    assert {"book.h5", "results.h5"} <= {p.name for p in submit.iterdir()}
+    assert np.array_equal(_prices(submit / "results.h5"), reference)
 
 
 def test_cpu_script_mpiexec_and_flag_overrides(cluster, job_dirs, reference):
@@ -368,13 +423,13 @@ def test_cpu_script_mpiexec_and_flag_overrides(cluster, job_dirs, reference):
                          cwd=submit, extra_env=dict(_venv_env(), PRICER_LAUNCHER="mpiexec"))
     text = _finished(cluster, jid, submit)
     assert "launcher mpiexec" in text and "wrote counted.h5" in text and "on 2 rank(s)" in text, text
-    assert not (job / "results.h5").exists()
-    assert np.array_equal(_prices(job / "counted.h5"), reference)
+    assert not (submit / "results.h5").exists() and not (job / "counted.h5").exists()
+    assert np.array_equal(_prices(submit / "counted.h5"), reference)
 
 
 def _cpu_job(cluster, tmp_path, job_toml: str) -> str:
-    """tmp_path/job/job.toml (the book already in tmp_path/job) submitted with cpu.sbatch from
-    tmp_path/submit; its output once it completed."""
+    """tmp_path/job/job.toml (the book already in tmp_path/submit, where its relative paths are
+    taken from) submitted with cpu.sbatch from tmp_path/submit; its output once it completed."""
     (tmp_path / "job" / "job.toml").write_text(job_toml)
     jid = cluster.sbatch(SLURM / "cpu.sbatch", "../job/job.toml", cwd=tmp_path / "submit",
                          extra_env=_venv_env())
@@ -392,12 +447,12 @@ def test_implied_vol_job_under_srun(cluster, tmp_path):
     (tmp_path / "submit").mkdir()
     book = generate("random", 300, seed=12, min_steps=16, max_steps=400)
     with_market_prices(book)
-    write_portfolio(str(tmp_path / "job" / "book.h5"), book)
+    write_portfolio(str(tmp_path / "submit" / "book.h5"), book)
     text = _cpu_job(cluster, tmp_path,
                     '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\n'
                     'task = "implied-vol"\n\n[output]\npath = "iv.h5"\n')
     assert "solved the implied volatilities of 300 options" in text and "on 2 rank(s)" in text
-    got = read_results(str(tmp_path / "job" / "iv.h5"))
+    got = read_results(str(tmp_path / "submit" / "iv.h5"))
     columns = {name: getattr(book, name) for name in ("id", "spot", "strike", "maturity", "rate",
                                                       "dividend", "steps", "call", "american",
                                                       "market_price")}
@@ -418,13 +473,13 @@ def test_scenario_grid_job_under_srun(cluster, tmp_path):
     (tmp_path / "job").mkdir()
     (tmp_path / "submit").mkdir()
     book = generate("random", 120, seed=13, min_steps=16, max_steps=300)
-    write_portfolio(str(tmp_path / "job" / "book.h5"), book)
+    write_portfolio(str(tmp_path / "submit" / "book.h5"), book)
     text = _cpu_job(cluster, tmp_path,
                     '[portfolio]\npath = "book.h5"\n\n[pricing]\nbackend = "cpu"\n\n'
                     '[output]\npath = "grid.h5"\n\n[scenarios]\nspot = "-0.1:0.1:3"\n'
                     'volatility = [-0.02, 0.05]\ndays = [0, 7]\n')
     assert "12 scenarios" in text and "on 2 rank(s)" in text, text
-    got = read_results(str(tmp_path / "job" / "grid.h5"))
+    got = read_results(str(tmp_path / "submit" / "grid.h5"))
     columns = {name: getattr(book, name) for name in ("id", "spot", "strike", "maturity", "rate",
                                                       "dividend", "volatility", "steps", "call",
                                                       "american")}
@@ -445,12 +500,12 @@ def test_bond_book_job_under_srun(cluster, tmp_path):
 
     (tmp_path / "job").mkdir()
     (tmp_path / "submit").mkdir()
-    write_dataset(str(tmp_path / "job" / "bonds.h5"), "S2", 200, seed=4)
+    write_dataset(str(tmp_path / "submit" / "bonds.h5"), "S2", 200, seed=4)
     text = _cpu_job(cluster, tmp_path, '[portfolio]\npath = "bonds.h5"\n\n[pricing]\n'
                     'backend = "cpu"\n\n[output]\npath = "b.h5"\n')
     assert "priced 200 bond options" in text and "on 2 rank(s)" in text
-    got = read_results(str(tmp_path / "job" / "b.h5"))["bonds"]
-    want = pricer.price_bonds(str(tmp_path / "job" / "bonds.h5"))
+    got = read_results(str(tmp_path / "submit" / "b.h5"))["bonds"]
+    want = pricer.price_bonds(str(tmp_path / "submit" / "bonds.h5"))
     assert np.array_equal(got["price"], want["price"].to_numpy())
 
 
@@ -527,7 +582,7 @@ def test_a_requeued_job_continues_from_its_checkpoint(cluster, job_dirs, referen
     assert text.count("pricer-slurm: job") == 2, text           # both attempts in one log
     assert "from the checkpoint)" in text, text
     assert "Traceback" not in text, text
-    assert np.array_equal(_prices(job / "results.h5"), reference)
+    assert np.array_equal(_prices(submit / "results.h5"), reference)
 
 
 def _attempts(submit: Path, job_id: str) -> int:
