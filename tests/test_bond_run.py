@@ -291,3 +291,32 @@ def test_bond_book_on_the_gpu_under_mpi(tmp_path, book):
     ref = want.price.to_numpy()
     err = np.abs(got["bonds"]["price"] - ref) / np.maximum(np.abs(ref), 1.0)
     assert err.max() <= 1e-12
+
+
+def test_the_trees_spacing_is_a_run_setting(tmp_path, book):
+    """--bond-spacing (and a job's pricing.bond_spacing): the exact variance by default, Hull and
+    White's sigma sqrt(3 dt) by choice, bitwise pricer.price_bonds' prices of the same spacing
+    under mpiexec -n 2, recorded in the results; an unknown name is refused by name."""
+    import pricer
+    path, want = book
+    old = pricer.price_bonds(str(path), spacing="sqrt-dt")
+    assert not np.array_equal(old["price"].to_numpy(), want["price"].to_numpy())
+    for flags, expected, name in (([], want, "variance"),
+                                  (["--bond-spacing", "sqrt-dt"], old, "sqrt-dt")):
+        out = tmp_path / f"{name}.h5"
+        run = run_pricer(["price", path, "-o", out, "--backend", "cpu", "--quiet", *flags],
+                         ranks=2, timeout=300)
+        assert run.returncode == 0, run.stderr
+        got = read_results(out)
+        assert got["bonds"]["price"].tobytes() == expected["price"].to_numpy().tobytes()
+        assert got["attrs"]["bond_spacing"] == name
+    job = tmp_path / "job.toml"
+    job.write_text(f'[portfolio]\npath = "{path}"\n[pricing]\nbackend = "cpu"\n'
+                   f'bond_spacing = "sqrt-dt"\n[output]\npath = "{tmp_path / "job.h5"}"\n')
+    assert run_pricer(["run", job, "--quiet"]).returncode == 0
+    assert read_results(tmp_path / "job.h5")["bonds"]["price"].tobytes() == \
+        old["price"].to_numpy().tobytes()
+    job.write_text(job.read_text().replace('"sqrt-dt"', '"exact"'))
+    bad = run_pricer(["run", job])
+    assert bad.returncode == 2 and "pricing.bond_spacing must be one of variance, sqrt-dt, got " \
+        "'exact'" in bad.stderr, bad.stderr

@@ -121,7 +121,8 @@ def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_
     """Ranks on one kernel cache: a process compiles a cubin only while it holds the cubin's
     flock (another that holds it makes it wait, or with wait=False pass it by), and one that holds
     it past LOCK_WAIT_SECONDS (a hung nvcc) does not hold the others' start: they compile without
-    it."""
+    it, once they have waited LOCK_WAIT_SECONDS (patched to 0.2 s: the default, 300 s, is past the
+    120 s this waits before calling it a hang)."""
     import fcntl
     import threading
     import time
@@ -145,14 +146,23 @@ def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_
     assert entered == []                      # waits for the holder
     released = time.monotonic()
     holder.close()                            # releases the lock
-    waiting.join(5)
+    waiting.join(120)                         # against a hang, not on speed
     assert entered and entered[0] >= released
 
     holder = open(path.with_suffix(".lock"), "a")
     fcntl.flock(holder, fcntl.LOCK_EX)        # a holder that never lets go
     monkeypatch.setattr(runtime, "LOCK_WAIT_SECONDS", 0.2)
-    start = time.monotonic()
-    with runtime._compiling(path):
-        waited = time.monotonic() - start
-    assert 0.2 <= waited < 3
+    outwaited = []
+
+    def outwait():
+        start = time.monotonic()
+        with runtime._compiling(path) as held:
+            outwaited.append((held, time.monotonic() - start))
+
+    thread = threading.Thread(target=outwait, daemon=True)
+    thread.start()
+    thread.join(120)                          # against a hang: still waiting then is one
     holder.close()
+    assert outwaited, "still waiting for the stuck holder after 120 s"
+    held, waited = outwaited[0]
+    assert held is True and 0.2 <= waited     # compiles without the lock, after the wait

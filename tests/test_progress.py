@@ -19,7 +19,6 @@ import pytest
 from helpers import env, mpiexec, pricer_command
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.run.progress import choose_mode, period, progress_line
-from pricer.tools.scaling import parse_summary
 
 RANKS = 3
 LINE = re.compile(r"^pricer: progress (\d+)% \((\S+) of (\S+) nodes, (\d+) of (\d+) chunks, "
@@ -116,9 +115,10 @@ def test_log_lines_fed_by_every_rank(runs):
     assert total >= 3 * RANKS, lines
     # stdout: the summary alone, as `pricer scaling` parses it
     assert "pricer: progress" not in stdout
-    summary = parse_summary(stdout)
-    assert summary["options"] == 150 and summary["ranks"] == RANKS and "compute" in summary, stdout
-    assert float(parsed[-1].group(2)) == pytest.approx(summary["nodes"], rel=0.05)
+    summary = re.search(r"^priced (\d+) options \(([\d.e+]+) nodes\) on (\d+) rank", stdout, re.M)
+    assert summary and int(summary.group(1)) == 150 and int(summary.group(3)) == RANKS, stdout
+    assert "stages: " in stdout and "compute" in stdout, stdout
+    assert float(parsed[-1].group(2)) == pytest.approx(float(summary.group(2)), rel=0.05)
 
 
 def test_quiet_prints_nothing(runs):

@@ -13,11 +13,12 @@ from pricer.tools.generate import generate
 from pricer.model.cost import option_cost
 from pricer.io.portfolio import write_portfolio
 from pricer.io.results import read_results
-from pricer.tools.scaling import (SIM_COLUMNS, SIM_PARTITIONERS, STAGES, add_speedup,
-                                  launcher_command, main, parse_ranks, parse_summary,
-                                  simulate_rows)
+from pricer.run.driver import STAGES
+from pricer.tools.scaling import (add_speedup, launcher_command, main, parse_ranks,
+                                  read_summary)
+from pricer.tools.scaling_simulate import SIM_COLUMNS, SIM_PARTITIONERS, simulate_rows
 
-from helpers import mpiexec
+from helpers import mpiexec, run_pricer
 
 RANKS = [1, 2, 7, 64, 512, 4096]
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -89,7 +90,7 @@ def test_strong_scaling_run(tmp_path, monkeypatch):
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[0]["efficiency"]) == 1.0
     for r in rows:
         assert 0 < float(r["efficiency"]) <= 1.5
-        assert float(r["wall"]) > 0 and int(r["options"]) == 300
+        assert float(r["wall"]) > 0 and int(r["instruments"]) == 300
         assert float(r["compute_min"]) <= float(r["compute_mean"]) <= float(r["compute_max"])
         assert float(r["compute"]) <= float(r["wall"])
     assert "| ranks | wall s |" in (out / "scaling.md").read_text()
@@ -106,7 +107,7 @@ def test_the_limiting_stage_is_the_one_furthest_from_perfect_scaling():
     def row(ranks, wall, read, compute, launch):
         stages = dict.fromkeys(STAGES, 0.0)
         stages.update(read=read, compute=compute)
-        return dict(stages, ranks=ranks, wall=wall, launch_wall=launch)
+        return dict(stages, stages=list(stages), ranks=ranks, wall=wall, launch_wall=launch)
     rows = [row(1, 10.0, 1.0, 9.0, 11.0), row(2, 5.5, 1.0, 4.5, 6.5)]
     add_speedup(rows)
     assert rows[0]["limiting"] == "" and rows[1]["limiting"] == "read"
@@ -133,7 +134,7 @@ def test_strong_scaling_of_a_book_that_exists(tmp_path, monkeypatch):
     assert main([str(tmp_path / "book.csv"), "--ranks", "1,2", "--out", str(out), "--launcher",
                  mpiexec(), "--backend", "cpu", "--no-warmup", "--timeout", "120"]) == 0
     rows = read_csv(out / "scaling.csv")
-    assert [int(r["ranks"]) for r in rows] == [1, 2] and int(rows[1]["options"]) == 200
+    assert [int(r["ranks"]) for r in rows] == [1, 2] and int(rows[1]["instruments"]) == 200
     assert rows[0]["limiting"] == "" and rows[1]["limiting"] in STAGES
     assert "limited by" in (out / "scaling.md").read_text()
     assert (tmp_path / "book.csv").read_bytes() == before
@@ -165,17 +166,72 @@ def test_missing_inputs_exit_2(tmp_path, capsys):
     assert main([str(bad), "--ranks", "1", "--repeats", "0", "--out", str(tmp_path / "o")]) == 2
 
 
+def test_read_summary_counts_a_mixed_files_bonds(tmp_path):
+    """A file of options and bond options: the bond run's wall is a stage of its own, before the
+    options' stages; instruments, nodes and each rank's compute seconds add up."""
+    import json
+    record = {"family": "options", "task": "price", "instruments": 300, "nodes": 4.5e6,
+              "ranks": 2, "backend": "cpu", "wall": 0.5,
+              "stages": {"read": 0.1, "compute": 0.3, "write": 0.1}, "rank_seconds": [0.3, 0.25],
+              "threads": [1, 1], "reused": 0,
+              "bonds": {"family": "bonds", "task": "price", "instruments": 20, "nodes": 1e6,
+                        "ranks": 2, "backend": "cpu", "wall": 0.25,
+                        "stages": {"plan": 0.05, "compute": 0.2}, "rank_seconds": [0.2, 0.1],
+                        "threads": [1, 1], "reused": 0}}
+    (tmp_path / "s.json").write_text(json.dumps(record))
+    got = read_summary(str(tmp_path / "s.json"))
+    assert list(got["stages"]) == ["bonds", "read", "compute", "write"]
+    assert got["wall"] == 0.75 and got["instruments"] == 320 and got["nodes"] == 5.5e6
+    assert got["rank_seconds"].tolist() == [0.5, 0.35] and got["ranks"] == 2
+
+
 def test_parse_helpers():
     assert parse_ranks("4, 1,2,2") == [1, 2, 4]
-    text = ("wrote x.h5\npriced 300 options (4.5e+06 nodes) on 2 rank(s) with backend cpu in "
-            "0.512s (8.79e+06 nodes/s)\nstages: read 0.010s, distribute 0.001s, compute 0.480s, "
-            "gather 0.002s, write 0.019s")
-    got = parse_summary(text)
-    assert got == {"options": 300, "nodes": 4.5e6, "ranks": 2, "wall": 0.512, "read": 0.010,
-                   "distribute": 0.001, "compute": 0.480, "gather": 0.002, "write": 0.019}
-    greeks = "priced 3 options with Greeks and Richardson extrapolation (15 nodes) on 1 rank(s) with backend cpu in 1.000s (15 nodes/s)"
-    assert parse_summary(greeks)["wall"] == 1.0
     assert launcher_command(None, {"SLURM_JOB_ID": "42"}) == ["srun", "--kill-on-bad-exit=1"]
     assert launcher_command("mpirun --oversubscribe", {"SLURM_JOB_ID": "42"}) == ["mpirun",
                                                                                   "--oversubscribe"]
     assert launcher_command(None, {})[0].endswith(("mpiexec", "mpirun"))
+
+
+@pytest.mark.parametrize("family", ["bonds", "implied-vol"])
+def test_strong_scaling_of_every_family_and_task(tmp_path, monkeypatch, family):
+    """A book of bond options (`pricer price`) and an implied-volatility job (`pricer run`, task
+    implied-vol) scale as option books do: the stages each run reports (a bond run's plan, read,
+    compute, gather, write) in the CSV and the table, the limiting one named, every instrument
+    counted; read from each run's --summary-json, not from the text it prints."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if family == "bonds":
+        from pricer.tools.bond_datasets import write_dataset
+        write_dataset(str(tmp_path / "bonds.h5"), "R1", 120, 3, False)
+        given, stages, count = str(tmp_path / "bonds.h5"), ("plan", "read", "compute"), 120
+    else:
+        (tmp_path / "job.toml").write_text(
+            '[portfolio]\npath = "market.h5"\n[pricing]\nbackend = "cpu"\ntask = "implied-vol"\n'
+            '[output]\npath = "never-written.h5"\n')
+        proc = run_pricer(["generate", "--dist", "random", "--count", "200", "--max-steps", "200",
+                           "--market-prices", "-o", tmp_path / "market.h5"])
+        assert proc.returncode == 0, proc.stderr
+        given, stages, count = str(tmp_path / "job.toml"), STAGES, 200
+    out = tmp_path / "out"
+    assert main([given, "--ranks", "1,2", "--out", str(out), "--launcher", mpiexec(),
+                 "--backend", "cpu", "--no-warmup", "--timeout", "300"]) == 0
+    rows = read_csv(out / "scaling.csv")
+    assert [int(r["ranks"]) for r in rows] == [1, 2]
+    assert all(int(r["instruments"]) == count for r in rows)
+    for stage in stages:
+        assert stage in rows[0] and float(rows[1][stage]) >= 0, rows[1]
+    assert rows[1]["limiting"] in stages or rows[1]["limiting"] in ("gather", "write")
+    table = (out / "scaling.md").read_text()
+    assert all(f"{stage} s" in table for stage in stages)
+    assert not (tmp_path / "never-written.h5").exists()
+
+
+def test_a_refused_scaling_run_makes_no_folder(tmp_path):
+    """Bad input is refused before `--out` is made (a FIFO as the book, a missing book)."""
+    import os
+    os.mkfifo(tmp_path / "book.h5")
+    assert main([str(tmp_path / "book.h5"), "--ranks", "1", "--out", str(tmp_path / "o")]) == 2
+    assert main([str(tmp_path / "book.h5"), "--simulate", "--ranks", "1",
+                 "--out", str(tmp_path / "p")]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["book.h5"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from pricer import __version__
+from pricer import __version__, compiling
 from pricer.engines import get_bond_engine, resolve_backend, set_local_rank
 from pricer.errors import InputError, OutputError, first_ids
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
@@ -45,7 +45,7 @@ from pricer.model.validity import reasons_text
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, gather_rows,
                                     node_ranks, verdict)
-from pricer.run.config import configure_threads, kept
+from pricer.run.config import configure_threads, kept, threads_text
 from pricer.run.plan import claim
 from pricer.run.progress import Progress
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
@@ -69,16 +69,23 @@ class BondResults:
     seconds: dict = field(default_factory=dict)
     reused: int = 0             # read back from the checkpoint
     notes: list = field(default_factory=list)
+    rank_seconds: list = field(default_factory=list)    # each rank's compute stage
+    threads: list = field(default_factory=list)         # each rank's CPU threads
+    spacing: str = "variance"   # the trees' node spacing (hw1f.SPACINGS)
 
     def table(self) -> dict:
         """The results' columns (write_results' bonds)."""
         return {"id": self.ids, "price": self.price, "status": self.status}
 
+    @property
+    def wall(self) -> float:
+        return sum(self.seconds.values())
+
     def lines(self) -> list[str]:
         stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
-        wall = sum(self.seconds.values())
         lines = [f"priced {int((self.status == 0).sum())} bond options ({self.nodes:.4g} tree "
-                 f"nodes) on {self.ranks} rank(s) with backend {self.backend} in {wall:.3f}s"
+                 f"nodes) on {self.ranks} rank(s){threads_text(self.threads)} with backend "
+                 f"{self.backend} in {self.wall:.3f}s"
                  + (f" ({self.reused} of them from the checkpoint)" if self.reused else ""),
                  f"bond stages: {stages}"]
         skipped = int((self.status != 0).sum())
@@ -86,6 +93,14 @@ class BondResults:
             lines.append(f"--invalid skip: {skipped} of {self.status.size} bond options not "
                          f"priced ({reasons_text(self.status, bond_book.REASONS)})")
         return lines + self.notes
+
+    def record(self) -> dict:
+        """The summary as data (RunSummary.record's keys)."""
+        return {"family": "bonds", "task": "price", "instruments": int(self.ids.size),
+                "nodes": self.nodes, "ranks": self.ranks, "backend": self.backend,
+                "wall": self.wall, "stages": dict(self.seconds),
+                "rank_seconds": list(self.rank_seconds), "threads": list(self.threads),
+                "reused": self.reused}
 
 
 @dataclass
@@ -134,6 +149,7 @@ def _make_plan(cfg, size: int, node_ranks: int, digest, folder: str | None) -> _
         settings = {"pricer": __version__, "family": "bond_options",
                     "backend": resolve_backend(cfg.backend), "chunks": int(grid.size - 1),
                     "chunk_nodes": float(chunk_nodes), "chunk_rows": int(chunk_rows),
+                    "spacing": cfg.bond_spacing,
                     **({"invalid": "skip"} if cfg.invalid == "skip" else {})}
         if checkpoint.open(digest.result(), settings):
             done, failed = checkpoint.done(grid, len(OUTPUTS))
@@ -181,8 +197,7 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     """Price the book of cfg.input's /bond_options on every rank of comm (module doc); rank 0
     gets the results, the others None. Bad input makes every rank exit 2 (BadInput)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    seconds = {}
-    t = time.perf_counter()
+    clock = compiling.StageClock()     # a first run's compile a stage of its own
     # rank 0 plans while every rank starts its engine (a GPU's context and kernels)
     with ThreadPoolExecutor(max_workers=1) as pool:
         planned = pool.submit(attempt, lambda: _make_plan(cfg, size, node_ranks, digest, folder)) \
@@ -197,23 +212,19 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
         raise failure
     grid, todo, bounds = (bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
                           for name in ("grid", "todo", "bounds"))
-    seconds["plan"] = time.perf_counter() - t
-
-    t = time.perf_counter()
+    clock.lap("plan")
     read, status, message, failure = attempt(
         lambda: _own_rows(cfg, grid, todo[bounds[rank]:bounds[rank + 1]]))
     verdict(comm, status, message)
     if failure is not None:
         raise failure
     book, chunks = read
-    seconds["read"] = time.perf_counter() - t
-
-    t = time.perf_counter()
+    clock.lap("read")
     # the ranks' chunks: rank r's are todo[bounds[r]:bounds[r + 1]] (the chunks as the "rows")
     tracker = Progress(comm, cfg.progress, np.arange(todo.size + 1), bounds,
                        plan.nodes if rank == ROOT else 0.0)
     values, nodes, waited = _compute(comm, cfg, book, chunks, engine, folder, tracker)
-    seconds["compute"] = time.perf_counter() - t
+    compute_seconds = clock.lap("compute")
     # a tree that gives no finite value (the bounds of check_columns should make it unreachable):
     # skipped with its status, or the run refused by every rank together (no rank left waiting)
     mine = np.concatenate([book.id[a:b] for a, b, _ in chunks]) if chunks else np.zeros(0, int)
@@ -222,13 +233,14 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     if failure is not None:
         raise failure
     waits = comm.gather(waited, root=ROOT)
-
-    t = time.perf_counter()
+    threads = numba.get_num_threads()
+    ranks = comm.gather((compute_seconds, threads), root=ROOT)
+    clock.restart()
     lengths = np.diff(grid)[todo]
     rows = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)[bounds]
     full = gather_rows(comm, values, rows)
     total = comm.reduce(nodes, root=ROOT)
-    seconds["gather"] = time.perf_counter() - t
+    clock.lap("gather")
     if rank != ROOT:
         return None
     n = plan.ids.size
@@ -244,7 +256,9 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
                            "for their chunks' trees (built beside the GPU)"]
                           if engine.uses_gpu else [])
     return BondResults(plan.ids, out[:, 0], status, 2.0 * float(total), size,
-                       resolve_backend(cfg.backend), seconds, reused, notes)
+                       resolve_backend(cfg.backend), clock.result(), reused, notes,
+                       rank_seconds=[r[0] for r in ranks], threads=[r[1] for r in ranks],
+                       spacing=cfg.bond_spacing)
 
 
 class _InTurn:
@@ -312,7 +326,8 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
         if not keep.size:
             return keep, None
         return keep, bond_book.tree_parameters({key: v[keep] for key, v in book.columns.items()},
-                                               book.curves, buffers=storage, fill=not fills)
+                                               book.curves, buffers=storage, fill=not fills,
+                                               spacing=cfg.bond_spacing)
 
     # a GPU's next chunk's trees are built on a thread while it prices this one (a CPU engine
     # has the cores itself: its chunks' trees are built in turn, on the same thread)
@@ -386,7 +401,7 @@ def price_file_bonds(cfg, comm, with_options: bool):
     rank = comm.Get_rank()
     ranks_here, local_rank = node_ranks(comm)
     set_local_rank(local_rank)
-    configure_threads(cfg.threads, ranks_here)
+    configure_threads(cfg.threads, ranks_here, warn=rank == ROOT and cfg.progress)
     locks, digest = [], None
 
     def refuse_options_only_settings():
@@ -445,5 +460,5 @@ def _write_bonds(cfg, results, digest, size: int, wall: float) -> None:
 
 def bond_attrs(results) -> dict:
     """The provenance a results file adds for its bond options."""
-    return {"bond_backend": results.backend,
+    return {"bond_backend": results.backend, "bond_spacing": results.spacing,
             "bond_status_reasons": json.dumps({str(k): v for k, v in bond_book.REASONS.items()})}

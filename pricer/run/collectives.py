@@ -7,6 +7,10 @@ exit 2 together with one message (rank 0 prints the lowest failing rank's); anyt
 aborts the whole job (the CLI installs an excepthook that calls MPI Abort), so no rank is ever left
 waiting. Arrays move as MPI.DOUBLE rows of a committed contiguous type (counts stay far below 2^31
 rows), C-contiguous float64 only: explicit buffer specs are trusted blindly by MPI.
+
+A process that no launcher started (no mpiexec, mpirun or srun environment) is a run of one rank:
+it never initialises MPI (world(): Open MPI's singleton MPI_Init alone took ~0.5 s of every such
+command), and its communicator is Alone, which does what a world of one rank does.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import os
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from pricer.errors import InputError
 
 ROOT = 0
+# what a launcher sets in each rank's environment: MPICH's hydra and Intel MPI (PMI_*), Open MPI
+# (OMPI_*), PMIx launchers (PMIX_*), Slurm's srun (SLURM_STEP_ID with SLURM_STEP_NUM_TASKS)
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "PMIX_SIZE")
 
 
 class BadInput(SystemExit):
@@ -27,6 +33,89 @@ class BadInput(SystemExit):
 
     def __init__(self, code: int = 2):
         super().__init__(code)
+
+
+class _Done:
+    """A nonblocking request that has completed."""
+
+    def Test(self) -> bool:
+        return True
+
+    def Wait(self) -> None:
+        pass
+
+
+class Alone:
+    """The communicator of a run of one rank that MPI was not started for: mpi4py's calls that a
+    world of one rank answers without communicating (a collective is a copy, a barrier returns)
+    and nothing else (a point-to-point call has no one to talk to, so it is absent: the run's
+    code makes none at one rank)."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def Barrier(self) -> None:
+        pass
+
+    def Ibarrier(self) -> _Done:
+        return _Done()
+
+    def Bcast(self, buf, root: int = ROOT) -> None:
+        pass
+
+    def bcast(self, obj, root: int = ROOT):
+        return obj
+
+    def gather(self, obj, root: int = ROOT) -> list:
+        return [obj]
+
+    def allgather(self, obj) -> list:
+        return [obj]
+
+    def reduce(self, obj, op=None, root: int = ROOT):
+        return obj
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        np.copyto(np.asarray(recvbuf).reshape(np.shape(sendbuf)), sendbuf)
+
+    def Gather(self, sendbuf, recvbuf, root: int = ROOT) -> None:
+        np.copyto(np.asarray(recvbuf).reshape(np.shape(sendbuf)), sendbuf)
+
+    def Split_type(self, split_type=None, key: int = 0, info=None) -> "Alone":
+        return self
+
+    def Dup(self) -> "Alone":
+        return self
+
+    def Free(self) -> None:
+        pass
+
+    def Abort(self, errorcode: int = 1) -> None:
+        os._exit(errorcode)
+
+
+ALONE = Alone()
+
+
+def launched(environ=os.environ) -> bool:
+    """Whether a launcher started this process as a rank of a job (its environment says so)."""
+    return any(environ.get(var) for var in LAUNCHER_VARIABLES) or (
+        "SLURM_STEP_ID" in environ and "SLURM_STEP_NUM_TASKS" in environ)
+
+
+def world():
+    """The run's communicator: MPI's COMM_WORLD where a launcher started this process or MPI is
+    running already (a program of the user's that uses mpi4py), else ALONE, without starting MPI."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        return MPI.COMM_WORLD
+    if not launched():
+        return ALONE
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
 
 
 def launcher_world_size() -> int | None:
@@ -48,6 +137,9 @@ def check_launcher(size: int) -> None:
 
 def node_ranks(comm) -> tuple[int, int]:
     """(ranks on this rank's node, this rank's place among them)."""
+    if comm.Get_size() == 1:
+        return 1, 0
+    from mpi4py import MPI
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return node.Get_size(), node.Get_rank()
@@ -56,6 +148,7 @@ def node_ranks(comm) -> tuple[int, int]:
 
 
 def _row_type(columns: int):
+    from mpi4py import MPI
     row = MPI.DOUBLE.Create_contiguous(columns)
     row.Commit()
     return row
@@ -120,6 +213,9 @@ def distribute(comm, matrix, bounds: np.ndarray, how: str, ncols: int) -> np.nda
     """Each rank's slice of rank 0's (n, ncols) float64 portfolio matrix (rows
     bounds[r]:bounds[r+1]): Scatterv (how="scatter"), or Bcast of all of it (how="bcast")."""
     rank = comm.Get_rank()
+    if comm.Get_size() == 1:
+        return matrix[bounds[0]:bounds[1]]
+    from mpi4py import MPI
     counts = np.diff(bounds)
     row = _row_type(ncols)
     try:
@@ -131,8 +227,7 @@ def distribute(comm, matrix, bounds: np.ndarray, how: str, ncols: int) -> np.nda
             return matrix[bounds[rank]:bounds[rank + 1]]
         if rank == ROOT:       # rank 0's own rows stay where they are (MPI.IN_PLACE): a view
             _check_buffer(matrix)
-            if comm.Get_size() > 1:
-                comm.Scatterv([matrix, counts, bounds[:-1], row], MPI.IN_PLACE, root=ROOT)
+            comm.Scatterv([matrix, counts, bounds[:-1], row], MPI.IN_PLACE, root=ROOT)
             return matrix[bounds[ROOT]:bounds[ROOT + 1]]
         local = np.empty((int(counts[rank]), ncols))
         comm.Scatterv(None, [local, int(counts[rank]), row], root=ROOT)

@@ -9,8 +9,9 @@ any work: a job file's values arrive without argparse's checks, so every key is 
 from __future__ import annotations
 
 import math
-import os
 import numbers
+import os
+import sys
 from dataclasses import dataclass, fields
 
 from pricer.engines import backends, resolve_backend
@@ -55,6 +56,8 @@ class RunConfig:
                               # market price (pricer.model.implied)
     scenarios: dict | None = None  # axis -> shifts (pricer.model.scenarios): every option also
                                    # priced under every combination
+    bond_spacing: str = "variance"  # bond options: the Hull–White trees' node spacing
+                                    # (pricer.model.hw1f.SPACINGS)
 
     # ---- derived settings
     def engine_overrides(self) -> dict:
@@ -118,6 +121,10 @@ class RunConfig:
                 raise InputError(f"{name(key)} must be one of {', '.join(allowed)}, got "
                                  f"{_shown(value)}")
         tree_named(self.tree)   # "unknown tree ...; known trees: ..."
+        from pricer.model.hw1f import SPACINGS
+        if not isinstance(self.bond_spacing, str) or self.bond_spacing not in SPACINGS:
+            raise InputError(f"{name('bond_spacing')} must be one of {', '.join(SPACINGS)}, got "
+                             f"{_shown(self.bond_spacing)}")
         for key in ("overwrite", "greeks", "richardson", "resume", "progress"):
             _require(isinstance(getattr(self, key), bool), name(key), getattr(self, key),
                      "true or false")
@@ -223,9 +230,12 @@ def kept(cfg: RunConfig) -> str:
             "are priced, so that a run that cannot write its results can be finished")
 
 
-def configure_threads(threads: int | None, ranks_here: int) -> int:
+def configure_threads(threads: int | None, ranks_here: int, warn: bool = False) -> int:
     """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe:
-    `threads`, else SLURM_CPUS_PER_TASK, else the cores / the ranks on this node."""
+    `threads`, else SLURM_CPUS_PER_TASK, else the cores this process may run on (its CPU affinity:
+    what taskset, cgroups or the launcher's binding leave it) / the ranks on this node. With
+    `warn`, a warning on stderr where the binding leaves the rank fewer threads than its share of
+    the node's cores (binding_warning)."""
     import numba
 
     if threads is None:
@@ -234,6 +244,35 @@ def configure_threads(threads: int | None, ranks_here: int) -> int:
             threads = int(cpus)
         else:
             threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+            if warn:
+                message = binding_warning(len(os.sched_getaffinity(0)), os.cpu_count() or 1,
+                                          ranks_here)
+                if message:
+                    print(f"pricer: warning: {message}", file=sys.stderr, flush=True)
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(threads)
     return threads
+
+
+def binding_warning(allowed: int, cores: int, ranks_here: int) -> str | None:
+    """Why a rank runs fewer threads than its share of the node (cores / ranks_here): it may run
+    on `allowed` cores only (its CPU affinity); None where the affinity leaves it its share."""
+    share = max(1, cores // ranks_here)
+    threads = max(1, allowed // ranks_here)
+    if threads >= share:
+        return None
+    return (f"this process may run on {allowed} of the node's {cores} cores (its CPU affinity: "
+            f"taskset, a cgroup, or the launcher's binding, e.g. Open MPI's default --bind-to "
+            f"core), so each of the node's {ranks_here} rank(s) runs {threads} thread(s) where "
+            f"{share} would be its share; unbind the ranks (mpirun --bind-to none, srun "
+            f"--cpu-bind=none or --cpus-per-task) or give --threads")
+
+
+def threads_text(threads) -> str:
+    """' (2 threads each)' or ' (1-4 threads)': the ranks' CPU threads, for a run's summary."""
+    if not len(threads):
+        return ""
+    least, most = int(min(threads)), int(max(threads))
+    if least == most:
+        return f" ({least} thread{'s' if least > 1 else ''} each)"
+    return f" ({least}-{most} threads)"

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
+from pricer import compiling
 from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import OutputError
 from pricer.io.bonds import has_bond_options
@@ -34,10 +34,10 @@ from pricer.model.greeks import SCENARIO, Analytics
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
-                                    node_ranks, outcome, verdict)
+                                    node_ranks, outcome, verdict, world)
 from pricer.run.checks import tree_names
 from pricer.run import bond_run
-from pricer.run.config import RunConfig, configure_threads, kept
+from pricer.run.config import RunConfig, configure_threads, kept, threads_text
 from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
                                planned_faults, polite_barrier)
 from pricer.run.plan import Plan, make_plan, plan_own_rows
@@ -61,9 +61,19 @@ class RunSummary:
     reused: int = 0  # options read back from the checkpoint instead of priced
     read_parts: dict = field(default_factory=dict)  # rank 0's read stage, part by part (_agree)
     notes: list = field(default_factory=list)  # e.g. chunks shrunk to fit the GPUs' memory
+    rank_seconds: list = field(default_factory=list)   # each rank's compute stage
+    threads: list = field(default_factory=list)        # each rank's CPU threads
+    bonds: object = None       # the file's bond options' results (bond_run.BondResults), if any
+
+    @property
+    def compile(self) -> float:
+        """Rank 0's seconds of kernel compilation (pricer/compiling.py), apart from its stages."""
+        return self.stages.get("compile", 0.0)
 
     def lines(self) -> list[str]:
-        rate = self.nodes / self.wall if self.wall > 0 else float("nan")
+        # nodes per second of the pricing, not of a first run's compile
+        seconds = self.wall - self.compile
+        rate = self.nodes / seconds if seconds > 0 else float("nan")
         stages = ", ".join(f"{k} {v:.3f}s" for k, v in self.stages.items())
         grid = self.analytics.scenarios
         extras = [what for what, on in (("Greeks", self.analytics.greeks),
@@ -74,7 +84,9 @@ class RunSummary:
             extras += f" ({self.reused} of them from the checkpoint)"
         what = "solved the implied volatilities of" if self.analytics.implied else "priced"
         lines = [f"{what} {self.options} options{extras} ({self.nodes:.4g} nodes) on {self.ranks} "
-                 f"rank(s) with backend {self.backend} in {self.wall:.3f}s ({rate:.3g} nodes/s)",
+                 f"rank(s){threads_text(self.threads)} with backend {self.backend} in "
+                 f"{self.wall:.3f}s ({rate:.3g} nodes/s"
+                 f"{', compile excluded' if self.compile else ''})",
                  f"stages: {stages}"]
         if self.read_parts:
             parts = self.read_parts
@@ -82,6 +94,19 @@ class RunSummary:
                          f"{parts['engine']:.3f}s, device fit {parts['fit']:.3f}s, the ranks' "
                          f"agreement {parts['agree']:.3f}s")
         return lines + list(self.notes)
+
+    def record(self) -> dict:
+        """The summary as data (`--summary-json`, pricer scaling): the family, the counts, the
+        wall, every stage's seconds on rank 0 (compile apart from the others) and each rank's
+        compute seconds; a file's bond options, where it has them, under "bonds"."""
+        out = {"family": "options", "task": "implied-vol" if self.analytics.implied else "price",
+               "instruments": self.options, "nodes": self.nodes, "ranks": self.ranks,
+               "backend": self.backend, "wall": self.wall, "stages": dict(self.stages),
+               "rank_seconds": list(self.rank_seconds), "threads": list(self.threads),
+               "reused": self.reused}
+        if self.bonds is not None:
+            out["bonds"] = self.bonds.record()
+        return out
 
 
 @dataclass
@@ -115,7 +140,7 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     `prepare`, if given, runs on rank 0 first (a job's portfolio generation). A file's bond
     options (/bond_options) are priced first (bond_run.py), then its options, if any; one file
     holds both results (implied volatilities are the options' alone)."""
-    comm = comm or MPI.COMM_WORLD
+    comm = comm or world()
     bonds, notes = None, []
     if prepare is None:
         # every rank expands the paths alike ({array_task}): one verdict if it cannot
@@ -141,15 +166,12 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
 def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     t_start = time.perf_counter()
-    stages = {}
+    # a first run's compile (in the engine's start, beside the plan) is a stage of its own
+    clock = compiling.StageClock()
     agreed = _agree(cfg, comm, prepare)
-    stages["read"] = time.perf_counter() - t_start
-
-    t = time.perf_counter()
+    clock.lap("read")
     local, ids = _share(cfg, comm, agreed)
-    stages["distribute"] = time.perf_counter() - t
-
-    t = time.perf_counter()
+    clock.lap("distribute")
     lo, hi = int(agreed.bounds[rank]), int(agreed.bounds[rank + 1])
     mine = (agreed.cuts >= lo) & (agreed.cuts <= hi)
     chunks = [(int(a) - lo, int(b) - lo, int(c)) for a, b, c in
@@ -161,25 +183,24 @@ def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
     values, engine_name, setup, local_nodes = compute(comm, cfg, local, ids, chunks,
                                                       agreed.started, agreed.chunk_options,
                                                       tracker)
-    stages["setup"], stages["compute"] = setup, time.perf_counter() - t - setup
+    clock.stages["setup"] = setup
+    compute_seconds = clock.lap("compute", less=setup)
 
-    t = time.perf_counter()
     full = gather_rows(comm, values, agreed.bounds)
-    stats = np.array([stages["compute"], local.shape[0], local_nodes, agreed.threads])
+    stats = np.array([compute_seconds, local.shape[0], local_nodes, agreed.threads])
     all_stats = np.empty((size, 4)) if rank == ROOT else None
     comm.Gather(stats, all_stats, root=ROOT)
-    stages["gather"] = time.perf_counter() - t
+    clock.lap("gather")
     if rank != ROOT:
         return None
 
-    t = time.perf_counter()
     plan = agreed.plan
     values = plan.assemble(full)
     _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start,
            provenance(agreed.hosts, agreed.gpus), bonds)
     for lock in plan.locks:
         lock.release()
-    stages["write"] = time.perf_counter() - t
+    clock.lap("write")
     notes = plan.notes + agreed.notes + (bonds.lines() if bonds is not None else [])
     if cfg.implied:
         status = values[:, -1].astype(np.int8)
@@ -191,9 +212,11 @@ def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
         notes.append(f"--invalid skip: {skipped} of {len(status)} options not priced"
                      + (f" ({reasons_text(status)})" if skipped else ""))
     return RunSummary(options=len(plan.input_ids), nodes=float(all_stats[:, 2].sum()), ranks=size,
-                      backend=engine_name, wall=time.perf_counter() - t_start, stages=stages,
+                      backend=engine_name, wall=time.perf_counter() - t_start,
+                      stages=clock.result(),
                       analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
-                      read_parts=agreed.parts, notes=notes)
+                      read_parts=agreed.parts, notes=notes, rank_seconds=all_stats[:, 0].tolist(),
+                      threads=all_stats[:, 3].astype(int).tolist(), bonds=bonds)
 
 
 def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
@@ -264,7 +287,7 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
                                for name in ("bounds", "cuts", "chunk_ids"))
     gpus = [f"{info.name} ({info.device})" if info is not None else ""
             for info in infos] if rank == ROOT else None
-    threads = configure_threads(cfg.threads, ranks_here)
+    threads = configure_threads(cfg.threads, ranks_here, warn=rank == ROOT and cfg.progress)
     parts["agree"] = time.perf_counter() - joined - parts["fit"]
     return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [], threads,
                   bounds, cuts, chunk_ids, hosts, gpus, parts)

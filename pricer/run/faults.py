@@ -27,7 +27,6 @@ import time
 import traceback
 
 import numpy as np
-from mpi4py import MPI
 
 from pricer.files import cleanup, end_process
 
@@ -112,6 +111,7 @@ class FailureWatch:
         self.buffer = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
         self.request = None
         if self.rank == ROOT and comm.Get_size() > 1:
+            from mpi4py import MPI
             self.request = comm.Irecv([self.buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=FAIL_TAG)
 
     def poll(self) -> None:
@@ -144,6 +144,7 @@ class FailureWatch:
         data = np.frombuffer(message.encode("utf-8")[:MESSAGE_BYTES - 1], dtype=np.uint8)
         self.buffer[:] = 0
         self.buffer[:data.size] = data
+        from mpi4py import MPI
         self.comm.Send([self.buffer, MPI.BYTE], dest=ROOT, tag=FAIL_TAG)
         time.sleep(GRACE)  # rank 0 aborts the job meanwhile; if it is stuck, abort it from here
         self._abort(message)

@@ -111,14 +111,10 @@ def available_memory(environ=os.environ, node_ranks: int = 1) -> tuple[float, st
 
 
 def _mem_available() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    """What the kernel says a new process can still take without swapping (psutil: Linux's
+    MemAvailable, and its like elsewhere). A cgroup's own limit is not in it: _cgroup_room."""
+    import psutil
+    return float(psutil.virtual_memory().available)
 
 
 NO_LIMIT = 1 << 60      # cgroup v1 writes "no limit" as a number near 2^63

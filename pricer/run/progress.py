@@ -29,7 +29,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 ROOT = 0
 PROGRESS_TAG = 7718       # FailureWatch uses 7717
@@ -37,6 +36,14 @@ SEND_EVERY = 0.2          # seconds between one rank's messages (its last one al
 DEFAULT_PERIOD = 10.0     # seconds between log lines (PRICER_PROGRESS_SECONDS)
 BAR_DELAY = 1.0           # seconds before a bar appears (no bar for runs shorter than that)
 MODES = ("auto", "bar", "log", "off")
+
+
+def _mpi():
+    """mpi4py.MPI, for the messages of a run of several ranks (one of one rank sends none and
+    never starts MPI: collectives.world)."""
+    from mpi4py import MPI
+    return MPI
+
 LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra", "orterun", "prterun")
 
 
@@ -87,21 +94,18 @@ def terminal_columns(stream) -> int | None:
 
 
 def _launcher_terminal(levels: int = 4) -> str | None:
-    """The terminal device the launcher's stderr is on, if one of our ancestors is an MPI launcher."""
-    pid = os.getppid()
-    for _ in range(levels):
-        if pid <= 1:
-            return None
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-            if name in LAUNCHERS:
-                target = os.readlink(f"/proc/{pid}/fd/2")
+    """The terminal device the launcher's stderr is on, if one of our ancestors (psutil's
+    parents, the nearest `levels`) is an MPI launcher: its fd 2 as Linux shows it in /proc (psutil
+    lists a process's open regular files, not its terminal)."""
+    import psutil
+
+    try:
+        for parent in psutil.Process().parents()[:levels]:
+            if parent.name() in LAUNCHERS:
+                target = os.readlink(f"/proc/{parent.pid}/fd/2")
                 return target if target.startswith(("/dev/pts/", "/dev/tty")) else None
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
+    except (OSError, psutil.Error):
+        return None
     return None
 
 
@@ -223,7 +227,7 @@ class Progress:
             self.total_nodes = float(total_nodes)
             self.seen = np.zeros((self.size, 2))          # each rank's latest (chunks, nodes)
             self.buffer = np.zeros(2)
-            self.status = MPI.Status()
+            self.status = _mpi().Status() if self.size > 1 else None
 
     def start(self) -> None:
         """The pricing begins: the clock, and rank 0's display."""
@@ -249,7 +253,7 @@ class Progress:
         now = time.monotonic()
         if self.chunks == self.mine or now - self.last_sent >= SEND_EVERY:
             buffer = np.array([self.chunks, self.nodes], dtype=np.float64)
-            self.pending.append((self.comm.Isend([buffer, MPI.DOUBLE], dest=ROOT, tag=PROGRESS_TAG),
+            self.pending.append((self.comm.Isend([buffer, _mpi().DOUBLE], dest=ROOT, tag=PROGRESS_TAG),
                                  buffer))
             self.last_sent = now
         self.pending = [(r, b) for r, b in self.pending if not r.Test()]
@@ -258,7 +262,7 @@ class Progress:
         """Rank 0: take in what has arrived, and show it when due (cheap: one Iprobe when idle)."""
         if not self.enabled or self.rank != ROOT:
             return
-        while self.size > 1 and self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=PROGRESS_TAG,
+        while self.size > 1 and self.comm.Iprobe(source=_mpi().ANY_SOURCE, tag=PROGRESS_TAG,
                                                   status=self.status):
             self._receive(self.status.Get_source())
         if self.display is not None:
@@ -270,7 +274,7 @@ class Progress:
         if not self.enabled:
             return
         if self.rank != ROOT:
-            MPI.Request.Waitall([r for r, _ in self.pending])
+            _mpi().Request.Waitall([r for r, _ in self.pending])
             self.pending = []
             return
         for source in range(1, self.size):
@@ -282,7 +286,7 @@ class Progress:
             self.display = None
 
     def _receive(self, source: int) -> None:
-        self.comm.Recv([self.buffer, MPI.DOUBLE], source=source, tag=PROGRESS_TAG)
+        self.comm.Recv([self.buffer, _mpi().DOUBLE], source=source, tag=PROGRESS_TAG)
         self.seen[source] = self.buffer
 
     def _totals(self):

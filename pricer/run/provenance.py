@@ -30,19 +30,22 @@ def git_commit() -> str | None:
 
 
 def library_versions() -> dict:
-    """numpy, numba, h5py, mpi4py (and its MPI library), and pycuda with the CUDA driver where the
-    run loaded them."""
+    """numpy, numba, h5py, mpi4py (and its MPI library, where the run started MPI), and pycuda with
+    the CUDA driver where the run loaded them."""
     import h5py
     import numba
 
     versions = {"python": sys.version.split()[0], "numpy": np.__version__,
                 "numba": numba.__version__, "h5py": h5py.__version__}
-    if "mpi4py" in sys.modules:
-        import mpi4py
-        from mpi4py import MPI
-        versions["mpi4py"] = mpi4py.__version__
+    import mpi4py   # the package alone: its MPI library is loaded only by a run that started MPI
+
+    versions["mpi4py"] = mpi4py.__version__
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized():
         # Open MPI ends its string with a NUL
         versions["mpi"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+    else:
+        versions["mpi"] = "not started (one rank, no launcher)"
     if "pycuda.driver" in sys.modules:
         import pycuda
         import pycuda.driver as cuda

@@ -78,14 +78,16 @@ class StallWatch:
     (lost while it waits in the barrier) is still caught by its silence."""
 
     def __init__(self, comm, stall_timeout: float | None, abort, clock=time.monotonic):
-        from mpi4py import MPI   # here, not at import: RunConfig reads this module's limits
-        self.MPI = MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.MPI = None     # a run of one rank has no peers to hear (and may run without MPI)
+        if self.size > 1:
+            from mpi4py import MPI   # here, not at import: RunConfig reads this module's limits
+            self.MPI = MPI
         self.stall_timeout = stall_timeout
         self.silence = silence_limit(stall_timeout)
         self.abort = abort               # abort(message): ends the job (faults.abort_job)
         self.clock = clock
-        self.talking = self.size > 1 and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.talking = self.size > 1 and self.MPI.Query_thread() >= self.MPI.THREAD_MULTIPLE
         self.comm = comm.Dup() if self.size > 1 else None
         where = (socket.gethostname(), os.getpid())
         self.where = self.comm.allgather(where) if self.comm is not None else [where]

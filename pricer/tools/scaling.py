@@ -19,10 +19,9 @@ Exit codes: 0 done; 2 bad arguments or input (the message says which); 1 a run f
 from __future__ import annotations
 
 import argparse
-import csv
+import json
 import math
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -33,21 +32,16 @@ import time
 import numpy as np
 
 from pricer.errors import InputError
+from pricer.tools.tables import pyplot, write_outputs
 
-STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
-RUN_COLUMNS = (("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall") + STAGES
-               + ("compute_min", "compute_mean", "compute_max", "imbalance", "options", "nodes",
-                  "speedup", "efficiency", "launch_efficiency", "limiting", "limiting_seconds"))
-SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
-               "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
-# cost: what --partition cost runs (partition.assign); contiguous: its best contiguous split alone;
-# lpt: assign_by_cost alone; count: the seed's equal counts
-SIM_PARTITIONERS = ("cost", "contiguous", "count", "lpt")
-TARGET = 0.02
-COST_MODEL_STEPS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 12800)
+# scaling.csv's columns: these, each stage's seconds between them (a run's stages come from its
+# summary, --summary-json: an option run's read, distribute, setup, compute, gather and write,
+# pricer/run/driver.py; a bond run's plan, read, compute, gather and write, pricer/run/bond_run.py;
+# a first run's compile apart), then these
+HEAD_COLUMNS = ("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall")
+TAIL_COLUMNS = ("compute_min", "compute_mean", "compute_max", "imbalance", "instruments", "nodes",
+                "speedup", "efficiency", "launch_efficiency", "limiting", "limiting_seconds")
 
-_PRICED = re.compile(r"^priced (\d+) options.*\(([\d.e+]+) nodes\) on (\d+) rank\(s\).* in ([\d.]+)s")
-_STAGE = re.compile(r"(\w+) ([\d.]+)s")
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -120,8 +114,8 @@ def run(args) -> int:
     try:
         if args.cost_model and not args.simulate:
             raise InputError("--cost-model goes with --simulate")
-        os.makedirs(args.out, exist_ok=True)
         if args.simulate:
+            from pricer.tools.scaling_simulate import simulate
             return simulate(args)
         return strong_scaling(args)
     except InputError as exc:
@@ -148,30 +142,31 @@ def launcher_command(launcher: str | None = None, environ=None) -> list[str]:
     return [found]
 
 
-def parse_summary(text: str) -> dict:
-    """The numbers in `pricer run`'s summary lines (pricer.run.driver.RunSummary.lines)."""
-    out = {}
-    for line in text.splitlines():
-        m = _PRICED.match(line.strip())
-        if m:
-            out.update(options=int(m.group(1)), nodes=float(m.group(2)), ranks=int(m.group(3)),
-                       wall=float(m.group(4)))
-        elif line.startswith("stages: "):
-            out.update({k: float(v) for k, v in _STAGE.findall(line[len("stages: "):])})
+def read_summary(path: str) -> dict:
+    """A run's summary as `--summary-json` writes it (RunSummary.record, BondResults.record),
+    flattened for a row: the wall, each stage's seconds, each rank's compute seconds, the
+    instruments and nodes. A file of options and bond options counts both: the bond run's wall as
+    a stage "bonds" before the options' stages, the ranks' compute seconds summed."""
+    with open(path) as f:
+        record = json.load(f)
+    out = {"wall": float(record["wall"]), "ranks": int(record["ranks"]),
+           "stages": {k: float(v) for k, v in record["stages"].items()},
+           "rank_seconds": np.asarray(record["rank_seconds"], dtype=np.float64),
+           "instruments": int(record["instruments"]), "nodes": float(record["nodes"])}
+    bonds = record.get("bonds")
+    if bonds is not None:
+        out["stages"] = {"bonds": float(bonds["wall"]), **out["stages"]}
+        out["wall"] += float(bonds["wall"])
+        out["rank_seconds"] = out["rank_seconds"] + np.asarray(bonds["rank_seconds"])
+        out["instruments"] += int(bonds["instruments"])
+        out["nodes"] += float(bonds["nodes"])
     return out
 
 
-def read_run_stats(path: str) -> dict:
-    import h5py
-    with h5py.File(path, "r") as f:
-        seconds = np.asarray(f["run/seconds"][()], dtype=np.float64)
-        return {"rank_seconds": seconds, "rank_options": np.asarray(f["run/options"][()]),
-                "wall_seconds": float(f["results"].attrs["wall_seconds"])}
-
-
-def _pricer_args(args, output: str) -> list[str]:
+def _pricer_args(args, output: str, summary: str) -> list[str]:
     command = "run" if args.input.endswith(".toml") else "price"   # a job, or a book as it is
-    cmd = [sys.executable, "-m", "pricer", command, args.input, "-o", output, "--overwrite"]
+    cmd = [sys.executable, "-m", "pricer", command, args.input, "-o", output, "--overwrite",
+           "--summary-json", summary, "--quiet"]
     for key in ("backend", "threads", "partition", "distribute"):
         if getattr(args, key) is not None:
             cmd += [f"--{key}", str(getattr(args, key))]
@@ -179,7 +174,10 @@ def _pricer_args(args, output: str) -> list[str]:
 
 
 def run_once(args, launcher: list[str], ranks: int, output: str, log: str) -> dict:
-    cmd = launcher + ["-n", str(ranks)] + _pricer_args(args, output)
+    summary = os.path.splitext(output)[0] + ".json"
+    if os.path.exists(summary):
+        os.remove(summary)          # a failed run must not leave an earlier run's figures
+    cmd = launcher + ["-n", str(ranks)] + _pricer_args(args, output, summary)
     env = dict(os.environ)  # the ranks import this very pricer
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -196,14 +194,12 @@ def run_once(args, launcher: list[str], ranks: int, output: str, log: str) -> di
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode} (log {log}):\n  "
                            + "\n  ".join(tail))
-    summary = parse_summary(proc.stdout)
-    stats = read_run_stats(output)
-    summary.setdefault("wall", stats["wall_seconds"])
-    if summary.get("ranks", ranks) != ranks:
-        raise RuntimeError(f"{shlex.join(cmd)} ran on {summary['ranks']} rank(s), not {ranks}: "
+    figures = read_summary(summary)
+    if figures["ranks"] != ranks:
+        raise RuntimeError(f"{shlex.join(cmd)} ran on {figures['ranks']} rank(s), not {ranks}: "
                            f"does the launcher belong to mpi4py's MPI? (log {log})")
-    summary.update(stats, launch_wall=elapsed)
-    return summary
+    figures["launch_wall"] = elapsed
+    return figures
 
 
 def aggregate(ranks: int, runs: list[dict]) -> dict:
@@ -212,15 +208,25 @@ def aggregate(ranks: int, runs: list[dict]) -> dict:
     row = {"ranks": ranks, "runs": len(runs), "wall": med("wall"),
            "wall_min": min(r["wall"] for r in runs), "wall_max": max(r["wall"] for r in runs),
            "launch_wall": med("launch_wall")}
-    for stage in STAGES:
-        row[stage] = statistics.median(r.get(stage, math.nan) for r in runs)
+    row["stages"] = stages_of(runs)
+    for stage in row["stages"]:
+        row[stage] = statistics.median(r["stages"].get(stage, math.nan) for r in runs)
     row["compute_min"] = statistics.median(float(r["rank_seconds"].min()) for r in runs)
     row["compute_mean"] = statistics.median(float(r["rank_seconds"].mean()) for r in runs)
     row["compute_max"] = statistics.median(float(r["rank_seconds"].max()) for r in runs)
     row["imbalance"] = row["compute_max"] / row["compute_mean"] if row["compute_mean"] > 0 else math.nan
-    row["options"] = runs[0].get("options", int(runs[0]["rank_options"].sum()))
-    row["nodes"] = runs[0].get("nodes", math.nan)
+    row["instruments"], row["nodes"] = runs[0]["instruments"], runs[0]["nodes"]
     return row
+
+
+def stages_of(runs: list[dict]) -> list[str]:
+    """The stages the runs report (their summaries' "stages"; a row's "stages", the list
+    aggregate gives it), in the order they first appear."""
+    seen = {}
+    for r in runs:
+        for stage in r["stages"]:
+            seen.setdefault(stage, None)
+    return list(seen)
 
 
 def add_speedup(rows: list[dict]) -> None:
@@ -240,8 +246,9 @@ def add_speedup(rows: list[dict]) -> None:
             row["limiting"], row["limiting_seconds"] = "", math.nan
             continue
         scale = base["ranks"] / row["ranks"]
-        excess = {stage: row[stage] - base[stage] * scale for stage in STAGES
-                  if math.isfinite(row[stage]) and math.isfinite(base[stage])}
+        excess = {stage: row[stage] - base[stage] * scale for stage in row["stages"]
+                  if stage in base["stages"] and stage != "compile"   # not a scaling cost
+                  and math.isfinite(row[stage]) and math.isfinite(base[stage])}
         stage = max(excess, key=excess.get)
         row["limiting"], row["limiting_seconds"] = stage, excess[stage]
 
@@ -259,6 +266,7 @@ def strong_scaling(args) -> int:
         input_format(args.input)   # a portfolio file of a known format
     launcher = launcher_command(args.launcher)
     work = args.work or os.path.join(args.out, "runs")
+    os.makedirs(args.out, exist_ok=True)       # after the checks: a refused run makes nothing
     os.makedirs(work, exist_ok=True)
     rows = []
     try:
@@ -278,23 +286,25 @@ def strong_scaling(args) -> int:
         return 1
     add_speedup(rows)
     table = markdown_runs(rows, f"`{args.input}`, launcher `{launcher[0]}`, median of {args.repeats}")
-    write_outputs(args.out, "scaling", rows, RUN_COLUMNS, table)
+    write_outputs(args.out, "scaling", rows, HEAD_COLUMNS + tuple(stages_of(rows)) + TAIL_COLUMNS,
+                  table)
     plot_runs(rows, os.path.join(args.out, "scaling.png"))
     print("\n".join(table))
     return 0
 
 
 def markdown_runs(rows: list[dict], title: str) -> list[str]:
+    stages = stages_of(rows)
     lines = [f"Strong scaling: {title}", "",
-             "| ranks | wall s | " + " | ".join(f"{s} s" for s in STAGES)
+             "| ranks | wall s | " + " | ".join(f"{s} s" for s in stages)
              + " | compute min/mean/max s | speedup | efficiency | limited by | launch s |"
              " launch efficiency |",
-             "|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---|---:|---:|"]
+             "|---:|---:|" + "---:|" * len(stages) + "---:|---:|---:|---|---:|---:|"]
     for r in rows:
         limit = (f"{r['limiting']} (+{r['limiting_seconds']:.3f} s)" if r.get("limiting")
                  else "—")
         lines.append(f"| {r['ranks']} | {r['wall']:.3f} | "
-                     + " | ".join(f"{r[s]:.3f}" for s in STAGES)
+                     + " | ".join(f"{r.get(s, math.nan):.3f}" for s in stages)
                      + f" | {r['compute_min']:.3f} / {r['compute_mean']:.3f} / {r['compute_max']:.3f}"
                      f" | {r['speedup']:.3f} | {r['efficiency']:.3f} | {limit}"
                      f" | {r['launch_wall']:.3f} | {r['launch_efficiency']:.3f} |")
@@ -302,7 +312,7 @@ def markdown_runs(rows: list[dict], title: str) -> list[str]:
 
 
 def plot_runs(rows: list[dict], path: str) -> bool:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     ranks = [r["ranks"] for r in rows]
@@ -325,164 +335,6 @@ def plot_runs(rows: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        print("pricer scaling: matplotlib is not installed (the `plot` extra): no PNG written",
-              file=sys.stderr)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def write_outputs(folder: str, stem: str, rows: list[dict], columns, table: list[str]) -> None:
-    with open(os.path.join(folder, f"{stem}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-    with open(os.path.join(folder, f"{stem}.md"), "w") as f:
-        f.write("\n".join(table) + "\n")
-
-
-# ----------------------------------------------------------------------------- simulation
-
-def simulate_rows(steps: np.ndarray, ranks: list[int]) -> list[dict]:
-    """Per rank count and partitioner: largest and mean rank cost against the bounds."""
-    from pricer.model.cost import option_cost
-    from pricer.model.partition import (assign, assign_by_cost, lower_bound, part_costs,
-                                  partition, whole_option_bound)
-
-    cost = option_cost(steps)
-    rows = []
-    for k in ranks:
-        bound, whole = lower_bound(steps, k), whole_option_bound(steps, k)
-        for name in SIM_PARTITIONERS:
-            if name == "lpt":
-                loads = assign_by_cost(steps, k).costs(steps)
-            elif name == "cost":
-                loads = assign(steps, k, "cost").costs(steps)
-            else:
-                loads = part_costs(steps, partition(steps, k, "cost" if name == "contiguous" else name))
-            top = float(loads.max())
-            rows.append({"ranks": k, "partitioner": name, "options": int(cost.size),
-                         "max_cost": top, "mean_cost": float(cost.sum() / k),
-                         "largest_option": float(cost.max()), "bound": bound, "whole_bound": whole,
-                         "max_over_bound": top / bound, "max_over_whole_bound": top / whole,
-                         "empty_ranks": int((loads == 0).sum())})
-    return rows
-
-
-def markdown_simulate(rows: list[dict], title: str) -> list[str]:
-    ranks = sorted({r["ranks"] for r in rows})
-    by = {(r["ranks"], r["partitioner"]): r for r in rows}
-    lines = [f"Partition quality: {title}. Largest rank cost / max(mean, largest option) "
-             f"(* misses {TARGET:.0%}; in brackets: / the whole-option bound where that is higher)",
-             "", "| ranks | mean / largest option | " + " | ".join(SIM_PARTITIONERS) + " |",
-             "|---:|---:|" + "---:|" * len(SIM_PARTITIONERS)]
-    for k in ranks:
-        first = by[(k, SIM_PARTITIONERS[0])]
-        cells = []
-        for name in SIM_PARTITIONERS:
-            r = by[(k, name)]
-            cell = f"{r['max_over_bound']:.4f}" + ("*" if r["max_over_bound"] > 1 + TARGET else "")
-            if r["whole_bound"] > r["bound"] * (1 + 1e-9):
-                cell += f" ({r['max_over_whole_bound']:.4f})"
-            cells.append(cell)
-        lines.append(f"| {k} | {first['mean_cost'] / first['largest_option']:.3g} | "
-                     + " | ".join(cells) + " |")
-    return lines
-
-
-def plot_simulate(rows: list[dict], path: str, title: str) -> bool:
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in SIM_PARTITIONERS:
-        pts = [(r["ranks"], r["max_over_bound"]) for r in rows if r["partitioner"] == name]
-        ax.plot(*zip(*pts), "o-", ms=3, label=name)
-    ax.axhline(1.0, color="k", lw=0.8, label="bound max(mean, largest)")
-    ax.axhline(1.0 + TARGET, color="grey", ls="--", lw=0.8, label=f"+{TARGET:.0%}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("largest rank cost / bound")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def simulate(args) -> int:
-    from pricer.io.portfolio import read_portfolio
-
-    portfolio = read_portfolio(args.input)
-    rows = simulate_rows(portfolio.steps, args.ranks)
-    title = f"`{os.path.basename(args.input)}`, {len(portfolio):,} options"
-    table = markdown_simulate(rows, title)
-    if args.cost_model:
-        model = cost_model_check()
-        write_outputs(args.out, "cost_model", model, ("steps", "options", "nodes", "seconds",
-                                                      "ns_per_node", "relative"),
-                      markdown_cost_model(model))
-        table += [""] + markdown_cost_model(model)
-    write_outputs(args.out, "simulate", rows, SIM_COLUMNS, table)
-    plot_simulate(rows, os.path.join(args.out, "simulate.png"), title.replace("`", ""))
-    print("\n".join(table))
-    return 0
-
-
-# ----------------------------------------------------------------------------- cost model
-
-def cost_model_check(steps_list=COST_MODEL_STEPS, nodes_per_point: float = 3e8, repeats: int = 3,
-                     backend: str = "cpu") -> list[dict]:
-    """Time `backend` on batches of generated options of one N each (about `nodes_per_point`
-    lattice nodes per batch, best of `repeats`): seconds per node should not depend on N if the
-    partitioners' cost model, (N+1)(N+2)/2, is right."""
-    from pricer.engines import get_engine
-    from pricer.tools.generate import generate
-    from pricer.model.greeks import price_with_analytics
-    from pricer.io.portfolio import columns_from_matrix
-    from pricer.model.cost import lattice_nodes
-
-    engine = get_engine(backend)
-    warm = columns_from_matrix(generate("uniform", 8, steps=64).to_matrix("crr"))
-    price_with_analytics(engine, warm, "crr", np.arange(8))   # compile / load the kernels
-    rows = []
-    for n in steps_list:
-        count = max(4, int(nodes_per_point / float(lattice_nodes(n))))
-        cols = columns_from_matrix(generate("uniform", count, seed=n, steps=n).to_matrix("crr"))
-        ids = np.arange(count)
-        best = math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            price_with_analytics(engine, cols, "crr", ids)
-            best = min(best, time.perf_counter() - t)
-        nodes = float(lattice_nodes(np.full(count, n)).sum())
-        rows.append({"steps": n, "options": count, "nodes": nodes, "seconds": best,
-                     "ns_per_node": best / nodes * 1e9})
-    ref = statistics.median(r["ns_per_node"] for r in rows)
-    for r in rows:
-        r["relative"] = r["ns_per_node"] / ref
-    return rows
-
-
-def markdown_cost_model(rows: list[dict]) -> list[str]:
-    lines = ["Cost model check: seconds per lattice node of the cpu engine by N "
-             "(relative: to the median over N; 1.00 everywhere = cost ∝ (N+1)(N+2)/2 exactly)", "",
-             "| N | options | nodes | seconds | ns / node | relative |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['steps']} | {r['options']} | {r['nodes']:.3g} | {r['seconds']:.3f} | "
-                     f"{r['ns_per_node']:.3f} | {r['relative']:.2f} |")
-    return lines
 
 
 if __name__ == "__main__":

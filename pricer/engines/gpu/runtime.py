@@ -22,18 +22,17 @@ imports on machines without it.
 from __future__ import annotations
 
 import atexit
-import fcntl
 import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from pricer.compiling import compiling
 from pricer.devices import launcher_local_rank, show_each_rank_its_gpu
 from pricer.files import atomic_write, cache_dir
 
@@ -250,9 +249,10 @@ def compiled_cubin(arch: str, defines: list[str], name: str = "binomial.cu",
         if path.exists():
             return path.read_bytes()
         from pycuda.compiler import compile as nvcc_compile
-        cubin = nvcc_compile((cuda_source_dir() / name).read_text(),
-                             options=_nvcc_options(defines), arch=arch, no_extern_c=True,
-                             cache_dir=False)
+        with compiling():       # the run's compile stage (pricer/compiling.py)
+            cubin = nvcc_compile((cuda_source_dir() / name).read_text(),
+                                 options=_nvcc_options(defines), arch=arch, no_extern_c=True,
+                                 cache_dir=False)
         try:
             atomic_write(path, cubin)
         except OSError:
@@ -288,36 +288,27 @@ LOCK_WAIT_SECONDS = 300.0
 
 @contextmanager
 def _compiling(path: Path, wait: bool = True):
-    """An exclusive lock on PATH.lock while the cubin is compiled (flock: released if the process
-    dies); yields True to compile. Without a lock (an unwritable cache, a file system without
-    locks, a holder that keeps it past LOCK_WAIT_SECONDS) it yields True too; where another
-    process holds it and `wait` is False, False."""
-    handle, busy = None, False
+    """An exclusive lock on PATH.lock while the cubin is compiled (filelock's FileLock: an
+    flock, released if the process dies); yields True to compile. Without a lock (an unwritable
+    cache, a file system without locks, a holder that keeps it past LOCK_WAIT_SECONDS) it yields
+    True too; where another process holds it and `wait` is False, False."""
+    import filelock
+
+    lock = filelock.FileLock(path.with_suffix(".lock"), timeout=LOCK_WAIT_SECONDS if wait else 0,
+                             fallback_to_soft=False, preserve_lock_file=True)
+    held = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_suffix(".lock"), "a")
-        deadline = time.monotonic() + LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not wait:
-                    busy = True
-                    break
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    except OSError:         # BlockingIOError past the deadline included
-        if handle is not None:
-            handle.close()
-            handle = None
-    if busy:
-        handle.close()
-        yield False
-        return
+        lock.acquire()
+        held = True
+    except filelock.Timeout:
+        if not wait:
+            yield False
+            return
+    except (OSError, NotImplementedError):   # no folder, no write access, no locks there
+        pass
     try:
         yield True
     finally:
-        if handle is not None:
-            handle.close()          # releases the lock
+        if held:
+            lock.release()
