@@ -191,6 +191,37 @@ def test_quantlib_parity_serial_and_cpu(rng, tree, two_threads):
     assert bitwise_equal(price(wide, tree, sharing), price(wide, tree, SERIAL))
 
 
+STRIKE_PARITY = 1e-10    # |pricer - QuantLib| / strike on any market (measured: up to 4.5e-11)
+
+
+@pytest.mark.parametrize("tree", list(QL_TREES))
+def test_quantlib_parity_on_wide_markets_is_bounded_by_the_strike(rng, tree):
+    """Markets far wider than parity_book's (spot e^+-0.7 of the strike, volatility 5-100 %,
+    maturities to 10 years, rates -2-15 %, dividends -3-8 %): the difference from QuantLib stays
+    below STRIKE_PARITY x the strike. Relative to the price it is not bounded: an option worth
+    1e-6 of its strike carries the same ~1e-11 K (QuantLib's drift, from forward rates over
+    [0, 1e-4], is r - q to ~1e-12 only: docs/numerics.md), so relative errors of 1e-10-1e-9 are
+    measured on such prices."""
+    n = 40
+    days = rng.integers(10, 10 * 365 + 1, n)
+    strike = rng.uniform(20.0, 200.0, n)
+    steps = np.exp(rng.uniform(np.log(20), np.log(1000), n)).round().astype(np.int64)
+    if tree in ("lr", "joshi4"):
+        steps |= 1
+    cols = make_columns(n, spot=strike * np.exp(rng.uniform(-0.7, 0.7, n)), strike=strike,
+                        maturity=days / 365.0, rate=rng.uniform(-0.02, 0.15, n),
+                        dividend=rng.uniform(-0.03, 0.08, n), volatility=rng.uniform(0.05, 1.0, n),
+                        steps=steps, call=rng.random(n) < 0.5, american=rng.random(n) < 0.5)
+    try:
+        expected, _ = quantlib_expected(cols, tree)
+    except InputError as exc:      # a draw whose lattice does not exist (eqp, joshi4 far out)
+        pytest.skip(f"a drawn option has no {tree} lattice: {exc}")
+    theirs = quantlib_prices(cols, days, tree)
+    gap = np.abs(expected - theirs) / cols["strike"]
+    print(f"{tree}: max |pricer - QuantLib| / K {gap.max():.3g}")
+    assert gap.max() <= STRIKE_PARITY, gap.max()
+
+
 def test_textbook_crr_is_not_quantlibs_crr(rng):
     """`crr` (the default) keeps the textbook p; QuantLib's "crr" is `ql-crr`: the same u and d (to
     rounding), another p, so the textbook tree misses QuantLib by far more than the parity
