@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 
 from pricer import __version__
 from pricer.devices import start_cuda_beside
 from pricer.errors import InputError, OutputError
-from pricer.files import cleanup, end_process
+from pricer import ending
+from pricer.files import cleanup
 
 
 def _mpi_excepthook():
@@ -390,59 +389,6 @@ COMMANDS = {"price": _price, "implied-vol": _implied_vol, "run": _run_job, "gene
             "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_decided: int | None = None      # the command's exit code, once it has returned
-_ending = threading.Lock()
-
-
-def _terminated(signum: int) -> None:
-    """End the process for a signal: exit 1 with one line (the temporary files and the output's
-    lock removed first), or, once the command has returned, with the code it decided. A rank of
-    a job of several ends the whole job (MPI_Abort): a signal to one rank alone would otherwise
-    leave the others waiting for it, and the launcher's exit code would depend on how it ended
-    them (hydra: 1 at -n 2, 9 at -n 3); with the abort it is 1 whichever rank got the signal."""
-    if _decided is not None:
-        os._exit(_decided)
-    _ending.acquire()      # two signals may both get here: the first ends the run
-    end_process(f"pricer: terminated ({signal.Signals(signum).name})", _mpi_world())
-
-
-def _mpi_world():
-    """COMM_WORLD if this process has started MPI in a job of several ranks, else None (MPI is
-    not imported just to look: a command that never started it has no one else to end)."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
-        return None
-    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-
-
-def _exit_1_on_signals() -> None:
-    """SIGTERM and SIGINT (Ctrl-C) end pricer with exit code 1 (anything else), no traceback,
-    rather than death by the signal (143) or a KeyboardInterrupt. `srun --kill-on-bad-exit=1`
-    (slurm/) terminates a step's other ranks once one exits non-zero and reports the largest of
-    the ranks' codes: a slower rank terminated on its way out must not turn the job's 2 into 143,
-    hence the decided code wins once the command has returned.
-    The signals are honoured at once whatever the main thread is doing: a Python handler runs only
-    between the main thread's bytecodes (a kernel pricing one option of millions of steps held it
-    for minutes), so the handler's C part, which runs in whichever thread the signal reaches,
-    writes the signal's number to a pipe (signal.set_wakeup_fd) that a thread of ours waits on and
-    ends the run from; the Python handler itself does nothing (it could run in the middle of an
-    output's claim, whose cleanup must wait for it)."""
-    for signum in SIGNALS:   # caught (not the default, death), and handled by the thread below
-        signal.signal(signum, lambda number, frame: None)
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-
-    def watch():
-        while True:
-            got = os.read(read_end, 1)
-            if got and got[0] in SIGNALS:
-                _terminated(got[0])
-
-    threading.Thread(target=watch, name="pricer-signals", daemon=True).start()
-
-
 def _may_use_a_gpu(argv: list) -> bool:
     """Whether a command line may price on a GPU (`price` or `run`, without --backend cpu or
     serial), read before the parser is built: building it imports numpy and numba."""
@@ -458,12 +404,11 @@ def _may_use_a_gpu(argv: list) -> bool:
 
 
 def main(argv=None) -> int:
-    global _decided
     if _may_use_a_gpu(sys.argv[1:] if argv is None else list(argv)):
         start_cuda_beside()       # the driver's start beside the imports (pricer.devices)
     args = build_parser().parse_args(argv)
     if argv is None:   # a real command line (tests call main(argv) inside pytest)
-        _exit_1_on_signals()
+        ending.exit_1_on_signals()
     code = None
     try:
         code = COMMANDS[args.command](args)
@@ -481,34 +426,5 @@ def main(argv=None) -> int:
         code = 0
     finally:
         cleanup()                  # before the code is decided: a late signal exits at once
-        _decided = code
-        if argv is None:
-            # the exit code is decided; the interpreter's and MPI's teardown that follows runs
-            # without Python signal handlers, where a SIGTERM would still turn it into 143
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if code is not None:      # None: an uncaught exception, for the excepthook to report
-                _leave(code)
+        ending.decided(code, command_line=argv is None)
     return code
-
-
-def _leave(code: int) -> None:
-    """End the command with `code` now that it has finished: its output flushed, the exit
-    handlers run (the GPU context's release) and MPI finalised where this process started it
-    (every rank has passed the run's last collective; a launcher counts a rank that ends without
-    MPI_Finalize as failed), but not the interpreter's teardown, which frees numba's compiled code
-    and every module one by one (~0.25 s of every command on 2 cores, and nothing a finished
-    command needs)."""
-    import atexit
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # a reader that left (`| head`), a closed stream
-            pass
-    try:
-        atexit._run_exitfuncs()
-        MPI = sys.modules.get("mpi4py.MPI")
-        if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
-    finally:
-        os._exit(code)

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pricer"
 # What each layer may import (besides itself and the standard library / third-party packages):
 # io -> model -> engines -> run -> cli, the tools beside the run, off the production path.
-BASE = {"pricer", "pricer.compiling", "pricer.devices", "pricer.errors", "pricer.files",
-        "pricer.threads"}
+BASE = {"pricer", "pricer.compiling", "pricer.devices", "pricer.ending", "pricer.errors",
+        "pricer.files", "pricer.threads"}
 ALLOWED = {
     "base": set(),
     "model": {"base"},
