@@ -143,6 +143,7 @@ def read_book(path, kind: str | None = None, invalid: str = "refuse"):
     prices would be NaN with a status), as `--invalid skip` reads them."""
     import pandas as pd
 
+    from pricer.files import check_input_file
     from pricer.io.bonds import has_bond_options
     from pricer.io.formats import read_book as read_options
 
@@ -154,8 +155,13 @@ def read_book(path, kind: str | None = None, invalid: str = "refuse"):
     source = os.fspath(path)
     if kind not in (None, "options", "bonds"):
         raise InputError(f"kind must be 'options', 'bonds' or None, got {kind!r}")
+    check_input_file(source)      # a missing file, a FIFO, a folder: named before its kind
     bonds, options = has_bond_options(source)
     if kind == "bonds" or (kind is None and bonds and not options):
+        if not bonds and _format(source) != "hdf5":
+            raise InputError(f"{source}: read_book reads bond options from an HDF5 book, which "
+                             f"holds their curves; a CSV or Parquet table of them is priced by "
+                             f"price_bonds(path, curves=...) (docs/formats.md)")
         if not bonds:
             raise InputError(f"{source}: no /bond_options group (a book of bond options is an "
                              f"HDF5 file: docs/formats.md)")

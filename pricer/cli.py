@@ -8,6 +8,7 @@ others waiting.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -271,10 +272,14 @@ def _run(args, cfg, prepare=None) -> int:
         summary = run(cfg, prepare=prepare)
     finally:
         compiling.notify_first(None)
-    if summary is not None and args.summary_json:
+    if summary is not None and cfg.summary_json:
         import json
         from pricer.files import atomic_write
-        atomic_write(args.summary_json, json.dumps(summary.record(), indent=1).encode())
+        try:
+            atomic_write(cfg.summary_json, json.dumps(summary.record(), indent=1).encode())
+        except OSError as exc:
+            raise OutputError(f"{cfg.summary_json}: the results are written to {cfg.output}, "
+                              f"but the summary could not be: {exc.strerror or exc}") from None
     if summary is not None and not args.quiet:
         print(f"wrote {cfg.output}")
         for line in summary.lines():
@@ -291,9 +296,14 @@ def _say_compiling() -> None:
     """The first compile of a run, on rank 0's stderr: a first run on a machine is otherwise
     silent for its compile (15-40 s on 2 cores)."""
     import numba
+    from pricer.files import cache_dir
+
+    where = os.path.dirname(numba.config.CACHE_DIR)
+    if _may_use_a_gpu(sys.argv[1:]):
+        where += f" and {cache_dir('cuda', 'PRICER_CUDA_CACHE')}"
     print(f"pricer: compiling kernels (a first run of this pricer here; they are cached in "
-          f"{os.path.dirname(numba.config.CACHE_DIR)} for the runs after it, and `pricer warm` "
-          f"compiles them ahead)", file=sys.stderr, flush=True)
+          f"{where} for the runs after it, and `pricer warm` compiles them ahead)",
+          file=sys.stderr, flush=True)
 
 
 def _generate(args) -> int:
@@ -419,11 +429,21 @@ def main(argv=None) -> int:
         print(f"pricer: error: {exc}", file=sys.stderr)
         code = 1
     except SystemExit as exc:   # every rank's verdict (BadInput): its code is decided too
-        code = exc.code if isinstance(exc.code, int) else 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:    # a message: printed here, as the interpreter would, since leave() skips it
+            print(exc.code, file=sys.stderr)
+            code = 1
         raise
     except BrokenPipeError:  # `pricer info FILE | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    except OSError as exc:   # what it printed could not be written (`> /dev/full`, a full disk)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"pricer: error: its output could not be written: {exc.strerror}", file=sys.stderr)
+        code = 1
     finally:
         cleanup()                  # before the code is decided: a late signal exits at once
         ending.decided(code, command_line=argv is None)

@@ -30,8 +30,8 @@ def seconds() -> float:
 
 
 def notify_first(callback: Callable[[], None] | None) -> None:
-    """Call `callback` (once, from the compiling thread) when the next compile begins, unless a
-    compile has already been under way in this process; None cancels a callback not yet called."""
+    """Call `callback` once, from the thread whose compile it is, when the next compile of this
+    process begins (nested in one under way or not); None cancels a callback not yet called."""
     global _notice
     with _lock:
         _notice = callback
@@ -91,19 +91,25 @@ class StageClock:
         self.stages = {"compile": 0.0}
         self._at, self._compiled = time.perf_counter(), seconds()
 
-    def lap(self, name: str, less: float = 0.0) -> float:
+    def lap(self, name: str, less: float = 0.0, beside: float = 0.0) -> float:
         """Close stage `name` (begun where the last one ended), less `less` seconds that another
-        stage counts; returns its seconds."""
-        now, compiled = time.perf_counter(), seconds()
-        held = compiled - self._compiled
+        stage counts (and that hold no compile); returns its seconds. `beside`: seconds of other
+        work the stage did in another thread while it compiled (a plan beside an engine's
+        start): only the compile beyond it lengthened the stage, so only that counts as the
+        compile's."""
+        compiled = seconds()
+        now = time.perf_counter()
+        elapsed = now - self._at
+        held = min(compiled - self._compiled, max(0.0, elapsed - beside))
         self.stages["compile"] += held
-        self.stages[name] = now - self._at - held - less
+        self.stages[name] = max(0.0, elapsed - held - less)
         self._at, self._compiled = now, compiled
         return self.stages[name]
 
     def restart(self) -> None:
         """Time the next stage from now (what came between counts nowhere)."""
-        self._at, self._compiled = time.perf_counter(), seconds()
+        self._compiled = seconds()
+        self._at = time.perf_counter()
 
     def result(self) -> dict:
         return {k: v for k, v in self.stages.items() if k != "compile" or v > 0.0}

@@ -91,8 +91,10 @@ def leave(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):   # a reader that left (`| head`), a closed stream
+        except (BrokenPipeError, ValueError):   # a reader that left (`| head`), a closed stream
             pass
+        except OSError:   # output lost (a full disk): not a success, as Python's own exit says
+            code = code or 120
     try:
         atexit._run_exitfuncs()
     finally:

@@ -198,6 +198,11 @@ def test_read_book_names_a_fault_as_the_command_line_does(tmp_path, book):
     assert np.isnan(pricer.read_book(file, invalid="skip")["spot"].to_numpy()[5])
     with pytest.raises(pricer.InputError, match="takes a file's path"):
         pricer.read_book(pd.DataFrame(cols))
+    with pytest.raises(pricer.InputError, match="absent.csv: no such file"):
+        pricer.read_book(tmp_path / "absent.csv", kind="bonds")
+    pd.DataFrame(cols).to_csv(tmp_path / "table.csv", index=False)
+    with pytest.raises(pricer.InputError, match=r"priced by price_bonds\(path, curves=...\)"):
+        pricer.read_book(tmp_path / "table.csv", kind="bonds")
 
 
 def test_bond_books_by_path_frame_and_table(tmp_path):

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import ROOT, env, run_pricer
+from helpers import ROOT, env, pricer_command, run_pricer
 from pricer import __version__
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.tools.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
@@ -200,6 +200,23 @@ def test_info_on_portfolio_and_results(tmp_path, book):
     assert "  price: min" in proc.stdout and "[currency of spot and strike]" in proc.stdout
     assert hashlib.sha256(path.read_bytes()).hexdigest() in proc.stdout
     refused(run_pricer(["info", tmp_path / "absent.h5"]), "no such file")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_that_cannot_be_written_is_an_error_not_a_traceback(book):
+    """`pricer info FILE > /dev/full`: what it prints is lost (ENOSPC), so exit 1 with one line
+    naming why; a reader that left (`| head`) is no error."""
+    path, _ = book
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(pricer_command() + ["info", str(path)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=env(), timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("pricer: error: its output could not be written: No space left on "
+                           "device\n"), proc.stderr
+    line = " ".join(pricer_command() + ["info", str(path)]) + " | head -c 1; exit ${PIPESTATUS[0]}"
+    head = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env(),
+                          timeout=120)
+    assert head.returncode == 0 and "Traceback" not in head.stderr, head.stderr
 
 
 def test_existing_output_needs_overwrite(tmp_path, book):

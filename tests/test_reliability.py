@@ -1,4 +1,4 @@
-"""Issue 7 through real `mpiexec -n 3 pricer price` runs on real files: injected faults end the job,
+"""Faults through real `mpiexec -n 3 pricer price` runs on real files: injected faults end the job,
 named by rank 0, with nothing written and no rank left; kill -9 of the whole job and
 --resume give bitwise the prices of an uninterrupted run; checkpoints of another input or other
 settings are refused by name; the memory guard refuses a run that would not fit, with the numbers.
@@ -255,8 +255,8 @@ def _stopped(pid: int) -> bool:
 @pytest.mark.parametrize("ranks,rank", [(2, 0), (3, 0), (3, 2)])
 def test_a_signal_to_any_rank_ends_the_job_with_exit_1(tmp_path, book, ranks, rank):
     """SIGTERM to one rank, whichever: the whole job ends (the other ranks do not wait for it:
-    HANG_TIMEOUT) with the launcher's exit code 1 (the rank calls MPI_Abort; before, hydra said 1
-    at -n 2 and 9 at -n 3), nothing written — the signal was honoured before the run's end (a
+    HANG_TIMEOUT) with the launcher's exit code 1 (the rank calls MPI_Abort; without it hydra's
+    code would depend on the rank count, 1 at -n 2 and 9 at -n 3), nothing written — the signal was honoured before the run's end (a
     signal after it exits with the run's code) — nothing left. The seconds it took are recorded."""
     path, _ = book
     out = tmp_path / "prices.h5"

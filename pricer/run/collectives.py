@@ -24,8 +24,10 @@ from pricer.errors import InputError
 
 ROOT = 0
 # what a launcher sets in each rank's environment: MPICH's hydra and Intel MPI (PMI_*), Open MPI
-# (OMPI_*), PMIx launchers (PMIX_*), Slurm's srun (SLURM_STEP_ID with SLURM_STEP_NUM_TASKS)
-LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "PMIX_SIZE")
+# (OMPI_*), PMIx launchers (PMIX_*), MVAPICH2 (MV2_*), HPE Cray PALS (PALS_*), Slurm's srun
+# (SLURM_STEP_ID with SLURM_STEP_NUM_TASKS)
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "PMIX_SIZE",
+                      "MV2_COMM_WORLD_SIZE", "PALS_RANKID", "MPI_LOCALNRANKS")
 
 
 class BadInput(SystemExit):
@@ -79,10 +81,12 @@ class Alone:
         return obj
 
     def Allgather(self, sendbuf, recvbuf) -> None:
-        np.copyto(np.asarray(recvbuf).reshape(np.shape(sendbuf)), sendbuf)
+        recv = np.asarray(recvbuf)   # a view of the caller's buffer, written in place
+        recv[...] = np.reshape(sendbuf, recv.shape)
 
     def Gather(self, sendbuf, recvbuf, root: int = ROOT) -> None:
-        np.copyto(np.asarray(recvbuf).reshape(np.shape(sendbuf)), sendbuf)
+        recv = np.asarray(recvbuf)   # a view of the caller's buffer, written in place
+        recv[...] = np.reshape(sendbuf, recv.shape)
 
     def Split_type(self, split_type=None, key: int = 0, info=None) -> "Alone":
         return self

@@ -58,6 +58,7 @@ class RunConfig:
                                    # priced under every combination
     bond_spacing: str = "variance"  # bond options: the Hull–White trees' node spacing
                                     # (pricer.model.hw1f.SPACINGS)
+    summary_json: str | None = None  # where rank 0 writes the run's summary as JSON at its end
 
     # ---- derived settings
     def engine_overrides(self) -> dict:
@@ -99,7 +100,7 @@ class RunConfig:
     def expand_placeholders(self) -> "RunConfig":
         """{array_task} in the input, output and checkpoint paths replaced by the Slurm array task's
         id (pricer.files.expand_placeholders), on every rank alike."""
-        for key in ("input", "output", "checkpoint"):
+        for key in ("input", "output", "checkpoint", "summary_json"):
             setattr(self, key, expand_placeholders(getattr(self, key)))
         return self
 
@@ -136,6 +137,13 @@ class RunConfig:
                      "a whole number >= 0")
         _require(self.checkpoint is None or (isinstance(self.checkpoint, str) and self.checkpoint),
                  name("checkpoint"), self.checkpoint, "a folder name")
+        _require(self.summary_json is None or (isinstance(self.summary_json, str)
+                                               and self.summary_json),
+                 name("summary_json"), self.summary_json, "a file name")
+        if self.summary_json and os.path.abspath(self.summary_json) in {
+                os.path.abspath(p) for p in (self.input, self.output) if isinstance(p, str)}:
+            raise InputError(f"{self.summary_json}: --summary-json must name a file of its own, "
+                             f"not the input or the output")
         _require(self.chunk_nodes is None or (isinstance(self.chunk_nodes, numbers.Real)
                                               and not isinstance(self.chunk_nodes, bool)
                                               and self.chunk_nodes >= 1),
@@ -234,24 +242,45 @@ def configure_threads(threads: int | None, ranks_here: int, warn: bool = False) 
     """Give each rank its share of the node's cores, so ranks on one node don't oversubscribe:
     `threads`, else SLURM_CPUS_PER_TASK, else the cores this process may run on (its CPU affinity:
     what taskset, cgroups or the launcher's binding leave it) / the ranks on this node. With
-    `warn`, a warning on stderr where the binding leaves the rank fewer threads than its share of
-    the node's cores (binding_warning)."""
+    `warn`, a warning on stderr (once a process) where the binding leaves the rank fewer threads
+    than its share of the cores the node gives the job (binding_warning)."""
     import numba
 
+    global _warned
     if threads is None:
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus and cpus.isdigit():
             threads = int(cpus)
         else:
-            threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-            if warn:
-                message = binding_warning(len(os.sched_getaffinity(0)), os.cpu_count() or 1,
-                                          ranks_here)
-                if message:
-                    print(f"pricer: warning: {message}", file=sys.stderr, flush=True)
+            allowed = len(os.sched_getaffinity(0))
+            threads = max(1, allowed // ranks_here)
+            message = binding_warning(allowed, node_cores(), ranks_here) if warn else None
+            if message and not _warned:
+                _warned = True
+                print(f"pricer: warning: {message}", file=sys.stderr, flush=True)
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(threads)
     return threads
+
+
+_warned = False
+
+
+def node_cores() -> int:
+    """The cores the node gives this job: its cgroup's cpuset (a container's or a Slurm job's)
+    where readable, else every core of the machine."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            text = f.read().strip()
+        count = 0
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            count += int(hi or lo) - int(lo) + 1
+        if count > 0:
+            return count
+    except (OSError, ValueError):
+        pass
+    return os.cpu_count() or 1
 
 
 def binding_warning(allowed: int, cores: int, ranks_here: int) -> str | None:
@@ -262,10 +291,11 @@ def binding_warning(allowed: int, cores: int, ranks_here: int) -> str | None:
     if threads >= share:
         return None
     return (f"this process may run on {allowed} of the node's {cores} cores (its CPU affinity: "
-            f"taskset, a cgroup, or the launcher's binding, e.g. Open MPI's default --bind-to "
-            f"core), so each of the node's {ranks_here} rank(s) runs {threads} thread(s) where "
-            f"{share} would be its share; unbind the ranks (mpirun --bind-to none, srun "
-            f"--cpu-bind=none or --cpus-per-task) or give --threads")
+            f"taskset, a cgroup, or the launcher's binding, e.g. Open MPI's default, a rank to a "
+            f"core at up to 2 ranks and to a socket above), so each of the node's {ranks_here} "
+            f"rank(s) runs {threads} thread(s) where {share} would be its share; unbind the "
+            f"ranks (mpirun --bind-to none, srun --cpu-bind=none or --cpus-per-task) or give "
+            f"--threads")
 
 
 def threads_text(threads) -> str:

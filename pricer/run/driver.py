@@ -169,7 +169,7 @@ def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
     # a first run's compile (in the engine's start, beside the plan) is a stage of its own
     clock = compiling.StageClock()
     agreed = _agree(cfg, comm, prepare)
-    clock.lap("read")
+    clock.lap("read", beside=agreed.parts.get("plan", 0.0))
     local, ids = _share(cfg, comm, agreed)
     clock.lap("distribute")
     lo, hi = int(agreed.bounds[rank]), int(agreed.bounds[rank + 1])
@@ -287,7 +287,9 @@ def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
                                for name in ("bounds", "cuts", "chunk_ids"))
     gpus = [f"{info.name} ({info.device})" if info is not None else ""
             for info in infos] if rank == ROOT else None
-    threads = configure_threads(cfg.threads, ranks_here, warn=rank == ROOT and cfg.progress)
+    # a GPU run's threads only feed its GPU: warned of where the CPU prices
+    threads = configure_threads(cfg.threads, ranks_here, warn=rank == ROOT and cfg.progress
+                                and resolve_backend(cfg.backend) == "cpu")
     parts["agree"] = time.perf_counter() - joined - parts["fit"]
     return Agreed(plan, own, started, int(fit[rank]), fitted.notes if fitted else [], threads,
                   bounds, cuts, chunk_ids, hosts, gpus, parts)
@@ -416,10 +418,11 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
         if cfg.checkpoint:
             checkpoint = Checkpoint(cfg.checkpoint).attach()
         engine.fit_device(chunk_options)       # before prepare() sizes the buffers
-        t = time.perf_counter()
+        t, compiled = time.perf_counter(), compiling.seconds()
         if priced.any():
             engine.prepare(steps if priced.all() else steps[priced], levels=cfg.greeks)
-        setup = time.perf_counter() - t
+        # a compile inside the set-up is the run's compile stage's (StageClock), not the set-up's
+        setup = max(0.0, time.perf_counter() - t - (compiling.seconds() - compiled))
         progress.start()
         inject(faults, rank, done)
         watch.poll()

@@ -114,7 +114,10 @@ def _mem_available() -> float:
     """What the kernel says a new process can still take without swapping (psutil: Linux's
     MemAvailable, and its like elsewhere). A cgroup's own limit is not in it: _cgroup_room."""
     import psutil
-    return float(psutil.virtual_memory().available)
+    try:
+        return float(psutil.virtual_memory().available)
+    except (OSError, psutil.Error):   # /proc unreadable (a sandbox): the free pages, as sysconf
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 NO_LIMIT = 1 << 60      # cgroup v1 writes "no limit" as a number near 2^63

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pricer.files import OutputLock, check_input_file
+from pricer.files import OutputLock, check_input_file, check_output_file
 from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
 from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_beside
@@ -99,6 +99,8 @@ def claim(cfg: RunConfig) -> list:
         for target in filter(None, (cfg.output, cfg.checkpoint)):
             locks.append(OutputLock(os.path.normpath(target)).acquire())
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+        if cfg.summary_json:     # written at the end: refused now rather than after the work
+            check_output_file(cfg.summary_json, cfg.overwrite, "summary")
     except BaseException:
         for lock in locks:
             lock.release()
@@ -164,6 +166,8 @@ def plan_own_rows(cfg: RunConfig, size: int, rank: int, node_ranks: int):
     check_input_file(cfg.input)   # before any read: a FIFO or a device never ends
     if rank == ROOT:
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+        if cfg.summary_json:
+            check_output_file(cfg.summary_json, cfg.overwrite, "summary")
     digest = sha256_beside(cfg.input) if rank == ROOT else None
     skip = cfg.invalid == "skip"
     index = read_index(cfg.input, values=not skip)
