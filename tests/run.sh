@@ -13,5 +13,5 @@ python3 -m venv .venv
 .venv/bin/python -m compileall -q pricer tests
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.venv/numba-cache}"
 # two workers, an idle one taking tests from the other: most tests keep one core busy (a
-# process, or MPI ranks that mostly wait)
-.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+# process, or MPI ranks that mostly wait); the ten slowest tests named at the end
+.venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 "$@"
