@@ -44,7 +44,8 @@ def books(seed: int):
         cols[column][row] = value
         status[row] = code
     cols["tree"][55] = "crr"
-    cols["volatility"][89], cols["maturity"][89] = 3.0, 10.0
+    # ... over enough steps that the walk reaches them with weight (at N ~ 20 it does not: priced)
+    cols["volatility"][89], cols["maturity"][89], cols["steps"][89] = 3.0, 10.0, 400
     clean = Portfolio(**{name: value[status == PRICED] for name, value in cols.items()})
     return Portfolio(**cols), status, clean
 
