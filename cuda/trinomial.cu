@@ -12,7 +12,7 @@
 // to jmax, jmax - 1, jmax - 2 (the top) and -jmax + 2, -jmax + 1, -jmax (the bottom) with their
 // own probabilities (hw1f.branching; here `probabilities`).
 //
-// Two strategies, the seeds' two (pricer/engines/gpu/trinomial.py lays out their inputs):
+// The two strategies of Pawlak et al. (2021); pricer/engines/gpu/trinomial.py lays out their inputs:
 //
 // hw_outer ("GPU-OUTER"): one thread per instrument, the whole induction in the thread, as the CPU
 //   engine does it (its step factor the reference's). The instruments are sorted by width, then

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for malformed portfolio files (issue 7): each case is a real file on disk
+"""Hypothesis strategies for malformed portfolio files: each case is a real file on disk
 holding exactly one defect that pricer must refuse with exit code 2, plus the words its message must
 contain. Shared by tests/mpi/test_fuzz.py (in-process on every rank) and tests/test_fuzz_cli.py
 (real `mpiexec -n 3 pricer price` runs).

@@ -1,4 +1,4 @@
-"""The seed's American put at the N given (python3 tests/seed_option.py 100000 500000 1000000) on
+"""Cao (2025)'s benchmark American put at the N given (python3 tests/seed_option.py 100000 500000 1000000) on
 every backend, against the independent oracle tests/oracle.crr_wide (docs/performance.md)."""
 import os
 import sys

@@ -93,8 +93,8 @@ def test_bad_files_are_ignored_with_a_warning(cache):
 
 
 def test_retired_keys_are_ignored(cache):
-    """A file from a calibration that also chose the warp shape (warp_vt, warp_k: a regime no longer
-    in the production path) still loads: those keys are dropped, whatever their values, and the
+    """A file from a calibration that also chose the warp shape (warp_vt, warp_k: a regime outside
+    the production path) still loads: those keys are dropped, whatever their values, and the
     engine keeps GpuConfig's warp shape. A new calibration cannot store them."""
     assert set(RETIRED) == set(OLD_WARP) and not set(RETIRED) & set(CALIBRATED)
     cache.mkdir(parents=True)
@@ -235,7 +235,7 @@ def test_quick_calibration_on_the_gpu(tmp_path, monkeypatch, rng):
     assert saved["device"] == name and saved["version"] == __version__ and saved["quick"] is True
     assert saved["values"] == rec["values"] and set(saved["values"]) == set(CALIBRATED)
     assert {"tiled", "t1", "t2", "cpu_max_steps"} <= set(saved["timings"])
-    assert "warp" not in saved["timings"]           # the warp shape is no longer calibrated
+    assert "warp" not in saved["timings"]           # the warp shape is not calibrated
     engine = GpuEngine("hybrid")
     assert engine.calibration == path
     assert {k: getattr(engine.config, k) for k in CALIBRATED} == saved["values"]

@@ -1,6 +1,6 @@
-"""The CRR lattice and the CPU engines: the seed's Table 1 invariants, Black–Scholes–Merton, put–call
-parity, hand computations at N = 1 and 2, an independent numpy lattice, QuantLib, the seed's own
-benchmark prices, the N = 20 000 reference set, and serial == cpu bit for bit.
+"""The CRR lattice and the CPU engines: Cao (2025)'s Table 1 invariants, Black–Scholes–Merton,
+put–call parity, hand computations at N = 1 and 2, an independent numpy lattice, QuantLib, Cao's
+own benchmark prices, the N = 20 000 reference set, and serial == cpu bit for bit.
 
 Tolerances that come from the lattice (not from rounding) are written as C * S*sigma*sqrt(T) / N: the
 CRR error of a vanilla option is O(1/N) with a constant proportional to S*sigma*sqrt(T) (Diener &
@@ -337,8 +337,8 @@ def test_lattices_beyond_the_fp64_factors_price_and_only_weighty_clamps_are_refu
 
 def test_a_level_factor_beyond_fp64_alone_takes_the_centred_tables():
     """d^N alone beyond e^-700 while the nodes are inside (a spot of e^600 with a dividend yield of
-    1000 % a year, jr; a spot of e^-600 with a 1000 % rate): S0 d^t as one factor underflowed to
-    0 and the price with it. Now CENTRED, and as the oracle prices them (1.9e-174, 2.1e-262)."""
+    1000 % a year, jr; a spot of e^-600 with a 1000 % rate): S0 d^t as one factor would underflow
+    to 0 and the price with it. So CENTRED, and as the oracle prices them (1.9e-174, 2.1e-262)."""
     cols = make_columns(spot=[math.exp(600), math.exp(-600)],
                         strike=[math.exp(-420), math.exp(400)], maturity=1.0, rate=[0.0, 1000.0],
                         dividend=[1000.0, 0.0], volatility=0.2, steps=1000, call=[True, False],
@@ -722,7 +722,7 @@ def test_close_to_quantlib_binomial_crr(rng):
 
 
 def test_seed_american_put_benchmarks():
-    """The seed's reference set: 4-decimal American put prices from an N = 20 000 lattice, whatever
+    """Cao (2025)'s reference set: 4-decimal American put prices from an N = 20 000 lattice, whatever
     its N column says; each distinct parameter set priced at N = 20 000 must round to it."""
     rows = np.loadtxt(DATA / "seed002_american_put_benchmarks.txt", delimiter=",", comments="#")
     assert rows.shape[1] == 7

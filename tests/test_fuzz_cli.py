@@ -1,4 +1,4 @@
-"""Fuzzed bad input through real launches (issue 7): cases from tests/fuzz_portfolios.py's
+"""Fuzzed bad input through real launches: cases from tests/fuzz_portfolios.py's
 generator, each run as `mpiexec -n 3 pricer price BAD.h5 -o OUT.h5`: exit 2, one message naming
 the cause, no traceback, nothing written, the input unchanged. Each launch must end (a 120 s
 timeout against hangs); how long it took is printed, not bounded (a busy host is no failure). The

@@ -38,7 +38,7 @@ from pricer.tools.bench_gpu import OneRegime
 
 from gpu_cases import ThroughRegimes, every_kind, needs_gpu, options
 
-# The single regimes `pricer bench gpu` runs (the seed's Table 5), each all the way down.
+# The single regimes `pricer bench gpu` runs (Cao (2025), Table 5), each all the way down.
 REGIMES = ("wavefront", "tiled", "warp")
 
 # A small configuration whose thresholds and tile widths are cheap to straddle, exact arithmetic:
@@ -411,7 +411,7 @@ def test_config_is_checked():
             GpuConfig(**bad).check()
     SMALL_PERS.check()
     MEDIUM_PERS.check()
-    # the single regimes are `pricer bench gpu`'s (OneRegime), no longer the engine's modes
+    # the single regimes are `pricer bench gpu`'s (OneRegime), not the engine's modes
     for mode in ("wavefront", "tiled", "warp", "pers", "nope"):
         with pytest.raises(ValueError, match="unknown GPU mode"):
             GpuEngine(mode, kernels=NumpyKernels(GpuConfig()))
@@ -796,10 +796,10 @@ def test_gpu_wide_lattices(mode, engines, exact_engines, rng):
 @needs_gpu
 @pytest.mark.parametrize("steps", [100_000, 500_000])
 def test_gpu_the_seeds_option_at_every_n_it_prices(steps, engines):
-    """The seed's benchmark option (American put, S = K = 100, r = 5 %, sigma = 20 %, T = 10) at
+    """Cao (2025)'s benchmark option (American put, S = K = 100, r = 5 %, sigma = 20 %, T = 10) at
     N = 100 000 (PLAIN tables) and 500 000 (CENTRED: (u/d)^N = e^894) on cpu, gpu, hybrid and batch
     (whose options of this size take the regimes and the CPU tail, as hybrid's do), within 1e-9
-    of the independent oracle (oracle.crr_wide). The seed prices 11.211412 at N = 500 000."""
+    of the independent oracle (oracle.crr_wide). Cao's code prices 11.211412 at N = 500 000."""
     from oracle import crr_wide
     cols = dict(spot=np.array([100.0]), strike=np.array([100.0]), maturity=np.array([10.0]),
                 rate=np.array([0.05]), dividend=np.array([0.0]), volatility=np.array([0.2]),

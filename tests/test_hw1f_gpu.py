@@ -1,6 +1,6 @@
 """The Hull–White family's GPU engine (cuda/trinomial.cu, pricer/engines/gpu/trinomial.py): the
 host layouts of both strategies (here), and GPU-OUTER, GPU-FLAT and `auto` against the CPU engine
-to 1e-12 on fresh random books and the seeds' datasets (marked gpu)."""
+to 1e-12 on fresh random books and the datasets of Pawlak et al. (2021) (marked gpu)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def market_book(book: dict, guess: bool = False) -> dict:
 
 
 def check_accuracy(book: dict, result) -> None:
-    """The issue's accuracy: every converged price within the tolerance of its market price;
+    """The required accuracy: every converged price within the tolerance of its market price;
     sigma recovered within 1e-8 where the lattice's vega > 1e-4 K; only options with no vega
     to speak of left without an answer."""
     market, strike = book["market_price"], book["strike"]

@@ -1,4 +1,4 @@
-"""The portfolio file: write/read round trip, what is accepted, and every validation error of issue 2
+"""The portfolio file: write/read round trip, what is accepted, and every validation error
 (each must be an InputError whose message names the column and the first offending option ids)."""
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ path = "out.h5"
     ("overwrite = 1", "output.overwrite must be true or false, got 1 (int)"),
 ])
 def test_a_job_files_overwrite_must_be_a_boolean(tmp_path, book, line, needle):
-    """Before, "false", "no" and 1 replaced an existing result; now they are refused by key, value
-    and type, and the result is intact."""
+    """overwrite = "false", "no" or 1 (each true as a truth value, so each would replace an existing
+    result) is refused by key, value and type, and the result is intact."""
     os.rename(book, tmp_path / "book.h5")
     (tmp_path / "job.toml").write_text(JOB.replace('path = "out.h5"', f'path = "out.h5"\n{line}'))
     (tmp_path / "out.h5").write_bytes(b"the earlier result")

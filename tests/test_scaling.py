@@ -45,7 +45,7 @@ def test_simulate_bounds_and_target(dist):
         assert r["bound"] <= r["whole_bound"] <= r["max_cost"] * (1 + 1e-12)
         assert r["max_over_bound"] == pytest.approx(r["max_cost"] / r["bound"])
         assert r["max_cost"] <= r["mean_cost"] + r["largest_option"] or r["partitioner"] == "count"
-        if r["partitioner"] in ("cost", "lpt"):      # issue 6's target
+        if r["partitioner"] in ("cost", "lpt"):      # their target: within 2 % of the bound
             assert r["max_over_bound"] <= 1.02, r
         if r["partitioner"] == "contiguous" and dist != "skewed":
             assert r["max_over_bound"] <= 1.02, r   # skewed books miss it (docs/scaling.md)

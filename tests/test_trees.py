@@ -1,4 +1,4 @@
-"""The binomial trees (issue 5): the textbook `crr` and QuantLib 1.44's trees (`ql-crr`, `jr`, `eqp`,
+"""The binomial trees: the textbook `crr` and QuantLib 1.44's trees (`ql-crr`, `jr`, `eqp`,
 `trigeorgis`, `tian`, `lr`, `joshi4`) — parity with QuantLib's BinomialVanillaEngine on the serial and
 cpu backends, QuantLib's maturity trap, the lattice invariants of every tree, convergence to
 Black–Scholes–Merton, refusals, and the portfolio's per-option `tree` column end to end.
@@ -241,7 +241,7 @@ def test_textbook_crr_is_not_quantlibs_crr(rng):
 
 @pytest.mark.parametrize("tree", list(QL_TREES))
 def test_quantlib_maturity_trap_180_to_183_days(tree):
-    """The issue's case: American put, S 100, K 105, r 3 %, q 0, sigma 30 %, 500 steps, valued on
+    """A case that springs the trap: American put, S 100, K 105, r 3 %, q 0, sigma 30 %, 500 steps, valued on
     2025-01-15. At 180 and 183 days QuantLib agrees with our lattice; at 181 and 182 days
     fl(fl(T/500)*500) < T, QuantLib never applies the payoff at maturity and is off by ~1e-3
     relative (1.2e-2 absolute for ql-crr) — and equal to our lattice without its terminal level."""

@@ -1,4 +1,4 @@
-"""Stage 1: the portfolio — its HDF5 schema, reading, writing and validation with named reasons.
+"""The portfolio — its HDF5 schema, reading, writing and validation with named reasons.
 
 With `--distribute scatter|bcast` only rank 0 calls `read_portfolio`; the other ranks receive the
 validated columns as one float64 matrix (`to_matrix`/`columns_from_matrix`), so they never open the

@@ -1,4 +1,4 @@
-"""Stage 6: the results file — schema, units, provenance, and an atomic write (temp file, then
+"""The results file — schema, units, provenance, and an atomic write (temp file, then
 rename); HDF5, CSV or Parquet by the output's extension (formats.py)."""
 
 from __future__ import annotations

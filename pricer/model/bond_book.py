@@ -1,6 +1,6 @@
 """A book of Hull–White instruments as the family's engines take it (HullWhiteParams: struct of
-arrays and the seeds' per-step flat arrays), built in one vectorised pass from its columns
-(BOND_COLUMNS: the file's /bond_options, docs/formats.md) after the columns' checks
+arrays and the per-step flat arrays of Pawlak et al. (2021)), built in one vectorised pass from
+its columns (BOND_COLUMNS: the file's /bond_options, docs/formats.md) after the columns' checks
 (check_columns, with the bounds that keep every tree within FP64 and memory). The trees and the
 instruments themselves are pricer/model/hw1f.py's; the reference prices each instrument from the
 same definitions (hw1f.cash_flows, hw1f.exercise_steps)."""
@@ -29,8 +29,8 @@ PRODUCT_CODES = {name: k for k, name in enumerate(PRODUCTS)}
 class HullWhiteParams:
     """Everything the family's engines need per instrument (struct of arrays), and per step of
     each instrument's tree in flat arrays: instrument k's steps 0 .. steps[k] are entries
-    starts[k] .. starts[k] + steps[k] of `flows`, `exercise` and `discount` (the seeds' expanded
-    arrays, offsets by an exclusive scan of the heights)."""
+    starts[k] .. starts[k] + steps[k] of `flows`, `exercise` and `discount` (Pawlak et al. (2021)'s
+    expanded arrays, offsets by an exclusive scan of the heights)."""
     a: np.ndarray
     sigma: np.ndarray
     dt: np.ndarray

@@ -1,4 +1,4 @@
-"""Stage 4b: sensitivities and Richardson extrapolation around any engine.
+"""Sensitivities and Richardson extrapolation around any engine.
 
 - Delta, gamma, theta come from the lattice's first levels, as QuantLib's BinomialVanillaEngine
   computes them (Hull, 6th ed., pp. 397-398): the engines keep V(1, .) and V(2, .) while they price

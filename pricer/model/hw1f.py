@@ -1,7 +1,7 @@
 """The second lattice family: fixed-coupon bonds and options on them under the Hull–White
 one-factor model (dr = (theta(t) - a r) dt + sigma dW), each instrument on its own bounded-width
-trinomial tree, built as Hull and White (1994) build it and as seeds 000 and 003 follow it
-(docs/numerics.md, "Hull–White trinomial trees").
+trinomial tree, built as Hull and White (1994) build it and as Pawlak et al. (2021) and Pawlak &
+Oancea (2019) follow it (docs/numerics.md, "Hull–White trinomial trees").
 
 This module is the family's model and its plain NumPy reference, vectorised across the tree's
 width: the engines of the family are checked against it, and it against closed forms (Jamshidian's
@@ -13,7 +13,7 @@ pricer/model/bond_book.py.
 - HullWhiteTree: one instrument's tree: Δt, the node spacing Δr (`spacing_of`: sqrt(3 V), V the
   exact variance of a step, by default; Hull and White's first-order sigma sqrt(3 Δt) by choice),
   j_max = ceil(0.184 / (a Δt)), the branching of every node and its probabilities
-  (M = e^{-a Δt} - 1, the papers' M), and the displacements alpha_m fitted by forward induction
+  (M = e^{-a Δt} - 1, the M of Pawlak et al. (2021)), and the displacements alpha_m fitted by forward induction
   of the Arrow–Debreu prices so that the tree reprices the curve's zero-coupon bonds at every
   step.
 - BondOption: a fixed-coupon bond (face, coupon rate and frequency, maturity) with an option on it
@@ -41,7 +41,7 @@ PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
 # the node spacing Δr of a tree (spacing_of): "variance", sqrt(3 V) with V the exact variance of
 # the short rate over a step, sigma^2 (1 - e^{-2 a Δt}) / (2 a), as QuantLib's HullWhite tree and
-# Pawlak et al.'s reference code space it; "sqrt-dt", sigma sqrt(3 Δt), Hull and White's (1994)
+# Pawlak et al.'s (2021) reference code space it; "sqrt-dt", sigma sqrt(3 Δt), Hull and White's (1994)
 # first-order variance sigma^2 Δt. The default is the exact one: at the same tree size (j_max does
 # not depend on the spacing) it is closer to Jamshidian's closed form (docs/numerics.md,
 # "The spacing").

@@ -1,4 +1,4 @@
-"""Stage 2: per-option lattice parameters for each tree type, vectorised over the portfolio.
+"""Per-option lattice parameters for each tree type, vectorised over the portfolio.
 
 Tree types are small policy objects (as in QuantLib): they turn an option's market data and N into
 the numbers every engine consumes — log up/down factors and discounted branch probabilities. The

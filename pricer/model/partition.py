@@ -1,4 +1,4 @@
-"""Stage 3: the cost model and the static partitioners.
+"""The cost model and the static partitioners.
 
 A partition is an int64 array `bounds` of length parts + 1: part k owns the contiguous options
 bounds[k]:bounds[k+1] in input order, so gathering the parts in rank order restores input order.
@@ -89,7 +89,7 @@ def _descending_runs(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def partition_by_count(n: int, parts: int) -> np.ndarray:
-    """The seed's split: equal counts, the first n % parts parts one option larger."""
+    """Cao (2025)'s static split: equal counts, the first n % parts parts one option larger."""
     base, extra = divmod(n, parts)
     sizes = np.full(parts, base, dtype=np.int64)
     sizes[:extra] += 1

@@ -1,4 +1,4 @@
-"""`pricer bench batch`: the `batch` backend on seed-003 style portfolios, on the GPU at hand.
+"""`pricer bench batch`: the `batch` backend on Pawlak & Oancea (2019)-style portfolios, on the GPU at hand.
 
 Portfolios (`pricer.tools.generate`, fixed seeds), each all-American and all-European:
   U1  1 024 options x N = 2 048          U2  100 000 options x N = 1 000

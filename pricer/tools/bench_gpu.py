@@ -1,4 +1,4 @@
-"""`pricer bench gpu`: the layout of the seed's Table 5 on the GPU at hand.
+"""`pricer bench gpu`: the layout of Table 5 of Cao (2025) on the GPU at hand.
 
 One American put (S = K = 100, T = 1, sigma = 0.2, r = 0.05) at N = 1k ... 1M, priced by the
 wavefront, tiled, warp-per-block and hybrid regimes (and the CPU `serial`/`cpu` engines where they
@@ -101,7 +101,7 @@ def time_cpu(engine, params, repeats: int, cap_s: float):
 
 
 class OneRegime:
-    """One option through one of the seed's regimes all the way down (Table 5's columns): the
+    """One option through one of Cao (2025)'s regimes all the way down (Table 5's columns): the
     wavefront (one launch a step), the tiled kernel (tiled_k steps a launch) or the warp-per-block
     kernel (warp_k steps a launch, the whole rest in one once the level fits one tile); the
     production schedule is GpuEngine.price_one."""
@@ -157,7 +157,7 @@ class OneRegime:
 
 
 def regime(name: str, **overrides):
-    """The seed's regime `name`, or `hybrid`: the production GPU engine's single-option path."""
+    """Cao (2025)'s regime `name`, or `hybrid`: the production GPU engine's single-option path."""
     if name == "hybrid":
         from pricer.engines.gpu.engine import GpuEngine
         return GpuEngine("hybrid", **overrides)
@@ -243,7 +243,7 @@ def markdown(result: dict) -> str:
     sizes = sorted({r["n"] for r in rows})
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     cell = {(r["n"], r["kernel"]): r for r in rows}
-    head = "| N | " + " | ".join(kernels) + " | seed RTX 2080 hybrid |"
+    head = "| N | " + " | ".join(kernels) + " | Cao (2025) RTX 2080 hybrid |"
     lines = [f"{result['device']} ({result['arch']}), FP64 FMA peak {result['fp64_fma_peak']:.3g}/s; "
              f"times in ms (median, CUDA events), nodes/s in brackets", "", head,
              "|" + "---|" * (len(kernels) + 2)]

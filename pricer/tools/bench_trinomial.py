@@ -1,5 +1,5 @@
-"""`pricer bench trinomial`: the Hull–White family's engines on the seeds' seven datasets
-(pricer/tools/bond_datasets.py), as the papers measure them, beside QuantLib.
+"""`pricer bench trinomial`: the Hull–White family's engines on the seven datasets of Pawlak et al.
+(2021) (pricer/tools/bond_datasets.py), as they measure them, beside QuantLib.
 
 For each dataset: the trees' parameters are built (bond_book.tree_parameters, reported, not
 timed; for a GPU engine without the per-step arrays, which it fills in its own memory as the bond
@@ -9,7 +9,7 @@ Reported per engine: seconds, tree nodes per second (the forward and the backwar
 count every node of the tree: 2 x HullWhiteParams.nodes()), and GFLOP^SPEC/s.
 
 GFLOP^SPEC counts the floating-point operations of the algorithm's specification per node, as
-the papers count those of their Listing 2 (whose per-node functions g1 and g3 are the two
+Pawlak et al. (2021) count those of their Listing 2 (whose per-node functions g1 and g3 are the two
 three-term updates below; an exp counts as one operation):
 - forward (Listing 2's g1 and the reduce): the node's weight e^{-j dr dt} (2 multiplications,
   1 exp), its term of the level's sum (1 multiplication, 1 addition), its discounted state price
@@ -47,7 +47,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--datasets", default=",".join(DATASETS),
                     help=f"comma-separated (default all: {','.join(DATASETS)})")
     ap.add_argument("--count", type=int, default=None,
-                    help="instruments per dataset (default the papers': 3 000 for U1, else 100 000)")
+                    help="instruments per dataset (default Pawlak et al.'s (2021): 3 000 for U1, "
+                         "else 100 000)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantlib", type=int, default=20,
                     help="instruments of each dataset for the QuantLib anchor (0: none)")

@@ -1,5 +1,6 @@
-"""The seeds' seven datasets of Hull–White instruments (seed 000, "Datasets"), made by choosing
-each tree's mean reversion and maturity so that its width and height are the papers'.
+"""The seven datasets of Hull–White instruments of Pawlak et al. (2021), "Datasets" (the same in
+Pawlak & Oancea (2019), 6.2), made by choosing each tree's mean reversion and maturity so that its
+width and height are theirs.
 
 At monthly steps (12 a year) an instrument of height h (steps) matures in h / 12 years, and one of
 width w = 2 j_max + 1 has a = 0.184 / (Δt (j_max − ½)): then 0.184 / (a Δt) = j_max − ½ and
@@ -16,8 +17,8 @@ hw1f.jmax_of gives j_max. Widths are odd. The datasets:
 | S2 | 100 000 | as S1, but one 1 % has wide trees of uniform heights and another 1 % tall trees of uniform widths | |
 
 "Normal in [lo, hi]": mean at the middle, standard deviation (hi − lo) / 6, clipped to the
-interval (the papers say standard-normal). S* heights start at 12 as the papers give them.
-Every instrument is, as the papers' are, a Bermudan call or put on a bond: face 100, a coupon
+interval (Pawlak et al. say standard-normal). S* heights start at 12 as Pawlak et al. give them.
+Every instrument is, as theirs are, a Bermudan call or put on a bond: face 100, a coupon
 rate in [0, 8 %] paid twice a year, exercisable once a year from the first year to a year before
 maturity (at mid-life for bonds under two years), strike in [90, 110]; σ in [0.5 %, 2 %]; one
 sloped curve for all.

@@ -1,9 +1,9 @@
 """Synthetic portfolios, deterministic in (dist, count, seed, options): for demos, tests and benchmarks.
 
-- uniform:   every option has the same N (seed 003's U portfolios).
+- uniform:   every option has the same N (the U portfolios of Pawlak & Oancea (2019)).
 - random:    N uniform in [min_steps, max_steps] (R portfolios; default [16, 4096]).
 - skewed:    N uniform in [64, 256], and 1% of the options 10-50x larger (S portfolios).
-- scenarios: the seed's validation grid of American puts, K = 100: moneyness S0 = 90/100/110
+- scenarios: Cao (2025)'s validation grid of American puts, K = 100: moneyness S0 = 90/100/110
              (ITM/ATM/OTM), sigma 0.1-0.6, T 0.25-5, r 0/5/10 %, q = 0; repeated to `count`.
 """
 

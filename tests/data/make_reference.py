@@ -1,4 +1,4 @@
-"""Make tests/data/scenarios_n20000.csv: the seed's validation grid (`pricer generate --dist scenarios
+"""Make tests/data/scenarios_n20000.csv: Cao (2025)'s validation grid (`pricer generate --dist scenarios
 --count 270 --steps 20000`, 270 American puts) priced by the serial engine at N = 20 000.
 
 The other backends must reproduce these prices to test_engines.STORED_TOLERANCE relative (on another

@@ -1,4 +1,4 @@
-"""Fuzzed bad input (issue 7), collectively under `mpiexec -n K python -m pytest --with-mpi tests/mpi`:
+"""Fuzzed bad input, collectively under `mpiexec -n K python -m pytest --with-mpi tests/mpi`:
 rank 0 draws ~1000 malformed portfolio files from hypothesis (tests/fuzz_portfolios.py), and for
 each one every rank calls the real entry point, `pricer.cli.main(["price", ...])`, in-process — the
 code `mpiexec -n 3 pricer price` runs, without paying a launch per case; every other case with
@@ -140,7 +140,7 @@ def _check(count: int) -> None:
 
 
 def test_fuzzed_bad_input_every_rank_exits_2():
-    """~1000 cases at 3 ranks (the issue's figure), 100 at 2 ranks (the same code, another size);
+    """~1000 cases at 3 ranks (the required count), 100 at 2 ranks (the same code, another size);
     the long run (PRICER_SLOW=1) draws 10 000 at 3 ranks. (One test, not a `slow`-marked second
     one: tests/test_mpi_suite.py fails on any skipped MPI test.)"""
     slow = os.environ.get("PRICER_SLOW", "") not in ("", "0")

@@ -290,7 +290,7 @@ def _padded_level(values, ratio, t, way, american, edge, zeros, skip, limit, flo
 
 # The level loops (and the kernels that prepare a lattice) run without numba's reference counting
 # (_nrt=False: they allocate nothing and let no array escape). With it, every array handed to the
-# inlined per-level functions was counted up and down each level, an atomic add each: a large
+# inlined per-level functions would be counted up and down each level, an atomic add each: a large
 # share of a small lattice's time (docs/decisions.md). numba refuses to compile such a
 # kernel if it ever allocates.
 @njit(cache=True, nogil=True, _nrt=False)

@@ -1,6 +1,6 @@
 """The `cpu` backend: all cores of the rank, numba-parallel, static schedule.
 
-Two kinds of parallelism, as the seed's OpenMP version found best (static, one parallel region per
+Two kinds of parallelism, as Cao (2025)'s OpenMP version found best (static, one parallel region per
 block of levels rather than per level):
 - across options: the options are cut into one contiguous group per thread with equal total cost
   (Σ N², the same cost partitioner MPI uses) and each thread prices its group serially;

@@ -23,8 +23,8 @@ heaviest first (heaviest_first: the GPU orders them by an estimate of their work
 shares even out.
 
 A call's rows go to the GPU in one chunk, as they are (input layout below), with `order`: the rows
-sorted by steps, descending (seed 003's idea), so classes come largest first and within a class the
-largest lattices start first (a launch's tail is short). Each class is one launch over a run of
+sorted by steps, descending (Pawlak & Oancea (2019)), so classes come largest first and within a
+class the largest lattices start first (a launch's tail is short). Each class is one launch over a run of
 `order`; the kernel reads row order[k] and writes its price at that row, so prices come back in the
 order given (no gather or scatter on the host). A call of more than `chunk_options` rows (device
 memory) goes in chunks of that many consecutive rows, each sorted on its own. Chunks smaller than

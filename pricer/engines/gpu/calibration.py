@@ -23,7 +23,8 @@ SCHEMA = "pricer.calibration/1"
 # the GpuConfig fields a calibration sets
 CALIBRATED = ("t1", "t2", "tiled_vt", "tiled_k", "cpu_max_steps", "hw_flat_rows",
               "hw_flat_threads")
-# fields older calibrations set, for a regime no longer in the production path: ignored
+# fields a calibration file may hold for the warp-per-block kernel, which only `pricer bench gpu`
+# runs (not a production path): ignored
 RETIRED = ("warp_vt", "warp_k")
 
 
@@ -80,7 +81,7 @@ def load_calibration(device_name: str, version: str = __version__) -> tuple[dict
             raise ValueError(f"made for {record.get('device')!r} / pricer {record.get('version')}, "
                              f"not {device_name!r} / pricer {version}")
         values = record.get("values")
-        if isinstance(values, dict):   # shapes of regimes calibrated once, no longer used
+        if isinstance(values, dict):   # the warp-per-block shapes: not calibrated, dropped
             values = {key: value for key, value in values.items() if key not in RETIRED}
         values = check_values(values)
     except ValueError as exc:   # json.JSONDecodeError is a ValueError

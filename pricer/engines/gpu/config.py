@@ -9,7 +9,7 @@ Per option, as the level narrows (t = steps still to take = level width - 1):
 If the persistent kernel gives up waiting for a neighbour (its blocks were not all resident), the
 engine falls back to the tiled kernel in a narrow shape (mid_b threads x mid_vt nodes, mid_k steps
 per launch). warp_vt and warp_k shape the warp-per-block kernel, which only `pricer bench gpu`
-runs (the seed's Table 5). fma=False is the exact mode: every product and sum rounded on its own,
+runs (Cao (2025), Table 5). fma=False is the exact mode: every product and sum rounded on its own,
 in the serial engine's order, so prices are bitwise the CPU engines'.
 hw_flat_rows and hw_flat_threads are the Hull-White family's rule between its two GPU strategies
 and GPU-FLAT's block (pricer/engines/gpu/trinomial.py).

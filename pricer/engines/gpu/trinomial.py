@@ -1,5 +1,5 @@
-"""The GPU engine of the Hull–White trinomial family: the seeds' two strategies (cuda/trinomial.cu,
-whose header describes the kernels) behind one Engine.
+"""The GPU engine of the Hull–White trinomial family: the two strategies of Pawlak et al. (2021)
+(cuda/trinomial.cu, whose header describes the kernels) behind one Engine.
 
 - GPU-OUTER (`outer`): one thread per instrument; the layout here sorts the book by width, then
   height, pads each warp's working rows to its widest tree and places the warps' transposed
@@ -11,7 +11,7 @@ whose header describes the kernels) behind one Engine.
   `pricer calibrate`, else GpuConfig.hw_flat_rows), the same for every chunk and rank count, so
   that an instrument's price never depends on its neighbours.
 
-A call's wall time, as the papers measure it, is everything here: the sort and the packing, the
+A call's wall time, as Pawlak et al. (2021) measure it, is everything here: the sort and the packing, the
 copies both ways and the kernels. Prices agree with the CPU engine (its reference) to rounding.
 """
 
