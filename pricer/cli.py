@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist", choices=DISTRIBUTIONS, default=None,
                    help="a book of equity options of this distribution")
     p.add_argument("--bonds", choices=BOND_DATASETS, default=None,
-                   help="instead, a book of bond options: one of the seeds' datasets (Hull–White "
-                        "trees of their widths and heights; --count, --seed)")
+                   help="instead, a book of bond options: one of the datasets of Pawlak et al. "
+                        "(2021) (Hull–White trees of their widths and heights; --count, --seed)")
     p.add_argument("--count", type=int, required=True, help="number of options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1000, help="N for uniform and scenarios (default 1000)")
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("cpu", help="serial and cpu engines beside QuantLib's CRR engine")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--out", default=None, help="also write the measurements as JSON here")
-    b = which.add_parser("gpu", help="the seed's Table 5 layout: GPU regimes and hybrid by N")
+    b = which.add_parser("gpu", help="Cao (2025)'s Table 5 layout: GPU regimes and hybrid by N")
     from pricer.tools.bench_gpu import add_arguments
     add_arguments(b)
     b = which.add_parser("batch", help="the batch backend on U/R/S portfolios and NVIDIA's sample workload")
@@ -208,10 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = which.add_parser("scenarios", help="a scenario grid's nodes/s against the expanded book's")
     from pricer.tools.bench_scenarios import add_arguments as scenario_arguments
     scenario_arguments(b)
-    b = which.add_parser("trinomial", help="the Hull–White trinomial engines on the seeds' seven "
-                                            "datasets beside QuantLib's tree engine")
+    b = which.add_parser("trinomial", help="the Hull–White trinomial engines on the seven datasets "
+                                            "of Pawlak et al. (2021) beside QuantLib's tree engine")
     from pricer.tools.bench_trinomial import add_arguments as trinomial_arguments
     trinomial_arguments(b)
+    b = which.add_parser("plan", help="rank 0's read, check and plan of a book against a plain "
+                                       "read of its columns")
+    from pricer.tools.bench_plan import add_arguments as plan_arguments
+    plan_arguments(b)
     b = which.add_parser("accuracy", help="error against nodes per tree, with and without Richardson")
     from pricer.tools.bench_accuracy import add_arguments as accuracy_arguments
     accuracy_arguments(b)
@@ -361,6 +365,10 @@ def _bench(args) -> int:
     if args.what == "trinomial":
         from pricer.tools.bench_trinomial import bench_trinomial
         bench_trinomial(args)
+        return 0
+    if args.what == "plan":
+        from pricer.tools.bench_plan import bench_plan
+        bench_plan(args)
         return 0
     if args.what == "accuracy":
         from pricer.tools.bench_accuracy import run as bench_accuracy

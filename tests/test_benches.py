@@ -59,3 +59,21 @@ def test_bench_trinomial_and_implied_vol_without_quantlib(tmp_path, without_quan
     _ran_without_anchor(proc, "implied-vol")
     result = json.loads(out.read_text())
     assert result["rows"] and "per_core_ratio" not in result
+
+
+def test_bench_plan_times_every_part_against_the_plain_read(tmp_path):
+    """`pricer bench plan --quick`: the plain read, the whole plan, --distribute read at 1, 2 and
+    4 ranks and the bond plan, each measured (positive seconds) and judged against its target;
+    what it prints is what it writes."""
+    out = tmp_path / "plan.json"
+    proc = run_pricer(["bench", "plan", "--quick", "--out", out], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["options"] == record["bonds"] == 200_000
+    seconds = [record[k] for k in ("plain_read_s", "plan_s", "bond_plain_read_s", "bond_plan_s")]
+    assert all(s > 0 for s in seconds + list(record["own_rows_s"].values())), record
+    assert sorted(record["own_rows_s"]) == ["1", "2", "4"]
+    assert set(record["verdicts"]) == {"options_ns", "options_ratio", "bonds_ns"}
+    ratio = record["plan_s"] / record["plain_read_s"]
+    assert f"{ratio:5.1f}x the plain read" in proc.stdout, proc.stdout
+    assert "verdicts: options_ns " in proc.stdout

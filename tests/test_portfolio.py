@@ -119,8 +119,33 @@ def test_matrix_round_trip(rng):
     assert np.array_equal(columns_from_matrix(p.to_matrix("lr"))["tree"], cols["tree"])
 
 
+def test_pack_rows_is_numpys_column_assignment(rng):
+    """pack_rows (a compiled loop) writes what NumPy's column assignment writes, bit for bit:
+    floats (NaN, -0.0, subnormals), bools, int64 beyond 2^53 (rounded), uint8, a strided view and
+    a read-only column (a pandas frame's); columns of two lengths are refused, not overread."""
+    from pricer.io.packing import pack_rows
+
+    n = 1001
+    floats = rng.standard_normal(n)
+    floats[:4] = (np.nan, -0.0, 5e-324, np.inf)
+    big = rng.integers(-(1 << 62), 1 << 62, n)
+    frozen = rng.random(n)
+    frozen.flags.writeable = False
+    columns = [floats, rng.random(n) < 0.5, big, rng.integers(0, 255, n).astype(np.uint8),
+               rng.random(2 * n)[::2], frozen]
+    expected = np.empty((n, len(columns)))
+    for j, column in enumerate(columns):
+        expected[:, j] = column
+    got = pack_rows(columns)
+    assert got.flags.c_contiguous and got.view(np.int64).tobytes() == \
+        expected.view(np.int64).tobytes()
+    assert pack_rows([np.zeros(0), np.zeros(0, bool)]).shape == (0, 2)
+    with pytest.raises(ValueError, match="one length"):
+        pack_rows([floats, floats[:-1]])
+
+
 def test_matrix_across_its_row_blocks(rng, monkeypatch):
-    """to_matrix fills the matrix a block of rows at a time: a book of several blocks and a
+    """to_matrix shows its checks a block of rows at a time: a book of several blocks and a
     partial last one is the plain column-by-column matrix."""
     monkeypatch.setattr(portfolio_module, "MATRIX_BLOCK_ROWS", 7)
     p = random_portfolio(rng, 52)

@@ -34,7 +34,7 @@ MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
 # An implied-volatility run's matrix (pricer implied-vol) has the market price before the tree.
 MARKET_COLUMN = "market_price"
 IMPLIED_MATRIX_COLUMNS = MATRIX_COLUMNS[:-1] + (MARKET_COLUMN, TREE_COLUMN)
-MATRIX_BLOCK_ROWS = 1 << 15   # 2.6 MB of the (n, 10) matrix: a block to_matrix fills in cache
+MATRIX_BLOCK_ROWS = 1 << 15   # rows to_matrix's each_block sees at a time: their columns in cache
 OPTIONAL_DEFAULTS = {"dividend": 0.0}
 # Optional columns: dividend (default 0), tree (absent: every option takes the run's --tree) and
 # market_price (what `pricer implied-vol` solves for; a book with it may leave volatility out, a
@@ -85,22 +85,17 @@ class Portfolio:
         """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI (an
         (n, 11) one with the market prices, `implied`: matrix_columns); the tree column holds
         tree codes (see tree_codes; `codes`: those codes, where the caller has them).
-        `each_block(rows, cols)`, if given, sees each block of rows (a slice) as its rows are
-        filled, with their columns (block_columns) while they are in the CPU's cache."""
-        # column by column into one matrix, a block of rows at a time: each block's rows stay in
-        # the CPU's cache while its columns are written, where whole strided columns would read
-        # and write every cache line of the matrix once per column
+        `each_block(rows, cols)`, if given, sees each block of rows (a slice) in order, with
+        their columns (block_columns), once the matrix is filled."""
+        from pricer.io.packing import pack_rows
+
         names = matrix_columns(implied)
-        matrix = np.empty((len(self), len(names)))
         if codes is None:
             codes = self.tree_codes(default_tree, unknown)
-        columns = [getattr(self, name) for name in names[:-1]] + [codes]
-        for a in range(0, len(self), MATRIX_BLOCK_ROWS):
-            rows = slice(a, a + MATRIX_BLOCK_ROWS)
-            block = matrix[rows]
-            for j, column in enumerate(columns):
-                block[:, j] = column[rows]
-            if each_block is not None:
+        matrix = pack_rows([getattr(self, name) for name in names[:-1]] + [codes])
+        if each_block is not None:
+            for a in range(0, len(self), MATRIX_BLOCK_ROWS):
+                rows = slice(a, a + MATRIX_BLOCK_ROWS)
                 each_block(rows, self.block_columns(rows, codes))
         return matrix
 
@@ -414,7 +409,8 @@ def _typed_column(path: str, name: str, ds: h5py.Dataset, rows: np.ndarray | Non
         data = _rows_of(ds, rows)
         # a stored boolean is a byte: one other than 0 or 1 (a damaged file) is not read as true
         values = data.view(np.uint8) if kind == "b" else data
-        if not np.isin(values, (0, 1)).all():
+        # integers: all 0 or 1 where they lie in [0, 1] (two reductions, not np.isin's compares)
+        if values.size and not (values.min() >= 0 and values.max() <= 1):
             raise InputError(f"{path}: column {name} holds values other than 0/1: "
                              f"{np.unique(values[~np.isin(values, (0, 1))])[:5].tolist()}",
                              column=name)
