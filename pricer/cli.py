@@ -299,10 +299,10 @@ def _is_rank_0() -> bool:
 def _say_compiling() -> None:
     """The first compile of a run, on rank 0's stderr: a first run on a machine is otherwise
     silent for its compile (15-40 s on 2 cores)."""
-    import numba
     from pricer.files import cache_dir
+    from pricer.numba_cache import folder
 
-    where = os.path.dirname(numba.config.CACHE_DIR)
+    where = os.path.dirname(folder())
     if _may_use_a_gpu(sys.argv[1:]):
         where += f" and {cache_dir('cuda', 'PRICER_CUDA_CACHE')}"
     print(f"pricer: compiling kernels (a first run of this pricer here; they are cached in "
@@ -403,6 +403,7 @@ def _scaling(args) -> int:
     return run(args)
 
 
+COMPILING = ("price", "implied-vol", "run", "bench", "warm", "calibrate")   # numba's commands
 COMMANDS = {"price": _price, "implied-vol": _implied_vol, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
             "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 
@@ -427,6 +428,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None:   # a real command line (tests call main(argv) inside pytest)
         ending.exit_1_on_signals()
+        if args.command in COMPILING:
+            from pricer.compiling import prefer_full_width_vectors
+            prefer_full_width_vectors()
     code = None
     try:
         code = COMMANDS[args.command](args)

@@ -113,3 +113,23 @@ class StageClock:
 
     def result(self) -> dict:
         return {k: v for k, v in self.stages.items() if k != "compile" or v > 0.0}
+
+
+def prefer_full_width_vectors() -> None:
+    """On AVX-512 machines LLVM still vectorises the node loops 256 bits wide (the CPU model's
+    "prefer-256-bit" tuning); 512-bit loops measured faster per core (docs/decisions.md), with the
+    same elementwise arithmetic, so prices do not change by a bit. numba's code generation is the
+    process's, so the `pricer` command sets it (before its first compile); a program that imports
+    pricer keeps numba's own choice (or sets NUMBA_CPU_FEATURES itself)."""
+    import os
+
+    import llvmlite.binding as llvm
+    import numba
+
+    if os.environ.get("NUMBA_CPU_FEATURES") or os.environ.get("NUMBA_CPU_NAME"):
+        return  # the user chose the code generation
+    llvm.initialize_native_target()
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f"):
+        numba.config.CPU_NAME = llvm.get_host_cpu_name()
+        numba.config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"

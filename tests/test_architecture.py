@@ -13,7 +13,7 @@ PACKAGE = ROOT / "pricer"
 # What each layer may import (besides itself and the standard library / third-party packages):
 # io -> model -> engines -> run -> cli, the tools beside the run, off the production path.
 BASE = {"pricer", "pricer.compiling", "pricer.devices", "pricer.ending", "pricer.errors",
-        "pricer.files", "pricer.threads"}
+        "pricer.files", "pricer.numba_cache", "pricer.threads"}
 ALLOWED = {
     "base": set(),
     "model": {"base"},

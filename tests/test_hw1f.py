@@ -223,7 +223,7 @@ def test_an_exercise_at_maturity_is_against_the_redemption(rng):
     ex-coupon just before it is repaid), as QuantLib's engine compares a call price with the
     redemption: puttable max(F, K), callable min(F, K), options max(+-(F - K), 0), all paid with
     the last coupon at maturity. On every engine of the CPU and the reference alike."""
-    from pricer.model import hw1f_ql
+    import hw1f_ql
     curve = random_curve(rng)
     mat, face, per_year = float(rng.uniform(2.0, 8.0)), 100.0, 12
     coupon = float(rng.uniform(0.0, 0.06))

@@ -1,5 +1,5 @@
 """Callable and puttable fixed-rate bonds against QuantLib's TreeCallableFixedRateBondEngine
-(pricer/model/hw1f_ql.py, docs/numerics.md "Against QuantLib's tree"), on fresh random inputs:
+(tests/hw1f_ql.py, docs/numerics.md "Against QuantLib's tree"), on fresh random inputs:
 QuantLib = hw1f_ql with QuantLib's conventions, and hw1f_ql with pricer's grid (uniform) and
 branching (0.184 bound) and either spacing (QuantLib's exact variance, or sigma sqrt(3 dt)) =
 pricer's own tree of that spacing (hw1f.price, the CPU engine). So every difference between
@@ -16,7 +16,7 @@ import pytest
 
 import pricer.model.bond_book as B
 import pricer.model.hw1f as H
-import pricer.model.hw1f_ql as Q
+import hw1f_ql as Q
 from test_hw1f import random_curve, random_instruments
 
 ql = pytest.importorskip("QuantLib")

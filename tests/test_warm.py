@@ -12,12 +12,16 @@ import pytest
 from helpers import ROOT, env, run_pricer
 
 # a fresh process prices books that take every CPU path (pairs and singles, Greeks, one option,
-# centred and clamped tables, --richardson, a tree column) and lists what numba compiled
+# centred and clamped tables, --richardson, a tree column) and lists what numba compiled; with the
+# code generation of a `pricer` command (numba's cache keeps a kernel per CPU feature set: a
+# program of its own compiles its own once)
 AFTER = r"""
 import sys
 import numpy as np
 from numba.core import event
 import pricer
+from pricer.compiling import prefer_full_width_vectors
+prefer_full_width_vectors()       # a command's code generation, as `pricer warm` compiled for
 from pricer.tools.generate import generate
 import pricer.tools.warm
 from pricer.tools.warm import warm_books

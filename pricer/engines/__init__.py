@@ -6,56 +6,12 @@ or MPI; what an engine is and can say about itself is pricer.engines.base.Engine
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-from pathlib import Path
 
 from pricer.engines.base import Engine, backend, backends, register, unregister
 from pricer.errors import InputError
-from pricer.files import cache_dir
 
 __all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_bond_engine", "get_engine",
            "gpu_available", "register", "resolve_backend", "set_local_rank", "unregister"]
-
-
-def _key_numba_cache_by_source() -> None:
-    """numba re-checks a cached kernel only against its own file, not against the kernels it calls
-    in other modules (the cpu engine and the GPU tail build on kernels.py's) or the constants it
-    reads from pricer.model: after an edit of one of those alone the cached kernels would still run
-    the old code. So the cache lives in one folder per hash of the engine and model sources, under
-    NUMBA_CACHE_DIR if set (point it at node-local storage on clusters)."""
-    import numba
-
-    digest = hashlib.sha256()
-    package = Path(__file__).parent.parent
-    for path in sorted([*package.joinpath("engines").rglob("*.py"),
-                        *package.joinpath("model").rglob("*.py")]):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir("numba"))
-    numba.config.CACHE_DIR = os.path.join(base, f"engines-{digest.hexdigest()[:16]}")
-
-
-_key_numba_cache_by_source()
-
-
-def _prefer_full_width_vectors() -> None:
-    """On AVX-512 machines LLVM still vectorises the node loops 256 bits wide (the CPU model's
-    "prefer-256-bit" tuning); 512-bit loops measured faster per core (docs/decisions.md), with the
-    same elementwise arithmetic, so prices do not change by a bit. Applies only if no numba code was
-    compiled in this process before the engines were imported."""
-    import llvmlite.binding as llvm
-    import numba
-
-    if os.environ.get("NUMBA_CPU_FEATURES") or os.environ.get("NUMBA_CPU_NAME"):
-        return  # the user chose the code generation
-    llvm.initialize_native_target()
-    features = llvm.get_host_cpu_features()
-    if features.get("avx512f"):
-        numba.config.CPU_NAME = llvm.get_host_cpu_name()
-        numba.config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
-
-
-_prefer_full_width_vectors()
 
 
 @functools.lru_cache(maxsize=1)

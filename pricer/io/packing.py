@@ -13,6 +13,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
+
 
 def pack_rows(columns: list, out: np.ndarray | None = None) -> np.ndarray:
     """The (n, len(columns)) C-contiguous float64 matrix whose column j is columns[j] (1-D, n

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.errors import InputError, first_ids
 from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, SPACING, TODAY,
                                jmax_of, spacing_of, steps_of)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.model.greeks import Analytics
 
 SIGMA_LOW, SIGMA_HIGH = 1e-4, 10.0   # the search range of the volatility

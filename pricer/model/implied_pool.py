@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.model.implied import CONVERGED, Search, bounds_status, european_start
 from pricer.model.lattice import lattice_parameters_where
 from pricer.threads import threads_for

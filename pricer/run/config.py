@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, fields
 
-from pricer.engines import backends, resolve_backend
+from pricer.engines import backend, backends, resolve_backend
 from pricer.errors import InputError
 from pricer.files import expand_placeholders
 from pricer.io.formats import HDF5, extension_format
@@ -87,7 +87,7 @@ class RunConfig:
         """(nodes, rows) per chunk. Each chunk is one engine call: a GPU call pays a launch tail as
         long as its largest option and some set-up, so the GPU backends take chunks of about a
         second of one GPU's work, ~4000x the CPU's."""
-        gpu = resolve_backend(self.backend) in ("gpu", "hybrid", "batch")
+        gpu = backend(resolve_backend(self.backend)).needs_gpu
         analytics = self.analytics()
         # a chunk is about the same work whatever the run computes per option (an implied
         # volatility's rounds and a scenario grid's lattices shrink it), and one engine call of a

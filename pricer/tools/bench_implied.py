@@ -144,10 +144,10 @@ def sigma_errors(portfolio, values, status) -> list:
 def bench_implied(args) -> dict:
     import json
 
-    from pricer.engines import gpu_available
+    from pricer.engines import backend, gpu_available
 
     backends = args.backend or (["batch", "cpu"] if gpu_available() else ["cpu"])
-    gpu = any(name in ("batch", "gpu", "hybrid") for name in backends)
+    gpu = any(backend(name).needs_gpu for name in backends)
     count = args.count or (1_000_000 if gpu else 20_000)
     portfolio = book(count, args.steps)
     nodes = (args.steps + 1) * (args.steps + 2) / 2
@@ -176,7 +176,7 @@ def bench_implied(args) -> dict:
     else:
         print(missing("cpu backend per core against QuantLib's Brent"), flush=True)
     for row in rows:
-        if row["backend"] in ("batch", "gpu", "hybrid"):
+        if backend(row["backend"]).needs_gpu:
             ok = row["per_second"] >= TARGET_GPU
             print(f"{row['backend']}: {row['per_second']:.4g} American implied vols/s on one GPU "
                   f"at N = {args.steps}, target {TARGET_GPU:.0e}: {'met' if ok else 'NOT met'}")

@@ -64,10 +64,9 @@ def default_backends() -> list[str]:
 
 def caches() -> list[str]:
     """Where the compiled kernels went, for the report."""
-    import numba
-
     from pricer.files import cache_dir
-    return [f"numba's cache: {numba.config.CACHE_DIR}",
+    from pricer.numba_cache import folder
+    return [f"numba's cache: {folder()}",
             f"the GPU's cubins: {cache_dir('cuda', 'PRICER_CUDA_CACHE')}"]
 
 

@@ -20,6 +20,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.cpu.exp_table import EXP_TABLE_MAX_ARGUMENT, exp_table
 from pricer.model.lattice import CENTRED, CLAMP_SLACK, CLAMPED, NODE_LOG_LIMIT, PLAIN
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.cpu.kernels import (CLAMPED, backward_inplace, backward_keeping_levels,
                                         clamp_block,
                                         clamped_tables, node_tables, power_tables_into,

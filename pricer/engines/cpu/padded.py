@@ -14,6 +14,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.cpu.kernels import (UNDERFLOW, _exercise_run, _exercised_prefix, call_edge,
                                         exercise_limit, put_edge, ratio_monotone, zero_boundary)
 

@@ -20,6 +20,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.base import Engine, sample_params
 from pricer.engines.cpu.kernels import (CLAMPED, advance, backward_keeping_levels,
                                         exercise_limit, power_tables, table_kinds,

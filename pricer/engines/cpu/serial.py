@@ -10,6 +10,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.base import Engine, sample_params
 from pricer.engines.cpu.options import (_prepare, _work_size, _work_views, is_clamped,
                                         price_clamped, price_options, price_range)

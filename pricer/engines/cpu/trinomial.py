@@ -18,6 +18,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.base import Engine
 from pricer.model.bond_book import HullWhiteParams
 

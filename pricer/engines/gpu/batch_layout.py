@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.cpu.kernels import node_tables
 from pricer.model.lattice import FLOAT_ROWS, LEVEL_VALUES, PLAIN, LatticeParams
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.engines.gpu.batch_layout import MAX_STEPS, NODES_PER_LANE, WIDTH_MARGIN
 
 WARPS = (1, 2, 4, 8, 16)

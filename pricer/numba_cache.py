@@ -1,0 +1,70 @@
+"""Where pricer's numba kernels are cached, with numba's configuration left as it is for everyone.
+
+numba re-checks a cached kernel only against its own file, not against the kernels it calls in
+other modules (the cpu engine and the GPU tail build on kernels.py's) or the constants it reads
+from pricer.model: after an edit of one of those alone the cached kernels would still run the old
+code. So pricer's kernels are cached in one folder per hash of the package's kernel sources
+(pricer/engines, pricer/model, pricer/io), under $NUMBA_CACHE_DIR if set, else pricer's cache
+folder (pricer.files.cache_dir: $XDG_CACHE_HOME/pricer/numba or ~/.cache/pricer/numba).
+
+The folder is chosen by a cache locator of pricer's own, first in numba's list of locators, which
+answers only for functions defined in pricer's files; numba.config (CACHE_DIR among it) is not
+touched, so a program's own numba kernels are cached where numba would cache them without pricer.
+Every module of pricer's that defines a cached kernel imports this one before its first decorator
+(tests/test_architecture.py holds them to it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+from numba.core import caching
+
+from pricer.files import cache_dir
+
+PACKAGE = Path(__file__).resolve().parent
+SOURCES = ("engines", "model", "io")       # the folders whose kernels call each other's code
+
+# numba names these without the underscore from 0.60 on
+_Locator = getattr(caching, "UserProvidedCacheLocator", None) or caching._UserProvidedCacheLocator
+_Impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+
+
+@functools.lru_cache(maxsize=1)
+def folder() -> str:
+    """The folder of this pricer's cached kernels: one per hash of its kernel sources."""
+    digest = hashlib.sha256()
+    for path in sorted(p for name in SOURCES for p in PACKAGE.joinpath(name).rglob("*.py")):
+        digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir("numba"))
+    return os.path.join(base, f"kernels-{digest.hexdigest()[:16]}")
+
+
+class PricerCacheLocator(_Locator):
+    """numba's user-provided-folder locator, pointed at folder(), for pricer's own functions."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = os.path.join(folder(), self.get_suitable_cache_subpath(py_file))
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            if not Path(py_file).resolve().is_relative_to(PACKAGE):
+                return None          # not pricer's: numba's own locators decide
+        except (OSError, ValueError):
+            return None
+        self = cls(py_func, py_file)
+        try:
+            self.ensure_cache_path()
+        except OSError:              # an unwritable folder: numba's locators decide
+            return None
+        return self
+
+
+if PricerCacheLocator not in _Impl._locator_classes:
+    _Impl._locator_classes.insert(0, PricerCacheLocator)
