@@ -18,6 +18,7 @@ import numpy as np
 
 from pricer.errors import InputError, first_ids
 from pricer.files import atomic_write, check_input_file
+from pricer.model import option_rules
 from pricer.model.cost import lattice_nodes
 from pricer.model.lattice import TREE_NAMES, tree_codes
 
@@ -435,59 +436,31 @@ def _check_unique(ids: np.ndarray, source: str) -> None:
 
 def validate(p: Portfolio, source: str = "portfolio", values: bool = True,
              indexed: bool = False) -> None:
-    """Value checks with named reasons; lattice arbitrage (p in (0,1)) is checked in
-    pricer/model/lattice.py. values=False: unique ids only (--invalid skip). `indexed`: the id
+    """Value checks with named reasons: the book's rules of pricer/model/option_rules.py's table,
+    the first one broken refused (those of the run's task, the market prices, are judged once
+    the task is known: checks.check_task_columns; lattice arbitrage, p in (0,1), in
+    pricer/model/lattice.py). values=False: unique ids only (--invalid skip). `indexed`: the id
     and steps columns come from a read_index, which checked them whole."""
-    ids = p.id
     if not indexed:
-        _check_unique(ids, source)
-    if not values:
-        return
-    implied = p.market_price is not None
-    for name in FLOAT_COLUMNS:
-        values = getattr(p, name)
-        # a book of market prices may leave a volatility (a start) out: NaN (the market prices
-        # themselves are checked by the runs that use them: checks.check_task_columns)
-        bad = np.isinf(values) if implied and name == "volatility" else ~np.isfinite(values)
-        if bad.any():
-            raise InputError(f"{source}: column {name} is NaN or infinite for option id(s) "
-                             f"{first_ids(ids, bad)}", column=name, ids=ids[bad])
-    for name in ("spot", "strike", "maturity", "volatility"):
-        bad = getattr(p, name) <= 0.0
-        if bad.any():
-            raise InputError(f"{source}: column {name} must be > 0; it is not for option id(s) "
-                             f"{first_ids(ids, bad)} (first value {float(getattr(p, name)[bad][0])!r})",
-                             column=name, ids=ids[bad])
-    if not indexed:
-        _check_steps(ids, p.steps, source)
-    if p.tree is not None:
-        bad = ~np.isin(p.tree, TREE_NAMES)
-        if bad.any():
-            unknown = list(dict.fromkeys(str(name) for name in p.tree[bad]))
-            names = ", ".join(repr(name) for name in unknown[:5])
-            if len(unknown) > 5:
-                names += f" and {len(unknown) - 5} more"
-            raise InputError(f"{source}: column tree has unknown tree name(s) {names} for option "
-                             f"id(s) {first_ids(ids, bad)}; known trees: {', '.join(TREE_NAMES)}",
-                             column=TREE_COLUMN, ids=ids[bad])
+        _check_unique(p.id, source)
+    if values:
+        cols = vars(p)
+        option_rules.refuse(cols, p.id, source, option_rules.rules(
+            cols, None, without=("steps",) if indexed else ()), max_steps_for_memory())
 
 
 def priced_steps(steps: np.ndarray) -> np.ndarray:
-    """Steps where they can be priced, 0 where they cannot (< 1, or beyond the memory): what a run
-    with --invalid skip partitions and sizes by (its other faults it finds once it has the rows)."""
-    steps = np.asarray(steps).astype(np.int64, copy=False)
-    return np.where((steps >= 1) & (steps <= max_steps_for_memory()), steps, 0)
+    """Steps where they can be priced, 0 where they cannot (they break a rule of the steps column:
+    < 1, or beyond the memory): what a run with --invalid skip partitions and sizes by (its other
+    faults it finds once it has the rows)."""
+    cols = {"steps": np.asarray(steps).astype(np.int64, copy=False)}
+    bad = option_rules.broken(cols, option_rules.rules(cols, None, columns=("steps",)),
+                              max_steps_for_memory())
+    return np.where(bad, 0, cols["steps"])
 
 
 def _check_steps(ids: np.ndarray, steps: np.ndarray, source: str) -> None:
-    bad = steps < 1
-    if bad.any():
-        raise InputError(f"{source}: column steps must be >= 1; it is not for option id(s) "
-                         f"{first_ids(ids, bad)} (first value {int(steps[bad][0])})",
-                         column="steps", ids=ids[bad])
-    limit = max_steps_for_memory()
-    bad = steps > limit
-    if bad.any():
-        raise InputError(f"{source}: column steps is too large for this machine's memory for option "
-                         f"id(s) {first_ids(ids, bad)} (first value {int(steps[bad][0])}, "
-                         f"limit {limit})", column="steps", ids=ids[bad])
+    """The rules of the steps column (option_rules), the first one broken refused."""
+    cols = {"steps": steps}
+    option_rules.refuse(cols, ids, source, option_rules.rules(cols, None, columns=("steps",)),
+                        max_steps_for_memory())

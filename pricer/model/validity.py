@@ -2,8 +2,10 @@
 `--invalid skip` (pricing.invalid = "skip"; pricer.price(..., invalid="skip")).
 
 The reasons are the value checks a run refuses the whole book for by default (docs/formats.md,
-"Validation"), option by option; the first that applies is an option's status. Structural faults
-(a missing column, a wrong dtype, duplicate ids, an unreadable file) refuse the whole book in
+"Validation"), option by option: first the value rules, pricer/model/option_rules.py's table (the
+one the refusal follows too: a row's status is the code of the first rule it breaks), then its
+lattice's and those of the extra lattices --greeks/--richardson price. Structural faults (a
+missing column, a wrong dtype, duplicate ids, an unreadable file) refuse the whole book in
 either mode. Every rank computes the statuses of its own rows from the portfolio matrix, the same
 function on the same values, so they need not travel.
 """
@@ -12,18 +14,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from pricer.model import option_rules
 from pricer.model.greeks import Analytics, unsupported
 from pricer.model.lattice import TREE_NAMES, TREES, lattice_faults, tree_named
+from pricer.model.option_rules import (BAD_STEPS, IMPLIED, NOT_FINITE, NOT_POSITIVE,  # noqa: F401
+                                       PRICE, PRICED, UNKNOWN_TREE, UNKNOWN_TREE_CODE)
 
-PRICED = 0
-NOT_FINITE, NOT_POSITIVE, BAD_STEPS, UNKNOWN_TREE, NO_LATTICE, NO_ANALYTICS = range(1, 7)
+# the value rules' codes are option_rules' (imported above, named here too); the lattices' after
+# them (results files carry them)
+NO_LATTICE, NO_ANALYTICS = 5, 6
 REASONS = {
     PRICED: "priced",
-    NOT_FINITE: "a value is NaN or infinite (spot, strike, maturity, rate, dividend, volatility; "
-                "for implied volatilities market_price, and volatility may be NaN)",
-    NOT_POSITIVE: "spot, strike, maturity or volatility is not > 0 (or market_price < 0)",
-    BAD_STEPS: "steps < 1, or more steps than this machine's memory can price",
-    UNKNOWN_TREE: "the tree column names no known tree",
+    **option_rules.REASONS,
     NO_LATTICE: "its lattice cannot be priced: p outside (0, 1), d >= u, fewer steps than its "
                 "tree needs, or node prices beyond FP64's range where its paths carry weight "
                 "(for implied volatilities: fewer steps than its tree needs)",
@@ -31,39 +33,16 @@ REASONS = {
                   "a volatility not above the bump, or a bumped, coarse or scenario lattice that "
                   "cannot be priced",
 }
-# the tree code (portfolio matrix) of an option whose tree column names no known tree
-UNKNOWN_TREE_CODE = -2
-FLOATS = ("spot", "strike", "maturity", "rate", "dividend", "volatility")
 
 
 def statuses(cols: dict, tree: str, analytics: Analytics, max_steps: int) -> np.ndarray:
-    """Each option's status (int8): PRICED, or the first reason it cannot be priced."""
-    n = int(np.shape(cols["steps"])[0])
-    status = np.zeros(n, dtype=np.int8)
-
-    def mark(code: int, mask: np.ndarray) -> None:
-        status[(status == PRICED) & mask] = code
-
-    if analytics.implied:     # the volatility only a start (NaN: none), the market price >= 0
-        mark(NOT_FINITE, np.logical_or.reduce(
-            [~np.isfinite(cols[name]) for name in FLOATS[:-1] + ("market_price",)]
-            + [np.isinf(cols["volatility"])]))
-        with np.errstate(invalid="ignore"):
-            mark(NOT_POSITIVE, np.logical_or.reduce(
-                [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity")]
-                + [cols["volatility"] <= 0.0, cols["market_price"] < 0.0]))
-    else:
-        mark(NOT_FINITE, np.logical_or.reduce([~np.isfinite(cols[name]) for name in FLOATS]))
-        with np.errstate(invalid="ignore"):
-            mark(NOT_POSITIVE, np.logical_or.reduce(
-                [~(cols[name] > 0.0) for name in ("spot", "strike", "maturity", "volatility")]))
+    """Each option's status (int8): PRICED, or the first reason it cannot be priced: the first
+    value rule it breaks (option_rules.statuses), else its lattice's faults."""
+    status = option_rules.statuses(cols, IMPLIED if analytics.implied else PRICE, max_steps)
     steps = np.asarray(cols["steps"])
-    mark(BAD_STEPS, (steps < 1) | (steps > max_steps))
-    if "tree" in cols:
-        mark(UNKNOWN_TREE, np.asarray(cols["tree"]) == UNKNOWN_TREE_CODE)
     rows = np.flatnonzero(status == PRICED)     # the later checks only where the values are sane
     if rows.size and analytics.implied:   # a lattice exists at some volatility: steps enough
-        mark(NO_LATTICE, steps < min_steps(cols, tree))
+        status[(status == PRICED) & (steps < min_steps(cols, tree))] = NO_LATTICE
     elif rows.size:
         part = {key: np.asarray(value)[rows] for key, value in cols.items()}
         no_lattice = lattice_faults(part, tree)

@@ -16,8 +16,10 @@ from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix
                                  max_steps_for_memory, priced_steps)
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes, sha256_beside
+from pricer.model import option_rules
 from pricer.model.greeks import check
 from pricer.model.lattice import TREE_NAMES, check_lattices as lattice_check
+from pricer.model.option_rules import IMPLIED, PRICE
 from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped, min_steps
 from pricer.run import memory
 from pricer.run.config import RunConfig
@@ -99,26 +101,14 @@ def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
 def check_task_columns(cfg: RunConfig, portfolio, skip: bool) -> None:
     """The columns the run's task needs: an implied-volatility run the market prices; a pricing run
     every volatility, which a book of market prices may leave out (NaN; --invalid skip skips
-    those options)."""
+    those options): option_rules' rules of the task."""
     if cfg.implied and portfolio.market_price is None:
         raise InputError(f"{cfg.input}: implied volatilities need a market_price column (the "
                          f"prices to solve for)", column="market_price")
-    if cfg.implied and not skip:
-        market, ids = portfolio.market_price, portfolio.id
-        for bad, why in ((~np.isfinite(market), "is NaN or infinite for option id(s) {ids}"),
-                         (market < 0.0, "must be >= 0; it is not for option id(s) {ids} "
-                                        "(first value {value!r})")):
-            if bad.any():
-                raise InputError(f"{cfg.input}: column market_price " + why.format(
-                    ids=first_ids(ids, bad), value=float(market[bad][0])),
-                    column="market_price", ids=ids[bad])
-    if not cfg.implied and not skip:
-        bad = np.isnan(portfolio.volatility)
-        if bad.any():
-            raise InputError(f"{cfg.input}: column volatility is NaN or absent for option id(s) "
-                             f"{first_ids(portfolio.id, bad)}: pricing needs it (`pricer "
-                             f"implied-vol` solves for it from market_price)",
-                             column="volatility", ids=portfolio.id[bad])
+    if not skip:      # the rules of the task (option_rules), the book's being judged at the read
+        cols = vars(portfolio)
+        option_rules.refuse(cols, portfolio.id, cfg.input, option_rules.rules(
+            cols, IMPLIED if cfg.implied else PRICE), max_steps_for_memory())
 
 
 def _tree_bits(codes: np.ndarray) -> int:
