@@ -83,7 +83,7 @@ def sorted_schedule(steps, resident):
 
 def test_a_one_class_chunk_sends_its_last_partial_wave_to_twice_the_warps():
     """U1 on an H200: 1 024 options of N = 2 048, 792 of class (2, 8) at once: the last 232 go to
-    (4, 4), which holds them (docs/performance.md)."""
+    (4, 4), which holds them (docs/decisions.md, split_last_wave)."""
     _, _, launches = sorted_schedule([2048] * 1024, lambda cls: 792 if KERNELS[cls] == (2, 8) else 0)
     assert kernels_of(launches) == [((2, 8), 0, 792), ((4, 4), 792, 1024)]
     _, _, launches = sorted_schedule([5000] * 300, lambda cls: 264 if KERNELS[cls] == (8, 5) else 0)
