@@ -40,7 +40,7 @@ from pricer.engines.gpu.engine import (BATCH_SETS, BATCH_SORT_BYTES, REGIME_BYTE
                                        GpuEngine, regime_bytes)
 from pricer.engines.gpu.regimes import CudaKernels
 from pricer.errors import InputError
-from pricer.io.checkpoint import chunk_grid
+from pricer.run.chunks import chunk_grid
 from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 from pricer.model.greeks import Analytics, price_with_analytics

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricer.io.checkpoint import chunk_grid
+from pricer.run.chunks import chunk_grid
 from pricer.tools.generate import generate
 from pricer.model.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
                               min_bottleneck, option_cost, part_costs, partition,

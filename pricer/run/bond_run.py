@@ -5,7 +5,7 @@ then prices the file's /portfolio, if any, and writes both (results.write_result
 
 1. plan: rank 0 reads the book's index (io/bonds.read_bond_index: the ids, and the columns a
    tree's size follows from) while every rank starts its engine; checks the memory, cuts the
-   book into chunks by tree nodes (checkpoint.chunk_grid over bond_book.tree_shapes' node
+   book into chunks by tree nodes (chunks.chunk_grid over bond_book.tree_shapes' node
    counts, and at most CHUNK_STEPS tree steps a chunk: its per-step arrays bound a chunk's
    memory, on the host and on a GPU), finds the chunks a checkpoint holds, and splits the others
    over the ranks by their nodes; one verdict.
@@ -37,7 +37,8 @@ import numpy as np
 from pricer import __version__, compiling
 from pricer.engines import get_bond_engine, resolve_backend, set_local_rank
 from pricer.errors import InputError, OutputError, first_ids
-from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
+from pricer.io.checkpoint import Checkpoint
+from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model import bond_book

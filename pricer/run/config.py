@@ -18,10 +18,10 @@ from pricer.engines import backend, backends, resolve_backend
 from pricer.errors import InputError
 from pricer.files import expand_placeholders
 from pricer.io.formats import HDF5, extension_format
-from pricer.io.checkpoint import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS
 from pricer.model.greeks import Analytics
 from pricer.model.lattice import tree_named
 from pricer.model.partition import PARTITIONERS
+from pricer.run.chunks import CHUNK_NODES, CHUNK_ROWS, GPU_CHUNK_NODES, GPU_CHUNK_ROWS
 from pricer.run.watchdog import MINIMUM
 
 DISTRIBUTIONS = ("scatter", "bcast", "read")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pricer.files import OutputLock, check_input_file, check_output_file
-from pricer.io.checkpoint import Checkpoint, chunk_grid, split_chunks
+from pricer.io.checkpoint import Checkpoint
+from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_beside
 from pricer import __version__

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pricer.io.checkpoint import chunk_grid
+from pricer.run.chunks import chunk_grid
 from pricer.io.portfolio import MATRIX_COLUMNS, columns_from_matrix
 from pricer.model.cost import lattice_nodes
 from pricer.model.greeks import SCENARIO, SCENARIOS, Analytics, prepare_lattices, price_prepared
