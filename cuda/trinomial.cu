@@ -36,7 +36,17 @@
 
 #define FULL_MASK 0xffffffffu
 
-enum { OPTION = 0, CALLABLE = 1, PUTTABLE = 2 };
+// The host's numbers, given as -D options by pricer/engines/gpu/trinomial.py (defines()): the
+// product and exercise codes (pricer.model.hw1f.PRODUCTS, EXERCISES), today and the dates' slack
+// (hw1f.TODAY, DATE_SLACK), GPU-OUTER's arrays a thread, GPU-FLAT's rows a thread, pad and widest
+// tree.
+#if !defined(HW_OPTION) || !defined(HW_CALLABLE) || !defined(HW_PUTTABLE) || !defined(HW_AMERICAN) \
+    || !defined(HW_BERMUDAN) || !defined(HW_TODAY) || !defined(HW_DATE_SLACK) \
+    || !defined(OUTER_ARRAYS) || !defined(FLAT_ROWS) || !defined(FLAT_PAD) || !defined(FLAT_MAX_ROWS)
+#error "trinomial.cu's layout must be given (-D), from pricer/engines/gpu/trinomial.py's defines()"
+#endif
+
+enum { OPTION = HW_OPTION, CALLABLE = HW_CALLABLE, PUTTABLE = HW_PUTTABLE };
 
 struct Row {          // one row's branching (hw1f.branching)
     double pu, pm, pd;
@@ -99,7 +109,6 @@ __device__ __forceinline__ double at_maturity(double F, double strike, double si
 // scratch[base[s / 32] - base0] and hold width[s / 32] rows in each of its 8 arrays (a launch of
 // a book's warps from the one whose rows start at base0).
 
-#define OUTER_ARRAYS 8
 enum { PU = 0, PM = 1, PD = 2, LOCAL = 3, Q0 = 4, Q1 = 5, V0 = 6, V1 = 7 };
 
 extern "C" __global__ void hw_outer(
@@ -226,10 +235,9 @@ extern "C" __global__ void hw_outer(
 // the level by parity; backward the bond and the value by parity), then 2 x 32 doubles for the
 // warps' parts of the forward sums. Two rows a thread, not one or four (docs/decisions.md).
 
-#define FLAT_ROWS 2     // rows a thread, even (trinomial.py's FLAT_ROWS_PER_THREAD)
-#define FLAT_PAD 2      // zero slots at each end of a buffer: the reach of a row's five slots
+// FLAT_ROWS: rows a thread, even; FLAT_PAD: zero slots at each end of a buffer (the reach of a
+// row's five slots); FLAT_MAX_ROWS: the widest tree
 #define FLAT_WINDOW (FLAT_ROWS + 2 * FLAT_PAD)     // the slots a thread's rows read
-#define FLAT_MAX_ROWS 1024                         // the widest tree (trinomial.py's)
 
 // the probability that row `from` of a tree of half-width jmax branches to row `to` (0 if never)
 __device__ __forceinline__ double branch_to(int from, int to, int jmax, double M)
@@ -458,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(FLAT_MAX_ROWS / FLAT_ROWS) hw_flat(
 // where two meet, then the face at maturity) and exercise (its exercise steps). A book's copies
 // are then its instruments' numbers only, not 17 bytes a step.
 
-enum { AMERICAN = 2, BERMUDAN = 1 };
+enum { AMERICAN = HW_AMERICAN, BERMUDAN = HW_BERMUDAN };
 
 extern "C" __global__ void hw_fill(
     int n, const long long* __restrict__ starts, const long long* __restrict__ steps,
@@ -500,25 +508,25 @@ extern "C" __global__ void hw_fill(
     const long long f = frequency[i];
     if (f > 0 && coupon[i] != 0.0) {
         const double amount = face[i] * coupon[i] / (double)f;
-        const int count = (int)floor(__dmul_rn(maturity[i], (double)f) + 1e-9) + 1;
+        const int count = (int)floor(__dmul_rn(maturity[i], (double)f) + HW_DATE_SLACK) + 1;
         for (int k = 0; k < count; ++k) {
             const double t = maturity[i] - (double)k / (double)f;
-            if (t > 1e-12)
+            if (t > HW_TODAY)
                 flows[lo + max(1LL, (long long)rint(t / h))] += amount;   // after today
         }
     }
     flows[lo + N] += face[i];
     if (kind[i] == AMERICAN) {
-        const int a = max((int)ceil(first[i] / h - 1e-9), 0);
-        const int b = min((int)floor(last[i] / h + 1e-9), N);
+        const int a = max((int)ceil(first[i] / h - HW_DATE_SLACK), 0);
+        const int b = min((int)floor(last[i] / h + HW_DATE_SLACK), N);
         for (int m = a; m <= b; ++m)
             exercise[lo + m] = 1;
     } else {
         const int dates = kind[i] == BERMUDAN
-            ? (int)floor(__dmul_rn(last[i] - first[i], every[i]) + 1e-9) + 1 : 1;
+            ? (int)floor(__dmul_rn(last[i] - first[i], every[i]) + HW_DATE_SLACK) + 1 : 1;
         for (int k = 0; k < dates; ++k) {
             const double t = first[i] + (k > 0 ? (double)k / every[i] : 0.0);
-            exercise[lo + min(max((int)rint(t / h), t > 1e-12 ? 1 : 0), N)] = 1;
+            exercise[lo + min(max((int)rint(t / h), t > HW_TODAY ? 1 : 0), N)] = 1;
         }
     }
 }

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pricer.engines.gpu.trinomial import defines as trinomial_defines
+
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = ROOT / "cuda"
 SOURCES = sorted(CUDA.glob("*.cu"))
@@ -22,6 +24,9 @@ BATCH_LAYOUT = ["-DVT=4", "-DIN_SPOT=0", "-DIN_STRIKE=1", "-DIN_LOG_UP=2", "-DIN
                 "-DIN_PU=4", "-DIN_PD=5", "-DIN_STEPS_AT=48", "-DIN_ORDER_AT=52", "-DIN_CALL_AT=56",
                 "-DIN_AMERICAN_AT=57", "-DSORT_THREADS=1024", "-DWORK_ORDER_THREADS=1024",
                 "-DWORK_RANK_LANES=8", "-DWIDTH_MARGIN=2"]
+
+# trinomial.cu's: the numbers it shares with the host, as its engine passes them
+TRINOMIAL_LAYOUT = trinomial_defines()
 
 # (source, flags): the builds the engines ask for (architectures: _archs)
 VARIANTS = [
@@ -41,7 +46,7 @@ VARIANTS = [
     ("binomial.cu", ["-DPRICER_FMA=1", "-DTILED_B=256", "-DTILED_VT=2", "-DWARP_VT=8"]),
     ("binomial.cu", ["-DTILED_B=1024", "-DTILED_VT=8"]),
     ("fp64_peak.cu", ["-DCHAINS=8"]),
-    ("trinomial.cu", []),
+    ("trinomial.cu", TRINOMIAL_LAYOUT),
 ]
 
 
@@ -66,7 +71,8 @@ def test_every_source_has_variants():
 
 def _variant_id(variant) -> str:
     name, flags = variant
-    return f"{name}[{' '.join(f.removeprefix('-D') for f in flags if f not in BATCH_LAYOUT)}]"
+    shown = [f.removeprefix("-D") for f in flags if f not in BATCH_LAYOUT + TRINOMIAL_LAYOUT]
+    return f"{name}[{' '.join(shown)}]"
 
 
 # the architectures a source's first build is compiled for (one nvcc call, the architectures on
@@ -115,6 +121,20 @@ def test_batch_layout_is_required(missing, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, f"{' '.join(cmd)} succeeded without {want}"
     assert f"{want} must be given (-D)" in proc.stdout + proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("missing", TRINOMIAL_LAYOUT,
+                         ids=[f.removeprefix("-D").split("=")[0] for f in TRINOMIAL_LAYOUT])
+def test_trinomial_layout_is_required(missing, tmp_path):
+    """trinomial.cu takes its product and exercise codes, today, the dates' slack and its layout
+    from the host (pricer/engines/gpu/trinomial.py, defines): a build without one of them fails."""
+    nvcc = _nvcc()
+    flags = [f for f in TRINOMIAL_LAYOUT if f != missing]
+    cmd = [nvcc, "-arch=sm_90", "-E", *flags, "-o", str(tmp_path / "trinomial.ii"),
+           str(CUDA / "trinomial.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, f"{' '.join(cmd)} succeeded without {missing}"
+    assert "trinomial.cu's layout must be given (-D)" in proc.stdout + proc.stderr, proc.stderr
 
 
 def test_a_cubin_is_compiled_under_its_lock_and_a_stuck_holder_is_outwaited(tmp_path, monkeypatch):

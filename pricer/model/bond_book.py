@@ -14,8 +14,8 @@ from numba import njit, prange
 
 from pricer import numba_cache  # noqa: F401  (where pricer's kernels below are cached)
 from pricer.errors import InputError, first_ids
-from pricer.model.hw1f import (EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, SPACING, TODAY,
-                               jmax_of, spacing_of, steps_of)
+from pricer.model.hw1f import (DATE_SLACK, EXERCISES, JMAX_FACTOR, MAX_RATE, PRODUCTS, SPACING,
+                               TODAY, jmax_of, spacing_of, steps_of)
 
 MAX_TREE_STEPS = 1_000_000  # bounds on one instrument's tree (its per-step arrays, its scratch)
 MAX_JMAX = 50_000
@@ -260,18 +260,18 @@ def fill_steps(starts, steps, dt, curve, times, rates, bounds, face, coupon, fre
         f = frequency[i]
         if f > 0 and coupon[i] != 0.0:
             amount = face[i] * coupon[i] / f
-            for k in range(int(np.floor(maturity[i] * f + 1e-9)) + 1):
+            for k in range(int(np.floor(maturity[i] * f + DATE_SLACK)) + 1):
                 t = maturity[i] - k / f
                 if t > TODAY:
                     flows[lo + max(1, int(np.rint(t / h)))] += amount   # after today
         flows[lo + n] += face[i]
         if kind[i] == AMERICAN:
-            a = max(int(np.ceil(first[i] / h - 1e-9)), 0)
-            b = min(int(np.floor(last[i] / h + 1e-9)), n)
+            a = max(int(np.ceil(first[i] / h - DATE_SLACK)), 0)
+            b = min(int(np.floor(last[i] / h + DATE_SLACK)), n)
             for m in range(a, b + 1):
                 exercise[lo + m] = True
         else:
-            dates = int(np.floor((last[i] - first[i]) * every[i] + 1e-9)) + 1 \
+            dates = int(np.floor((last[i] - first[i]) * every[i] + DATE_SLACK)) + 1 \
                 if kind[i] == BERMUDAN else 1
             for k in range(dates):
                 t = first[i] + (k / every[i] if k > 0 else 0.0)

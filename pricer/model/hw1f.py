@@ -36,7 +36,9 @@ from pricer.errors import InputError
 JMAX_FACTOR = 0.184        # j_max = ceil(JMAX_FACTOR / (a dt)): Hull and White's bound (1994)
 MAX_RATE = 1.0              # |zero rate| (and a bond's |coupon| and sigma) a year: e^{+-r t} in FP64
 TODAY = 1e-12               # a date (years) at most this is today: one after it falls on a step
-                            # after today (cuda/trinomial.cu's hw_fill has the same literal)
+                            # after today (cuda/trinomial.cu's hw_fill takes it as -DHW_TODAY)
+DATE_SLACK = 1e-9           # a count of dates or steps that is whole but for rounding rounds to it
+                            # (-DHW_DATE_SLACK)
 PRODUCTS = ("option", "callable", "puttable")
 EXERCISES = ("european", "bermudan", "american")
 # the node spacing Δr of a tree (spacing_of): "variance", sqrt(3 V) with V the exact variance of
@@ -206,14 +208,14 @@ class BondOption:
         """A european's expiry, or a bermudan's dates first, first + 1 / every, ... <= last."""
         if self.exercise == "european":
             return np.array([self.first])
-        count = int(math.floor((self.last - self.first) * self.every + 1e-9))
+        count = int(math.floor((self.last - self.first) * self.every + DATE_SLACK))
         return self.first + np.arange(count + 1) / self.every
 
     def coupon_times(self) -> np.ndarray:
         """Coupon dates, counted back from maturity by 1 / frequency, > 0."""
         if self.frequency <= 0 or self.coupon == 0.0:
             return np.empty(0)
-        count = int(math.floor(self.maturity * self.frequency + 1e-9))
+        count = int(math.floor(self.maturity * self.frequency + DATE_SLACK))
         times = self.maturity - np.arange(count + 1) / self.frequency
         return np.sort(times[times > TODAY])
 
@@ -298,8 +300,8 @@ def exercise_steps(instrument: BondOption, dt: float, steps: int) -> np.ndarray:
     """Whether the option may be exercised at each step 0 .. steps."""
     out = np.zeros(steps + 1, dtype=bool)
     if instrument.exercise == "american":
-        lo = max(0, int(math.ceil(instrument.first / dt - 1e-9)))
-        hi = min(steps, int(math.floor(instrument.last / dt + 1e-9)))
+        lo = max(0, int(math.ceil(instrument.first / dt - DATE_SLACK)))
+        hi = min(steps, int(math.floor(instrument.last / dt + DATE_SLACK)))
         if hi >= lo:
             out[lo:hi + 1] = True
     else:

@@ -25,16 +25,28 @@ from pricer.engines.base import Engine
 from pricer.model.bond_book import HullWhiteParams
 
 STRATEGIES = ("auto", "outer", "flat")
-OUTER_ARRAYS = 8              # cuda/trinomial.cu: the rows each GPU-OUTER thread keeps
+OUTER_ARRAYS = 8              # the rows each GPU-OUTER thread keeps (cuda/trinomial.cu: defines)
 OUTER_THREADS = 128
-FLAT_ROWS_PER_THREAD = 2      # cuda/trinomial.cu's FLAT_ROWS
-FLAT_PAD = 2                  # cuda/trinomial.cu's FLAT_PAD: zero slots at each end of a buffer
+FLAT_ROWS_PER_THREAD = 2      # GPU-FLAT's rows a thread (the kernel's FLAT_ROWS), even
+FLAT_PAD = 2                  # zero slots at each end of a GPU-FLAT buffer
 FLAT_MAX_ROWS = 1024          # GPU-FLAT's widest tree: a block of 512 threads (its launch bound)
 FILL_THREADS = 128
 SCRATCH_BYTES = 1 << 30       # GPU-OUTER's working rows per launch (a book is cut into launches)
 # the kernels' per-instrument arguments (HullWhiteParams' fields), in their order
 INSTRUMENT_ARRAYS = ("a", "dt", "steps", "jmax", "dr", "strike", "sign", "product", "starts",
                      "face")
+
+
+def defines() -> list[str]:
+    """The -D options of cuda/trinomial.cu: the numbers it shares with the host."""
+    from pricer.model.hw1f import DATE_SLACK, EXERCISES, PRODUCTS, TODAY
+
+    codes = {f"HW_{name.upper()}": k for names in (PRODUCTS, EXERCISES)
+             for k, name in enumerate(names)}
+    return [*(f"-D{name}={k}" for name, k in codes.items() if name != "HW_EUROPEAN"),
+            f"-DHW_TODAY={TODAY!r}", f"-DHW_DATE_SLACK={DATE_SLACK!r}",
+            f"-DOUTER_ARRAYS={OUTER_ARRAYS}", f"-DFLAT_ROWS={FLAT_ROWS_PER_THREAD}",
+            f"-DFLAT_PAD={FLAT_PAD}", f"-DFLAT_MAX_ROWS={FLAT_MAX_ROWS}"]
 
 
 def flat_shared_bytes(threads: int) -> int:
@@ -143,7 +155,7 @@ class HullWhiteGpuEngine(Engine):
         config, self.calibration = effective_config(self.rt.name, overrides)
         self.strategy = strategy
         self.flat_rows, self.flat_threads = config.hw_flat_rows, config.hw_flat_threads
-        module = self.rt.module([], "trinomial.cu")
+        module = self.rt.module(defines(), "trinomial.cu")
         self._outer, self._flat = module.get_function("hw_outer"), module.get_function("hw_flat")
         self._fill = module.get_function("hw_fill")
         self._flat.set_attribute(self.rt.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
