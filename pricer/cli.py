@@ -299,11 +299,12 @@ def _is_rank_0() -> bool:
 def _say_compiling() -> None:
     """The first compile of a run, on rank 0's stderr: a first run on a machine is otherwise
     silent for its compile (15-40 s on 2 cores)."""
+    from pricer.engines import gpu_available
     from pricer.files import cache_dir
     from pricer.numba_cache import folder
 
     where = os.path.dirname(folder())
-    if _may_use_a_gpu(sys.argv[1:]):
+    if _may_use_a_gpu(sys.argv[1:]) and gpu_available():
         where += f" and {cache_dir('cuda', 'PRICER_CUDA_CACHE')}"
     print(f"pricer: compiling kernels (a first run of this pricer here; they are cached in "
           f"{where} for the runs after it, and `pricer warm` compiles them ahead)",
