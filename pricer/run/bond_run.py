@@ -38,20 +38,18 @@ from pricer import __version__, compiling
 from pricer.engines import get_bond_engine, resolve_backend, set_local_rank
 from pricer.errors import InputError, OutputError, first_ids
 from pricer.io.checkpoint import Checkpoint
-from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model import bond_book
 from pricer.model.validity import reasons_text
 from pricer.run import memory
+from pricer.run.chunk_loop import ChunkLoop
+from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, gather_rows,
                                     node_ranks, verdict)
 from pricer.run.config import configure_threads, kept, threads_text
 from pricer.run.plan import claim
 from pricer.run.progress import Progress
-from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
-                               planned_faults)
-from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
 CHUNK_STEPS = 1 << 24        # tree steps a chunk: 25 bytes each on the host, as many on a GPU
 OUTPUTS = ("price", "status")
@@ -294,24 +292,19 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
     sweep) and the seconds it waited for a chunk's trees. A failure ends the job, named by rank 0
     (FailureWatch); so does a rank that finishes no chunk within its limit (watchdog.py: each
     chunk's limit from its nodes, both sweeps)."""
-    rank = comm.Get_rank()
-    watch, faults = FailureWatch(comm), planned_faults(rank)
-    stall = StallWatch(comm, cfg.stall_timeout,
-                       lambda message: abort_job(comm, message, in_thread=True))
     if chunks:
         _, _, shapes = bond_book.tree_shapes(book.columns)
         tree = np.where(book.status == 0, shapes, 0.0)
-        limits = chunk_limits([2.0 * float(tree[a:b].sum()) for a, b, _ in chunks],
-                              cfg.stall_timeout)
+        work = [2.0 * float(tree[a:b].sum()) for a, b, _ in chunks]
         # progress counts a chunk's nodes as the plan does (rows --invalid skip leaves out too)
         counted = [2.0 * float(shapes[a:b].sum()) for a, b, _ in chunks]
     else:
-        limits = counted = []
-    stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
+        work = counted = []
+    loop = ChunkLoop(comm, cfg, work, counted, progress)
     rows = sum(b - a for a, b, _ in chunks)
     values = np.full((rows, len(OUTPUTS)), np.nan)
     at = np.concatenate(([0], np.cumsum([b - a for a, b, _ in chunks]))).astype(np.int64)
-    done, nodes = 0, 0.0
+    nodes = 0.0
 
     # the trees' builder: the rank's share of the cores (config.configure_threads); beside a GPU,
     # at most TREE_THREADS, which leave the engine's host work its cores (docs/decisions.md)
@@ -337,16 +330,13 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pricer-bonds") \
         if engine.uses_gpu else _InTurn()
     try:
-        if checkpoint is not None:
-            checkpoint = Checkpoint(checkpoint).attach()
-        progress.start()
-        inject(faults, rank, done)
-        watch.poll()
+        loop.attach(checkpoint)
+        loop.start()
         ahead = pool.submit(prepared, 0) if chunks else None
         pending = None                  # the chunk started on the engine, not finished
 
         def complete(k, keep, call):
-            nonlocal done, nodes
+            nonlocal nodes
             a, b, chunk = chunks[k]
             mine = values[at[k]:at[k + 1]]
             mine[:, 1] = book.status[a:b]
@@ -356,16 +346,7 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
                 wrong = (mine[:, 1] == 0) & ~np.isfinite(mine[:, 0])
                 mine[wrong, 1] = bond_book.NO_VALUE     # refused after the compute stage,
                 mine[wrong, 0] = np.nan                 # unless --invalid skip
-            if checkpoint is not None:
-                checkpoint.save(chunk, mine)
-            done += 1
-            stall.done(chunk)
-            progress.chunk_done(counted[k])
-            chunk_delay()
-            inject(faults, rank, done)
-            if done < len(chunks):
-                watch.poll()
-                stall.begin(limits[done])
+            loop.finished(k, chunk, mine)
 
         # chunk k is started on the engine before chunk k - 1 is finished (Engine.start): a GPU
         # copies k's trees while it prices k - 1's. Once start() returns, the engine holds its
@@ -384,16 +365,9 @@ def _compute(comm, cfg, book, chunks: list, engine, checkpoint: str | None, prog
             complete(*pending)
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            watch.failed(done, exc)
-        finally:              # alone, failed() raises SystemExit: the watchdog must not outlive it
-            stall.abandon()
+        loop.failed(exc)
     pool.shutdown(wait=False)
-    stall.finished()
-    inject(faults, rank, END)
-    watch.barrier(idle=progress.poll)      # rank 0 shows the others' progress meanwhile
-    stall.stop()
-    progress.finish()
+    loop.end()
     return values, nodes, waited
 
 

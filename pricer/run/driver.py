@@ -25,7 +25,6 @@ from pricer import compiling
 from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import OutputError
 from pricer.io.bonds import has_bond_options
-from pricer.io.checkpoint import Checkpoint
 from pricer.io.portfolio import MATRIX_COLUMNS, matrix_columns
 from pricer.io.results import utc_now, write_results
 from pricer.run.provenance import provenance
@@ -38,12 +37,11 @@ from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gath
 from pricer.run.checks import tree_names
 from pricer.run import bond_run
 from pricer.run.config import RunConfig, configure_threads, kept, threads_text
-from pricer.run.faults import (END, FailureWatch, abort_job, chunk_delay, inject,
-                               planned_faults, polite_barrier)
+from pricer.run.chunk_loop import ChunkLoop
+from pricer.run.faults import polite_barrier
 from pricer.run.plan import Plan, make_plan, plan_own_rows
 from pricer.run.pricing import run_chunks
 from pricer.run.progress import Progress
-from pricer.run.watchdog import StallWatch, chunk_limit, chunk_limits
 
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 STEPS = MATRIX_COLUMNS.index("steps")
@@ -390,15 +388,9 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
     (values, engine name, set-up seconds, lattice nodes). A failure here is reported to rank 0,
     which names the rank and ends the job (faults.py); a rank that stops advancing is named and
     ends it too (watchdog.py). `chunk_options`: rank 0's fit of this rank's GPU memory."""
-    rank = comm.Get_rank()
-    watch, faults = FailureWatch(comm), planned_faults(rank)
-    stall = StallWatch(comm, cfg.stall_timeout,
-                       lambda message: abort_job(comm, message, in_thread=True))
     steps = local[:, STEPS].astype(np.int64)     # one pass over the matrix's strided column
     nodes = [nodes_priced(steps[a:b], cfg.analytics()) for a, b, _ in chunks]
-    limits = chunk_limits(nodes, cfg.stall_timeout)
-    stall.begin(limits[0] if limits else chunk_limit(0, cfg.stall_timeout))
-    checkpoint = None
+    loop = ChunkLoop(comm, cfg, nodes, progress=progress)
     analytics = cfg.analytics()
     # price, then the Greeks, then with --invalid skip each option's status (model/validity.py)
     values = np.empty((local.shape[0], len(cfg.outputs())))
@@ -409,48 +401,25 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
         values[:, -1] = status_of(local)
         priced = values[:, -1] == PRICED
         values[~priced, :len(analytics.outputs)] = np.nan
-    done, engine_name, setup = 0, resolve_backend(cfg.backend), 0.0
-    progress = progress or Progress()
+    engine_name, setup = resolve_backend(cfg.backend), 0.0
     try:
         if started.error is not None:
             raise started.error
         engine, engine_name = started.engine, started.engine.name
-        if cfg.checkpoint:
-            checkpoint = Checkpoint(cfg.checkpoint).attach()
+        loop.attach(cfg.checkpoint)
         engine.fit_device(chunk_options)       # before prepare() sizes the buffers
         t, compiled = time.perf_counter(), compiling.seconds()
         if priced.any():
             engine.prepare(steps if priced.all() else steps[priced], levels=cfg.greeks)
         # a compile inside the set-up is the run's compile stage's (StageClock), not the set-up's
         setup = max(0.0, time.perf_counter() - t - (compiling.seconds() - compiled))
-        progress.start()
-        inject(faults, rank, done)
-        watch.poll()
+        loop.start()
         for k in run_chunks(engine, local, priced, chunks, cfg.tree, ids, analytics, values):
             a, b, chunk = chunks[k]
-            if checkpoint is not None:
-                checkpoint.save(chunk, values[a:b])
-            done += 1
-            stall.done(chunk)
-            if progress.enabled:
-                progress.chunk_done(nodes[k])
-            chunk_delay()
-            inject(faults, rank, done)
-            if done < len(chunks):
-                watch.poll()
-                stall.begin(limits[done])
+            loop.finished(k, chunk, values[a:b])
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
-        try:
-            watch.failed(done, exc)
-        finally:              # alone, failed() raises SystemExit: the watchdog must not outlive it
-            stall.abandon()
-    stall.finished()
-    inject(faults, rank, END)
-    # so that rank 0's "gather" is the gather, not the wait for the slowest rank (it shows the
-    # progress meanwhile)
-    watch.barrier(idle=progress.poll)
-    stall.stop()
-    progress.finish()
+        loop.failed(exc)
+    loop.end()
     if cfg.implied:      # the lattices the searches priced, not the cost model's estimate
         iterations = values[:, analytics.outputs.index("iterations")]
         return values, engine_name, setup, float(np.nansum(iterations * lattice_nodes(steps)))

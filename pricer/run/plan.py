@@ -20,7 +20,6 @@ import numpy as np
 
 from pricer.files import OutputLock, check_input_file, check_output_file
 from pricer.io.checkpoint import Checkpoint
-from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
 from pricer.io.results import check_output_path, sha256_beside
 from pricer import __version__
@@ -28,6 +27,7 @@ from pricer.engines import resolve_backend
 from pricer.model.cost import lattice_nodes
 from pricer.model.partition import assign
 from pricer.run.checks import check_disk, check_memory, checked_matrix, read_and_check
+from pricer.run.chunks import chunk_grid, split_chunks
 from pricer.run.collectives import ROOT, check_launcher
 from pricer.run.config import RunConfig
 
