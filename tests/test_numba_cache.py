@@ -40,12 +40,10 @@ def test_a_program_keeps_its_numba_configuration_and_cache(tmp_path):
     program.write_text(
         "import numba, os, sys\n"
         "before = (numba.config.CACHE_DIR, numba.config.CPU_NAME, numba.config.CPU_FEATURES)\n"
-        "import numpy as np, pandas as pd, pricer\n"
-        "from pricer.tools.generate import generate\n"
-        "book = generate('random', 40, seed=3, max_steps=64)\n"
-        "frame = pd.DataFrame({k: v for k, v in vars(book).items() if v is not None})\n"
-        "prices = pricer.price(frame, backend='cpu')['price'].to_numpy()\n"
-        "assert np.isfinite(prices).all()\n"
+        "import numpy as np, pricer, pricer.api, pricer.engines, pricer.engines.cpu.kernels\n"
+        "from pricer.io.packing import pack_rows\n"      # a pricer kernel: compiled and cached
+        "assert pack_rows([np.arange(3.0), np.ones(3, bool)]).tolist() == "
+        "[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]\n"
         "@numba.njit(cache=True)\n"
         "def mine(x):\n"
         "    return x + 1\n"
