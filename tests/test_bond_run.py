@@ -96,6 +96,28 @@ def test_options_and_bond_options_in_one_file(tmp_path, book):
     assert "Traceback" not in csv.stderr and not (tmp_path / "both.csv").exists()
 
 
+def test_a_mixed_file_is_checked_whole_before_any_work(tmp_path, book):
+    """A bad option in a file of options and bond options is refused before the bond options are
+    priced: exit 2 naming it, no bond chunk saved to the checkpoint, nothing written."""
+    path, _ = book
+    mixed = _mixed(tmp_path, path)
+    with h5py.File(mixed, "a") as f:
+        spot = f["portfolio/spot"]
+        values = spot[()]
+        values[7] = np.nan
+        spot[...] = values
+        bad_id = int(f["portfolio/id"][7])
+    out, folder = tmp_path / "out.h5", tmp_path / "ck"
+    run = run_pricer(["price", mixed, "-o", out, "--backend", "cpu", "--checkpoint", folder,
+                      "--chunk-nodes", "2e6"], ranks=2, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"column spot is NaN or infinite for option id(s) {bad_id}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not out.exists()
+    bonds = tmp_path / "ck.bonds"
+    assert not bonds.exists() or not [p for p in bonds.iterdir() if p.name.startswith("chunk-")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.h5")]   # no claim left
+
+
 def test_bond_book_to_csv(tmp_path, book):
     path, want = book
     run = run_pricer(["price", path, "-o", tmp_path / "b.csv", "--backend", "cpu"], timeout=300)

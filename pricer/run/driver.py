@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,12 +35,12 @@ from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
 from pricer.run import memory
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict, world)
-from pricer.run.checks import tree_names
+from pricer.run.checks import read_and_check, tree_names
 from pricer.run import bond_run
 from pricer.run.config import RunConfig, configure_threads, kept, threads_text
 from pricer.run.chunk_loop import ChunkLoop
 from pricer.run.faults import polite_barrier
-from pricer.run.plan import Plan, make_plan, plan_own_rows
+from pricer.run.plan import Plan, held, make_plan, plan_own_rows
 from pricer.run.pricing import run_chunks
 from pricer.run.progress import Progress
 
@@ -151,14 +152,29 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
         if found[0] and cfg.implied and found[1]:
             notes.append(f"{cfg.input}'s bond options (/bond_options) were not priced: "
                          "implied volatilities are solved for its options")
+        elif found[0] and not found[1]:
+            return bond_run.price_file_bonds(cfg, comm, with_options=False)
         elif found[0]:
-            bonds = bond_run.price_file_bonds(cfg, comm, with_options=found[1])
-            if not found[1]:
-                return bonds
+            return _run_mixed(cfg, comm)
     summary = _run_options(cfg, comm, prepare, bonds)
     if summary is not None:
         summary.notes += notes
     return summary
+
+
+def _run_mixed(cfg: RunConfig, comm) -> RunSummary | None:
+    """A file of bond options and options: its options checked too before its bond options are
+    priced (a bad option refused before any work), and rank 0's claim on the output held from
+    then until both are written (no other run can take it between the parts)."""
+    ranks_here, _ = node_ranks(comm)
+    with ExitStack() as hold:
+        def check():
+            read_and_check(cfg, comm.Get_size(), ranks_here)
+            hold.enter_context(held(cfg))
+
+        outcome(comm, check if comm.Get_rank() == ROOT else None)
+        bonds = bond_run.price_file_bonds(cfg, comm, with_options=True)
+        return _run_options(cfg, comm, None, bonds)
 
 
 def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:

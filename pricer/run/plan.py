@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,13 +93,19 @@ def make_plan(cfg: RunConfig, size: int, node_ranks: int, prepare) -> Plan:
     return plan
 
 
+# targets this process holds for a whole run of several parts (held): a part's claim skips them
+_HELD: set = set()
+
+
 def claim(cfg: RunConfig) -> list:
-    """The output, and the checkpoint folder if any, claimed for this run; the output's checks
-    made again under the claim, since a run that held it until now may have written it."""
+    """The output, and the checkpoint folder if any, claimed for this run (but for those held for
+    the whole run already: held); the output's checks made again under the claim, since a run
+    that held it until now may have written it."""
     locks = []
     try:
         for target in filter(None, (cfg.output, cfg.checkpoint)):
-            locks.append(OutputLock(os.path.normpath(target)).acquire())
+            if os.path.normpath(target) not in _HELD:
+                locks.append(OutputLock(os.path.normpath(target)).acquire())
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
         if cfg.summary_json:     # written at the end: refused now rather than after the work
             check_output_file(cfg.summary_json, cfg.overwrite, "summary")
@@ -107,6 +114,21 @@ def claim(cfg: RunConfig) -> list:
             lock.release()
         raise
     return locks
+
+
+@contextmanager
+def held(cfg: RunConfig):
+    """Rank 0: the run's claim (claim) held across its parts, a file's bond options and its
+    options, which claim nothing again: no other run can take the output between them."""
+    locks = claim(cfg)
+    targets = {os.path.normpath(t) for t in (cfg.output, cfg.checkpoint) if t}
+    _HELD.update(targets)
+    try:
+        yield
+    finally:
+        _HELD.difference_update(targets)
+        for lock in locks:
+            lock.release()
 
 
 def _plan_checkpoint(cfg, size, portfolio, matrix, digest, trees, grid) -> Plan:
