@@ -102,10 +102,10 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
     --bond-spacing`)."""
     import pandas as pd
 
-    from pricer.engines import get_bond_engine
+    from pricer.engines import get_engine
     from pricer.io.bonds import book_from_columns, read_bond_book
 
-    engine = get_bond_engine(backend)
+    engine = get_engine(backend, "bonds")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise InputError(f"threads must be a whole number >= 1, got {threads!r}")
     source = _source(book, source)

@@ -125,7 +125,7 @@ def test_route_sends_each_option_to_the_first_engine_that_takes_it(rng):
 
 
 def test_a_backend_registered_in_process_prices_through_the_python_api(rng):
-    register("oracle-test", OracleEngine)
+    register("oracle-test", {("options", "lattice"): OracleEngine})
     try:
         assert "oracle-test" in backends() and resolve_backend("oracle-test") == "oracle-test"
         p = random_params(rng, 10, 300)
@@ -134,6 +134,28 @@ def test_a_backend_registered_in_process_prices_through_the_python_api(rng):
     finally:
         unregister("oracle-test")
     assert "oracle-test" not in backends()
+
+
+def test_the_registry_is_keyed_by_family_and_method():
+    """A backend names an engine per (family, method) it prices: asked for another it says so by
+    name (InputError, exit 2 on a command line); an unknown family or method is refused at once."""
+    from pricer.engines import backend
+    from pricer.errors import InputError
+
+    register("options-only", {("options", "lattice"): OracleEngine})
+    try:
+        known = backend("options-only")
+        assert known.prices("options") and not known.prices("bonds")
+        with pytest.raises(InputError, match="backend 'options-only' has no engine for bonds by "
+                                             "lattice"):
+            get_engine("options-only", "bonds")
+    finally:
+        unregister("options-only")
+    with pytest.raises(ValueError, match="unknown \\(family, method\\)"):
+        register("nope", {("baskets", "monte-carlo"): OracleEngine})
+    assert "nope" not in backends()
+    assert all(backend(name).prices("bonds") for name in ("serial", "cpu", "gpu", "hybrid",
+                                                          "batch"))
 
 
 def test_a_registered_backend_runs_through_pricer_price_under_mpiexec(tmp_path):

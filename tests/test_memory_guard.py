@@ -446,7 +446,7 @@ STAND_IN = textwrap.dedent('''
         return make
 
     for mode in ("gpu", "hybrid", "batch"):
-        register(mode, factory(mode), help="a stand-in")
+        register(mode, {("options", "lattice"): factory(mode)}, help="a stand-in")
     from pricer.cli import main
     raise SystemExit(main(sys.argv[1:]))
 ''')

@@ -44,8 +44,8 @@ with event.install_recorder("numba:compile") as rec:
         print(backend, np.isfinite(prices["price"]).sum())
     bonds = pricer.tools.warm.warm_bond_book()
     for backend in ("cpu", "serial"):
-        from pricer.engines import get_bond_engine
-        assert np.isfinite(get_bond_engine(backend).price(bonds)).all()
+        from pricer.engines import get_engine
+        assert np.isfinite(get_engine(backend, "bonds").price(bonds)).all()
 compiled = sorted({ev.data["dispatcher"].py_func.__qualname__ for _, ev in rec.buffer})
 print("compiled:", ",".join(compiled))
 """

@@ -10,7 +10,7 @@ import functools
 from pricer.engines.base import Engine, backend, backends, register, unregister
 from pricer.errors import InputError
 
-__all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_bond_engine", "get_engine",
+__all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine",
            "gpu_available", "register", "resolve_backend", "set_local_rank", "unregister"]
 
 
@@ -70,21 +70,16 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def get_engine(name: str, **overrides) -> Engine:
-    """The engine for backend `name`. `overrides` (GpuConfig fields such as t1, t2) configure the
-    GPU backends over their calibrated or default values; the others ignore them."""
+def get_engine(name: str, family: str = "options", method: str = "lattice",
+               **overrides) -> Engine:
+    """The engine of backend `name` for `family` by `method` (`auto`: for options its own
+    routing, for bonds the GPU's where one is usable, else the CPU's). `overrides` (GpuConfig
+    fields such as t1, t2) configure the GPU backends over their calibrated or default values;
+    the others ignore them."""
     _numba_without_scipy_at_start()
-    return backend(resolve_backend(name) if name != "auto" else "auto").factory(**overrides)
-
-
-def get_bond_engine(name: str) -> Engine:
-    """Backend `name`'s engine of the Hull–White family (`auto`: the GPU's where one is usable,
-    else the CPU's)."""
-    resolved = resolve_backend(name)
-    factory = backend(resolved).bonds
-    if factory is None:
-        raise InputError(f"backend {name!r} has no engine for bond options")
-    return factory()
+    concrete = "auto" if name == "auto" and backend("auto").prices(family, method) else \
+        resolve_backend(name)
+    return backend(concrete).engine(family, method, **overrides)
 
 
 # ------------------------------------------------------------------------- the built-in backends
@@ -119,12 +114,12 @@ def _auto(**overrides) -> Engine:
         raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
 
 
-def _bonds_cpu(threads: int | None = None) -> Engine:
+def _bonds_cpu(threads: int | None = None, **overrides) -> Engine:
     from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
     return HullWhiteCpuEngine(threads)
 
 
-def _bonds_gpu() -> Engine:
+def _bonds_gpu(**overrides) -> Engine:
     from pricer.engines.gpu.runtime import GpuUnavailable
     from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
     try:
@@ -133,17 +128,18 @@ def _bonds_gpu() -> Engine:
         raise InputError(f"bond options on the GPU need a usable GPU: {exc}") from None
 
 
-register("auto", _auto, help="batch where a GPU is usable (a small share on the CPU), else cpu")
-# `auto` resolves to batch or cpu before its bond engine is asked for
-register("serial", _serial, help="one core, the reference engine",
-         bonds=functools.partial(_bonds_cpu, 1))
-register("cpu", _cpu, help="all the rank's cores (numba)", bonds=_bonds_cpu)
-register("gpu", functools.partial(_gpu, "gpu"), needs_gpu=True,
-         help="batch kernels up to 16 383 steps, the GPU regimes above, down to level 0",
-         bonds=_bonds_gpu)
-register("hybrid", functools.partial(_gpu, "hybrid"), needs_gpu=True,
-         help="as gpu, with small options and the regimes' last levels on the CPU",
-         bonds=_bonds_gpu)
-register("batch", functools.partial(_gpu, "batch"), needs_gpu=True,
-         help="whole books per launch; wider options through the regimes and a CPU tail",
-         bonds=_bonds_gpu)
+OPTIONS, BONDS = ("options", "lattice"), ("bonds", "lattice")
+# `auto` prices options by its own routing; its bonds are the backend it resolves to's
+register("auto", {OPTIONS: _auto},
+         help="batch where a GPU is usable (a small share on the CPU), else cpu")
+register("serial", {OPTIONS: _serial, BONDS: functools.partial(_bonds_cpu, 1)},
+         help="one core, the reference engine")
+register("cpu", {OPTIONS: _cpu, BONDS: _bonds_cpu}, help="all the rank's cores (numba)")
+register("gpu", {OPTIONS: functools.partial(_gpu, "gpu"), BONDS: _bonds_gpu}, needs_gpu=True,
+         help="batch kernels up to 16 383 steps, the GPU regimes above, down to level 0")
+register("hybrid", {OPTIONS: functools.partial(_gpu, "hybrid"), BONDS: _bonds_gpu},
+         needs_gpu=True,
+         help="as gpu, with small options and the regimes' last levels on the CPU")
+register("batch", {OPTIONS: functools.partial(_gpu, "batch"), BONDS: _bonds_gpu},
+         needs_gpu=True,
+         help="whole books per launch; wider options through the regimes and a CPU tail")

@@ -17,14 +17,14 @@ overrides it. Besides pricing, an engine says what the run needs to know about i
   cuts, analytics)`: the device bytes a share needs (a DeviceNeed), and `fit_device(chunk_options)`,
   which applies the options per chunk `DeviceNeed.fit` chose for the rank's budget.
 
-A backend is one module with an Engine subclass and one `register(name, factory)` call; the
+A backend is one module with an Engine subclass and one `register(name, {(family, method):
+factory})` call; the
 factories of the built-in backends are at the end of pricer/engines/__init__.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -245,25 +245,43 @@ def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None,
 
 # ------------------------------------------------------------------------------- the registry
 
+# the instrument families (pricer/model: lattice.py's vanilla options, bond_book.py's Hull–White
+# bond options) and the ways of pricing them; a backend registers an engine per pair it prices
+FAMILIES = ("options", "bonds")
+METHODS = ("lattice",)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
-    factory: Callable[..., Engine]   # factory(**overrides) -> Engine
+    engines: dict                    # (family, method) -> factory(**overrides) -> Engine
     needs_gpu: bool = False
     help: str = ""
-    bonds: Callable[[], Engine] | None = None   # its engine of the Hull–White family, if any
+
+    def prices(self, family: str, method: str = "lattice") -> bool:
+        return (family, method) in self.engines
+
+    def engine(self, family: str = "options", method: str = "lattice", **overrides) -> Engine:
+        """This backend's engine of `family` by `method`; InputError where it has none."""
+        factory = self.engines.get((family, method))
+        if factory is None:
+            raise InputError(f"backend {self.name!r} has no engine for {family} by {method}")
+        return factory(**overrides)
 
 
 _BACKENDS: dict[str, Backend] = {}
 
 
-def register(name: str, factory: Callable[..., Engine], needs_gpu: bool = False,
-             help: str = "", bonds: Callable[[], Engine] | None = None) -> None:
+def register(name: str, engines: dict, needs_gpu: bool = False, help: str = "") -> None:
     """Make backend `name` known to `pricer price --backend`, job files and get_engine.
-    factory(**overrides) builds the engine; overrides are the run's GPU settings (t1, t2), which an
-    engine without them should accept and ignore. bonds() builds its engine of the Hull–White
-    family (pricer/model/bond_book.py's HullWhiteParams in, prices out), where it has one."""
-    _BACKENDS[name] = Backend(name, factory, needs_gpu, help, bonds)
+    `engines` maps (family, method) (FAMILIES, METHODS) to a factory: factory(**overrides)
+    builds the engine; overrides are the run's GPU settings (t1, t2), which an engine without
+    them accepts and ignores. An options engine takes LatticeParams (pricer/model/lattice.py),
+    a bonds engine HullWhiteParams (pricer/model/bond_book.py); both give prices."""
+    unknown = [key for key in engines if key[0] not in FAMILIES or key[1] not in METHODS]
+    if unknown:
+        raise ValueError(f"backend {name!r}: unknown (family, method) {unknown}")
+    _BACKENDS[name] = Backend(name, dict(engines), needs_gpu, help)
 
 
 def unregister(name: str) -> None:

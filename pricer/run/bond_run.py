@@ -13,8 +13,8 @@ then prices the file's /portfolio, if any, and writes both (results.write_result
    file; with --invalid skip the rows that break a rule keep their status instead); one verdict,
    so that bad input anywhere makes every rank exit 2, the lowest rank's message printed.
 3. compute: each rank prices its chunks with its backend's engine of the family
-   (engines.get_bond_engine), the next chunk's trees built on a thread meanwhile, saving each
-   chunk to the checkpoint; a failure is reported to rank 0, which names the rank and ends the
+   (engines.get_engine(backend, "bonds")), the next chunk's trees built on a thread meanwhile,
+   saving each chunk to the checkpoint; a failure is reported to rank 0, which names the rank and ends the
    job (faults.FailureWatch). Rank 0 shows the ranks' progress as the option run does
    (progress.py: tree nodes of both sweeps).
 4. gather: one Gatherv of the (price, status) rows to rank 0.
@@ -35,7 +35,7 @@ import numba
 import numpy as np
 
 from pricer import __version__, compiling
-from pricer.engines import get_bond_engine, resolve_backend, set_local_rank
+from pricer.engines import get_engine, resolve_backend, set_local_rank
 from pricer.errors import InputError, OutputError, first_ids
 from pricer.io.checkpoint import Checkpoint
 from pricer.io.formats import HDF5, output_format
@@ -203,7 +203,7 @@ def run_bonds(cfg, comm, node_ranks: int, digest, folder: str | None) -> BondRes
     with ThreadPoolExecutor(max_workers=1) as pool:
         planned = pool.submit(attempt, lambda: _make_plan(cfg, size, node_ranks, digest, folder)) \
             if rank == ROOT else None
-        engine, status, message, failure = attempt(lambda: get_bond_engine(cfg.backend))
+        engine, status, message, failure = attempt(lambda: get_engine(cfg.backend, "bonds"))
         if planned is not None:
             plan, p_status, p_message, p_failure = planned.result()
             if p_status:

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from pricer.engines import backend, backends, get_bond_engine, get_engine, gpu_available
+from pricer.engines import backend, backends, get_engine, gpu_available
 from pricer.engines.cpu.parallel import LEVEL_PARALLEL_MIN_STEPS
 from pricer.io.portfolio import portfolio_from_columns
 from pricer.run.checks import checked_matrix
@@ -84,8 +84,8 @@ def warm(names: list[str], report=print) -> list[tuple[str, float]]:
                             task="implied-vol" if greeks is None else "price").check()
             portfolio = portfolio_from_columns(book, cfg.input)
             price_checked(engine, cfg, checked_matrix(cfg, portfolio), portfolio.id)
-        if backend(name).bonds is not None:
-            get_bond_engine(name).price(warm_bond_book())
+        if backend(name).prices("bonds"):
+            get_engine(name, "bonds").price(warm_bond_book())
         spent.append((name, time.perf_counter() - start))
         report(f"{name}: {spent[-1][1]:.1f} s")
     return spent

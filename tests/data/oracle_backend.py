@@ -13,7 +13,8 @@ from oracle import OracleEngine  # noqa: E402
 from pricer.cli import main  # noqa: E402
 from pricer.engines import register  # noqa: E402
 
-register("oracle", OracleEngine, help="the plain NumPy oracle of the tests")
+register("oracle", {("options", "lattice"): OracleEngine},
+         help="the plain NumPy oracle of the tests")
 
 if __name__ == "__main__":
     sys.exit(main())
