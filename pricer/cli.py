@@ -404,7 +404,8 @@ def _scaling(args) -> int:
     return run(args)
 
 
-COMPILING = ("price", "implied-vol", "run", "bench", "warm", "calibrate")   # numba's commands
+# the commands that may compile or load numba kernels (generate --market-prices prices too)
+COMPILING = ("price", "implied-vol", "run", "bench", "warm", "calibrate", "generate", "scaling")
 COMMANDS = {"price": _price, "implied-vol": _implied_vol, "run": _run_job, "generate": _generate, "info": _info, "bench": _bench,
             "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 

@@ -68,3 +68,30 @@ class PricerCacheLocator(_Locator):
 
 if PricerCacheLocator not in _Impl._locator_classes:
     _Impl._locator_classes.insert(0, PricerCacheLocator)
+
+
+def _numba_without_scipy_at_start() -> None:
+    """numba's NumPy implementations, loaded at its first compile or cache load, import
+    scipy.linalg when scipy is installed (~0.5 s of an engine's start, holding the GIL beside the
+    read of the input) only to learn whether np.convolve and np.correlate may call BLAS; no engine
+    calls either. So they are loaded here with that import refused, and numba's answer then set
+    to what it would have found (scipy is installed; numba imports its BLAS where a function needs
+    it). The result is the same numba, without the import."""
+    import importlib.util
+    import sys
+
+    blas = "scipy.linalg.cython_blas"
+    if "numba.np.arraymath" in sys.modules or blas in sys.modules \
+            or importlib.util.find_spec("scipy") is None:
+        return
+    sys.modules[blas] = None         # an import of it raises ImportError, importing nothing
+    try:
+        import numba.np.arraymath as arraymath
+    finally:
+        if sys.modules.get(blas, False) is None:
+            del sys.modules[blas]
+    if hasattr(arraymath, "_HAVE_BLAS"):
+        arraymath._HAVE_BLAS = True
+
+
+_numba_without_scipy_at_start()    # before any of pricer's kernels is compiled or loaded

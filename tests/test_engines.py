@@ -820,7 +820,7 @@ def test_each_rank_sees_its_own_gpu_unless_the_launcher_chose():
 
 def test_an_engine_starts_without_importing_scipy_linalg():
     """numba imports scipy.linalg at its first load only to ask whether BLAS is there; an engine
-    starts without that import (pricer.engines._numba_without_scipy_at_start), and numba's
+    starts without that import (pricer.numba_cache._numba_without_scipy_at_start), and numba's
     answer, and np.convolve in a user's function, stay what they are with it. In a fresh
     interpreter, since the suite's process has loaded numba's NumPy implementations already."""
     pytest.importorskip("scipy")
@@ -828,6 +828,8 @@ def test_an_engine_starts_without_importing_scipy_linalg():
     import sys
     code = (
         "import sys, numpy as np, numba\n"
+        "from pricer.io.packing import pack_rows\n"     # a kernel before any engine (to_matrix)
+        "pack_rows([np.ones(3), np.zeros(3, bool)])\n"
         "from pricer.engines import get_engine\n"
         "get_engine('serial').warm_up()\n"
         "print('scipy.linalg' in sys.modules)\n"

@@ -14,32 +14,6 @@ __all__ = ["AUTO_CPU_MAX_NODES", "Engine", "backend", "backends", "get_engine",
            "gpu_available", "register", "resolve_backend", "set_local_rank", "unregister"]
 
 
-@functools.lru_cache(maxsize=1)
-def _numba_without_scipy_at_start() -> None:
-    """numba's NumPy implementations, loaded at its first compile or cache load, import
-    scipy.linalg when scipy is installed (~0.5 s of an engine's start, holding the GIL beside the
-    read of the input) only to learn whether np.convolve and np.correlate may call BLAS; no engine
-    calls either. So they are loaded here with that import refused, and numba's answer then set
-    to what it would have found (scipy is installed; numba imports its BLAS where a function needs
-    it). The result is the same numba, without the import."""
-    import importlib.util
-    import sys
-
-    blas = "scipy.linalg.cython_blas"
-    if "numba.np.arraymath" in sys.modules or blas in sys.modules \
-            or importlib.util.find_spec("scipy") is None:
-        return
-    sys.modules[blas] = None         # an import of it raises ImportError, importing nothing
-    try:
-        import numba.np.arraymath as arraymath
-    finally:
-        if sys.modules.get(blas, False) is None:
-            del sys.modules[blas]
-    if hasattr(arraymath, "_HAVE_BLAS"):
-        arraymath._HAVE_BLAS = True
-
-
-
 # `auto` on a GPU machine is `batch`; a rank's share of at most this many lattice nodes is priced on
 # the CPU instead (a launch, its copies and the first-use set-up cost more than that much CPU work).
 AUTO_CPU_MAX_NODES = 2_000_000
@@ -74,12 +48,11 @@ def get_engine(name: str, family: str = "options", method: str = "lattice",
                **overrides) -> Engine:
     """The engine of backend `name` for `family` by `method` (`auto`: for options its own
     routing, for bonds the GPU's where one is usable, else the CPU's). `overrides` (GpuConfig
-    fields such as t1, t2) configure the GPU backends over their calibrated or default values;
-    the others ignore them."""
-    _numba_without_scipy_at_start()
+    fields such as t1, t2) configure the option GPU backends over their calibrated or default
+    values; the other engines ignore them."""
     concrete = "auto" if name == "auto" and backend("auto").prices(family, method) else \
         resolve_backend(name)
-    return backend(concrete).engine(family, method, **overrides)
+    return backend(concrete).engine(family, method, asked=name, **overrides)
 
 
 # ------------------------------------------------------------------------- the built-in backends
@@ -114,12 +87,16 @@ def _auto(**overrides) -> Engine:
         raise InputError(f"backend 'batch' needs a usable GPU: {exc}") from None
 
 
-def _bonds_cpu(threads: int | None = None, **overrides) -> Engine:
+def _bonds_cpu(threads: int | None = None, **ignored) -> Engine:
     from pricer.engines.cpu.trinomial import HullWhiteCpuEngine
     return HullWhiteCpuEngine(threads)
 
 
-def _bonds_gpu(**overrides) -> Engine:
+def _bonds_serial(**ignored) -> Engine:
+    return _bonds_cpu(1)
+
+
+def _bonds_gpu(**ignored) -> Engine:
     from pricer.engines.gpu.runtime import GpuUnavailable
     from pricer.engines.gpu.trinomial import HullWhiteGpuEngine
     try:
@@ -132,7 +109,7 @@ OPTIONS, BONDS = ("options", "lattice"), ("bonds", "lattice")
 # `auto` prices options by its own routing; its bonds are the backend it resolves to's
 register("auto", {OPTIONS: _auto},
          help="batch where a GPU is usable (a small share on the CPU), else cpu")
-register("serial", {OPTIONS: _serial, BONDS: functools.partial(_bonds_cpu, 1)},
+register("serial", {OPTIONS: _serial, BONDS: _bonds_serial},
          help="one core, the reference engine")
 register("cpu", {OPTIONS: _cpu, BONDS: _bonds_cpu}, help="all the rank's cores (numba)")
 register("gpu", {OPTIONS: functools.partial(_gpu, "gpu"), BONDS: _bonds_gpu}, needs_gpu=True,

@@ -261,11 +261,14 @@ class Backend:
     def prices(self, family: str, method: str = "lattice") -> bool:
         return (family, method) in self.engines
 
-    def engine(self, family: str = "options", method: str = "lattice", **overrides) -> Engine:
-        """This backend's engine of `family` by `method`; InputError where it has none."""
+    def engine(self, family: str = "options", method: str = "lattice", asked: str | None = None,
+               **overrides) -> Engine:
+        """This backend's engine of `family` by `method`; InputError where it has none, naming
+        the backend `asked` for (`auto`, which resolved to this one)."""
         factory = self.engines.get((family, method))
         if factory is None:
-            raise InputError(f"backend {self.name!r} has no engine for {family} by {method}")
+            raise InputError(f"backend {(asked or self.name)!r} has no engine for {family} by "
+                             f"{method}")
         return factory(**overrides)
 
 
@@ -278,6 +281,9 @@ def register(name: str, engines: dict, needs_gpu: bool = False, help: str = "") 
     builds the engine; overrides are the run's GPU settings (t1, t2), which an engine without
     them accepts and ignores. An options engine takes LatticeParams (pricer/model/lattice.py),
     a bonds engine HullWhiteParams (pricer/model/bond_book.py); both give prices."""
+    if not isinstance(engines, dict):
+        raise TypeError(f"register({name!r}, ...): give the engines as a dict, "
+                        f"{{('options', 'lattice'): factory}}, not {type(engines).__name__}")
     unknown = [key for key in engines if key[0] not in FAMILIES or key[1] not in METHODS]
     if unknown:
         raise ValueError(f"backend {name!r}: unknown (family, method) {unknown}")

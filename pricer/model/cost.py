@@ -2,7 +2,7 @@
 
 A recombining binomial lattice of N steps has (N+1)(N+2)/2 nodes, and every engine's work is
 proportional to them (a node is a fixed handful of FP64 operations), so nodes are the unit in
-which the partition balances ranks (partition.py), chunks are cut (pricer/io/checkpoint.py), the
+which the partition balances ranks (partition.py), chunks are cut (pricer/run/chunks.py), the
 CPU engine balances its threads, the memory guard sizes buffers, and summaries report speed.
 The lattices a run prices per option come from its analytics (greeks.Analytics.lattices).
 """

@@ -71,8 +71,8 @@ def tree_names(bits: int) -> list:
 
 def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
     """The portfolio's matrix with every option's lattice checked (check_lattices' refusals, by
-    id), each block of rows checked as to_matrix fills it, while its columns are in the CPU's
-    cache; with --invalid skip, the rows that cannot be priced marked as skipped instead."""
+    id), a block of rows at a time (to_matrix's each_block: a block's temporaries stay in the
+    CPU's cache); with --invalid skip, the rows that cannot be priced marked as skipped instead."""
     skip = cfg.invalid == "skip"
     check_task_columns(cfg, portfolio, skip)
     codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE if skip else None)

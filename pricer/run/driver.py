@@ -172,7 +172,12 @@ def _run_mixed(cfg: RunConfig, comm) -> RunSummary | None:
             read_and_check(cfg, comm.Get_size(), ranks_here)
             hold.enter_context(held(cfg))
 
-        outcome(comm, check if comm.Get_rank() == ROOT else None)
+        _, status, message, failure = attempt(check) if comm.Get_rank() == ROOT \
+            else (None, 0, None, None)
+        polite_barrier(comm)      # the others sleep while rank 0 reads, rather than spin
+        verdict(comm, status, message)
+        if failure is not None:
+            raise failure
         bonds = bond_run.price_file_bonds(cfg, comm, with_options=True)
         return _run_options(cfg, comm, None, bonds)
 

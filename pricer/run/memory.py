@@ -10,7 +10,7 @@ The estimate (bytes; n options, k outputs per option, R ranks, N the largest ste
   read (2x, as rank 0's above; rank 0 then holds no other rows), plus one chunk's working set:
   ~30 float64 arrays per lattice priced (5 per option with --greeks, +1 with --richardson) and
   the engine's 4 arrays of N + 1 doubles per thread.
-Pricing streams through chunks (pricer/io/checkpoint.py), so a rank's working set does not grow with
+Pricing streams through chunks (pricer/run/chunks.py), so a rank's working set does not grow with
 the portfolio beyond these per-option arrays.
 
 Device memory (GPU backends; every rank drives its own GPU): each rank measures its GPU's free
