@@ -18,7 +18,7 @@ Rank 0 shows it on its stderr (stdout keeps the summary lines that `pricer scali
   - nothing with --quiet (RunConfig.progress = False).
 PRICER_PROGRESS=bar|log|off forces one of them (auto, the default, chooses as above). Rank 0 can
 only report between its own chunks, so a line may come up to one chunk late (chunks are seconds
-of a rank's work, pricer/io/checkpoint.py).
+of a rank's work, pricer/run/chunks.py).
 """
 
 from __future__ import annotations
