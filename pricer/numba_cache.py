@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 from numba.core import caching
@@ -34,22 +35,32 @@ _Impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
 
 
 @functools.lru_cache(maxsize=1)
-def folder() -> str:
-    """The folder of this pricer's cached kernels: one per hash of its kernel sources."""
+def _key() -> str:
     digest = hashlib.sha256()
     for path in sorted(p for name in SOURCES for p in PACKAGE.joinpath(name).rglob("*.py")):
         digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    return f"kernels-{digest.hexdigest()[:16]}"
+
+
+def folder() -> str:
+    """The folder of this pricer's cached kernels: one per hash of its kernel sources."""
     base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir("numba"))
-    return os.path.join(base, f"kernels-{digest.hexdigest()[:16]}")
+    return os.path.join(base, _key())
+
+
+def _fallback() -> str:
+    """Where the kernels go when folder() cannot be written (no home folder, a read-only one):
+    the temporary folder, keyed alike (numba's own fallback, beside the sources, is not keyed)."""
+    return os.path.join(tempfile.gettempdir(), f"pricer-numba-{os.getuid()}", _key())
 
 
 class PricerCacheLocator(_Locator):
     """numba's user-provided-folder locator, pointed at folder(), for pricer's own functions."""
 
-    def __init__(self, py_func, py_file):
+    def __init__(self, py_func, py_file, base: str):
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        self._cache_path = os.path.join(folder(), self.get_suitable_cache_subpath(py_file))
+        self._cache_path = os.path.join(base, self.get_suitable_cache_subpath(py_file))
 
     @classmethod
     def from_function(cls, py_func, py_file):
@@ -58,12 +69,14 @@ class PricerCacheLocator(_Locator):
                 return None          # not pricer's: numba's own locators decide
         except (OSError, ValueError):
             return None
-        self = cls(py_func, py_file)
-        try:
-            self.ensure_cache_path()
-        except OSError:              # an unwritable folder: numba's locators decide
-            return None
-        return self
+        for base in (folder(), _fallback()):
+            self = cls(py_func, py_file, base)
+            try:
+                self.ensure_cache_path()
+                return self
+            except OSError:          # an unwritable folder: the next one
+                continue
+        return None
 
 
 if PricerCacheLocator not in _Impl._locator_classes:

@@ -65,3 +65,20 @@ def test_a_program_keeps_its_numba_configuration_and_cache(tmp_path):
     assert ours and all("mine" not in p.name for p in ours)
     theirs = [p for p in cache.rglob("mine.mine-*.nbi")]
     assert theirs and all(kernels[0] not in str(p) for p in theirs), entries
+
+
+def test_an_unwritable_cache_folder_falls_back_to_a_keyed_temporary_one(tmp_path):
+    """No writable cache folder (XDG_CACHE_HOME in /proc, no NUMBA_CACHE_DIR): pricer's kernels
+    go to the temporary folder, keyed by their sources, never beside the sources (numba's own
+    fallback, which is not keyed)."""
+    before = sorted(PACKAGE.rglob("*.nbi"))
+    e = {k: v for k, v in env().items() if k != "NUMBA_CACHE_DIR"}
+    e.update(XDG_CACHE_HOME="/proc/pricer-no-cache", TMPDIR=str(tmp_path))
+    code = ("import numpy as np\nfrom pricer.io.packing import pack_rows\n"
+            "print(pack_rows([np.arange(2.0)]).tolist())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[[0.0], [1.0]]", proc.stderr
+    cached = list(tmp_path.glob("pricer-numba-*/kernels-*/**/*.nbi"))
+    assert cached, sorted(str(p) for p in tmp_path.rglob("*"))
+    assert sorted(PACKAGE.rglob("*.nbi")) == before
