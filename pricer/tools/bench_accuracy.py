@@ -25,6 +25,7 @@ from pricer.tools.generate import generate
 from pricer.model.greeks import Analytics, price_with_analytics, richardson_steps
 from pricer.io.portfolio import columns_from_matrix
 from pricer.model.cost import lattice_nodes
+from pricer.tools.tables import write_json
 
 STEPS = (25, 51, 101, 201, 401, 801, 1601, 3201, 6401, 12801)
 QUICK_STEPS = (25, 51, 101, 201, 401)
@@ -91,9 +92,7 @@ def bench_accuracy(quick: bool = False, out: str | None = None, plot: str | None
     result = dict(reference=dict(tree="lr", richardson=True, steps=reference_steps, backend=engine.name),
                   target_error=TARGET_ERROR, curves=curves, seconds=time.perf_counter() - start)
     report(result)
-    if out:
-        with open(out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(out, result)
     if plot:
         _plot(result, plot)
         print(f"wrote {plot}")

@@ -20,7 +20,6 @@ out as a share of the wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -29,6 +28,7 @@ import numpy as np
 from pricer.tools.generate import generate
 from pricer.model.lattice import lattice_parameters
 from pricer.io.portfolio import columns_from_matrix
+from pricer.tools.tables import write_json
 
 TARGETS = {"American": 2.5e12, "European": 4.0e12, "American S": 2.0e12}
 FP64_PER_NODE = {"American": 4, "European": 2}
@@ -97,9 +97,7 @@ def bench_batch(quick: bool = False, repeats: int = 5, out: str | None = None,
                   min_seconds=min_seconds, rows=rows, verdicts=verdicts(rows))
     for line in result["verdicts"]:
         print(line)
-    if out:
-        with open(out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(out, result)
     return result
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import json
 import math
 import os
 import platform
@@ -43,6 +42,7 @@ from pricer.model.lattice import lattice_parameters
 from pricer.io.portfolio import columns_from_matrix
 from pricer.model.cost import lattice_nodes
 from pricer.tools.anchors import have_quantlib, missing
+from pricer.tools.tables import write_json
 
 SINGLE_STEPS = (100, 1_000, 10_000, 100_000)
 QUICK_STEPS = (100, 1_000, 10_000)
@@ -352,8 +352,7 @@ def bench_cpu(quick: bool = False, out: str | None = None) -> dict:
     print("\n\n".join("\n".join(block) for block in blocks))
     report = {"machine": info, "quick": quick, "rows": rows, "verdicts": verdicts, "load": load,
               "wall_seconds": wall, "price_check": {"pricer": check[0], "QuantLib": check[1]}}
+    write_json(out, report, indent=2)
     if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2, default=lambda o: o.item())  # numpy scalars
         print(f"wrote {out}")
     return report

@@ -14,7 +14,6 @@ Usage: pricer bench gpu [--quick] [--out FILE.json] (or python -m pricer.tools.b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from pricer.model.lattice import lattice_parameters
+from pricer.tools.tables import write_json
 
 SIZES = (1_000, 5_000, 10_000, 50_000, 100_000, 500_000, 1_000_000)
 KERNELS = ("wavefront", "tiled", "warp", "hybrid")
@@ -279,9 +279,7 @@ def main(argv=None) -> int:
 def bench_gpu(args) -> int:
     if args.crossover:
         rows = crossover()
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(rows, fh, indent=1)
+        write_json(args.out, rows)
         return 0
     sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else (
         SIZES[:5] if args.quick else SIZES)
@@ -295,9 +293,7 @@ def bench_gpu(args) -> int:
     result = run(sizes, tuple(args.kernels.split(",")), 3 if args.quick else args.repeats,
                  cpu=not args.no_cpu, overrides=overrides)
     print(markdown(result))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 

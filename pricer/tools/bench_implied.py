@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from pricer.tools.tables import write_json
+
 TARGET_GPU = 1e6        # American implied volatilities per second per GPU at N = 500
 TARGET_PER_CORE = 30.0  # the cpu backend on one core against QuantLib on one core
 
@@ -142,8 +144,6 @@ def sigma_errors(portfolio, values, status) -> list:
 
 
 def bench_implied(args) -> dict:
-    import json
-
     from pricer.engines import backend, gpu_available
 
     backends = args.backend or (["batch", "cpu"] if gpu_available() else ["cpu"])
@@ -180,9 +180,7 @@ def bench_implied(args) -> dict:
             ok = row["per_second"] >= TARGET_GPU
             print(f"{row['backend']}: {row['per_second']:.4g} American implied vols/s on one GPU "
                   f"at N = {args.steps}, target {TARGET_GPU:.0e}: {'met' if ok else 'NOT met'}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return result
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import tempfile
 import time
+
+from pricer.tools.tables import write_json
 
 OPTION_NS, OPTION_RATIO, BOND_NS = 150.0, 5.0, 300.0
 
@@ -150,7 +151,5 @@ def bench_plan(args) -> dict:
         "bonds_ns": bool(bond / bonds * 1e9 <= BOND_NS)}
     print("verdicts: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
                                    for k, v in out["verdicts"].items()))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)
     return out

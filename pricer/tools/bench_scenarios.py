@@ -21,10 +21,11 @@ expanded book's.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
+
+from pricer.tools.tables import write_json
 
 TARGET = 0.9   # the grid's nodes/s against the expanded book's
 
@@ -97,7 +98,5 @@ def bench_scenarios(args) -> dict:
     result = dict(backend=backend, options=n, steps=args.steps, scenarios=grid.count, nodes=nodes,
                   expanded_seconds=expanded, call_seconds=called, grid_seconds=gridded,
                   ratio=ratio, stage_ratio=stage, bitwise=bitwise)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return result

@@ -30,13 +30,13 @@ both instruments/s and nodes/s are printed.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
 import numpy as np
 
 from pricer.tools.bond_datasets import CURVE, DATASETS, dataset, dataset_columns
+from pricer.tools.tables import write_json
 
 FLOPS_FORWARD, FLOPS_BACKWARD = 13, 18
 TARGET_QUANTLIB = 30.0
@@ -204,9 +204,7 @@ def bench_trinomial(args) -> list[dict]:
         worst = min(anchored)
         print(f"cpu engine per core against QuantLib's tree engine: at least {worst:.0f}x "
               f"(target {TARGET_QUANTLIB:.0f}x: {'met' if worst >= TARGET_QUANTLIB else 'NOT met'})")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_json(args.out, rows)
     return rows
 
 

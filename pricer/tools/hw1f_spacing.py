@@ -11,13 +11,13 @@ steps a year. docs/numerics.md ("The spacing") has the table this prints, and it
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 
 from pricer.model import bond_book
 from pricer.model import hw1f
+from pricer.tools.tables import write_json
 
 STEPS_PER_YEAR = (12, 52, 250)
 
@@ -110,9 +110,7 @@ def main(argv=None) -> int:
         print(f"| {r['steps_per_year']} | {r['sqrt-dt']['median']:.2e} | {r['sqrt-dt']['p90']:.2e} "
               f"| {r['variance']['median']:.2e} | {r['variance']['p90']:.2e} "
               f"| {r['median_ratio']:.2f} | {100 * r['variance_smaller']:.0f} % |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, rows)
     return 0
 
 

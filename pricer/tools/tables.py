@@ -1,11 +1,20 @@
-"""What the tools write beside their printed tables: a CSV and a markdown file of a table, and
-matplotlib for their plots where it is installed (the `plot` extra)."""
+"""What the tools write beside their printed tables: a bench's measurements as JSON, a CSV and a
+markdown file of a table, and matplotlib for their plots where it is installed (the `plot`
+extra)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
+
+
+def write_json(path: str | None, data, indent: int = 1) -> None:
+    """`data` as JSON at `path` (`--out`; None: nothing written), NumPy scalars as numbers."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=indent, default=lambda o: o.item())
 
 
 def pyplot():
