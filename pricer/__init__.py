@@ -9,8 +9,9 @@ DataFrame (pricer/api.py); each takes a book file's path or the book in memory.
 from pricer.errors import InputError
 
 __version__ = "0.1.0"
-__all__ = ["InputError", "price", "implied_volatility", "price_bonds", "read_book", "__version__"]
-_API = ("price", "implied_volatility", "price_bonds", "read_book")
+__all__ = ["InputError", "price", "implied_volatility", "price_bonds", "price_file", "read_book",
+           "__version__"]
+_API = ("price", "implied_volatility", "price_bonds", "price_file", "read_book")
 
 
 def __getattr__(name):

@@ -132,6 +132,34 @@ def price_bonds(book, curves: dict | None = None, default: str | None = None,
     return pd.DataFrame({"id": bonds.id, "price": prices})
 
 
+def price_file(input, output, backend: str = "auto", progress: bool = False, **settings):
+    """The run of `pricer price INPUT -o OUTPUT` in this process: every family the file holds
+    (its /portfolio of options, its /bond_options, a plug-in family's group: pricer/run/
+    families.py) priced and written to `output` (HDF5, CSV or Parquet) as the command writes it.
+    `settings`: the command's, by RunConfig's names (greeks, tree, invalid, checkpoint,
+    overwrite, threads, ...). Returns the run's summary (its `record()`: the data of
+    --summary-json); bad input raises InputError naming the cause, and nothing is written."""
+    import dataclasses
+
+    from pricer.run.collectives import BadInput, keep_refusals
+    from pricer.run.driver import run
+
+    known = {f.name for f in dataclasses.fields(RunConfig)} - {"input", "output"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise InputError(f"price_file: unknown setting(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
+    cfg = RunConfig(input=str(input), output=str(output), backend=backend, progress=progress,
+                    **settings)
+    with keep_refusals() as refusals:
+        try:
+            return run(cfg.check())
+        except BadInput as exc:
+            if exc.code == 2 and refusals:
+                raise InputError(refusals[-1]) from None
+            raise
+
+
 def read_book(path, kind: str | None = None, invalid: str = "refuse"):
     """The book in the file at `path` (str or pathlib.Path; HDF5, CSV or Parquet by extension),
     checked as `pricer price` checks it (InputError naming the column and ids), as a pandas

@@ -1,4 +1,4 @@
-"""`pricer price` on books of bond options (pricer/run/bond_run.py): real files, the real CLI,
+"""`pricer price` on books of bond options (pricer/run/pipeline.py, pricer/run/bond_family.py): real files, the real CLI,
 real `mpiexec` with several ranks; prices against pricer.price_bonds (the CPU engine in this
 process), files with options and bond options together, bad input, --invalid skip, checkpoints
 with a rank that fails, and the GPU backends (marked gpu)."""

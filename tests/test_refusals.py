@@ -283,6 +283,22 @@ def test_an_output_on_a_disk_too_small_is_refused_before_pricing(tmp_path, small
     assert "InjectedFault" not in stderr and os.listdir(small_disk) == []
 
 
+def test_a_bond_book_on_a_disk_too_small_is_refused_before_pricing(tmp_path, small_disk):
+    """Every family's run checks the disk before pricing (pipeline.py): the results, or the
+    checkpoint's chunks, that do not fit are refused with exit 2 on every rank, nothing written."""
+    from pricer.tools.bond_datasets import write_dataset
+    book = tmp_path / "bonds.h5"
+    write_dataset(str(book), "S1", 100_000, 0)
+    for args in (["-o", small_disk / "out.h5"], ["-o", small_disk / "out.csv"],
+                 ["-o", tmp_path / "out.h5", "--checkpoint", small_disk / "ck",
+                  "--chunk-nodes", "2e5"]):
+        stderr = refused(run_pricer(["price", book, *args, "--backend", "cpu"], ranks=2,
+                                    extra_env=NO_PRICING),
+                         "not enough disk space", "free")
+        assert "InjectedFault" not in stderr and os.listdir(small_disk) == []
+    assert not (tmp_path / "out.h5").exists()
+
+
 def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
     """The disk fills while the run prices (after its checks passed): exit 1, one message, no
     traceback, no temporary file; with a checkpoint, the command it names writes the results

@@ -247,8 +247,8 @@ def route(params: LatticeParams, routes: list, levels: np.ndarray | None = None,
 
 # the instrument families (pricer/model: lattice.py's vanilla options, bond_book.py's Hull–White
 # bond options) and the ways of pricing them; a backend registers an engine per pair it prices
-FAMILIES = ("options", "bonds")
-METHODS = ("lattice",)
+FAMILIES = ["options", "bonds"]    # more by add_family (pricer/run/families.py)
+METHODS = ["lattice"]              # more by add_method (a plug-in method)
 
 
 @dataclass(frozen=True)
@@ -288,6 +288,33 @@ def register(name: str, engines: dict, needs_gpu: bool = False, help: str = "") 
     if unknown:
         raise ValueError(f"backend {name!r}: unknown (family, method) {unknown}")
     _BACKENDS[name] = Backend(name, dict(engines), needs_gpu, help)
+
+
+def add_family(family: str) -> None:
+    """Make `family` a key that backends may register engines for (a plug-in family's)."""
+    if family not in FAMILIES:
+        FAMILIES.append(family)
+
+
+def add_method(method: str) -> None:
+    """Make `method` a key that backends may register engines for (a plug-in method's)."""
+    if method not in METHODS:
+        METHODS.append(method)
+
+
+def add_engines(name: str, engines: dict) -> None:
+    """Give the registered backend `name` more engines ((family, method) -> factory, as
+    register's): a plug-in family's or method's, beside the built-in ones."""
+    unknown = [key for key in engines if key[0] not in FAMILIES or key[1] not in METHODS]
+    if unknown:
+        raise ValueError(f"backend {name!r}: unknown (family, method) {unknown}")
+    backend(name).engines.update(engines)
+
+
+def remove_engines(name: str, keys) -> None:
+    """Take the engines `keys` ((family, method)) from backend `name` again."""
+    for key in keys:
+        backend(name).engines.pop(key, None)
 
 
 def unregister(name: str) -> None:

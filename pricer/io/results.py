@@ -80,7 +80,7 @@ UNITS = {
 
 def write_results(path: str, ids: np.ndarray | None, prices: np.ndarray | None, attrs: dict,
                   run: dict, extra: dict | None = None, scenarios: tuple | None = None,
-                  bonds: dict | None = None) -> None:
+                  tables: dict | None = None) -> None:
     """Write the results (id, price in input order, provenance attributes, and the `extra`
     float64 datasets such as the Greeks, in the same order) and the per-rank stats to `path`,
     atomically, in the format its extension names (formats.py): HDF5's /results and /run, or a
@@ -88,8 +88,9 @@ def write_results(path: str, ids: np.ndarray | None, prices: np.ndarray | None, 
     that fills during the write then raises OSError (and leaves nothing) where HDF5 writing to
     the disk itself failed its own clean-up. `scenarios`: (ScenarioGrid, (options, scenarios)
     prices), written as /results/scenarios (HDF5 only: RunConfig.check refuses the others).
-    `bonds`: a book of bond options' results (id, price, status), as /results/bonds; a file of
-    bond options alone (ids None) has them as its only table (CSV and Parquet: the columns)."""
+    `tables`: {name: (columns, units)} of the other families' results (the bond options': id,
+    price, status), each as /results/<name>; a file of one family alone (ids None) has its
+    table as its only one (CSV and Parquet: the columns)."""
     columns = {} if ids is None else {"id": np.asarray(ids, dtype=np.int64),
                                       "price": np.asarray(prices, dtype=np.float64)}
     for name, values in (extra or {}).items():   # floats as float64; codes as they are
@@ -97,16 +98,18 @@ def write_results(path: str, ids: np.ndarray | None, prices: np.ndarray | None, 
         columns[name] = values if values.dtype.kind in "iu" else values.astype(np.float64)
     attrs = {"schema": SCHEMA, "pricer_version": __version__, **attrs}
     fmt = output_format(path)
+    tables = tables or {}
     if fmt != HDF5:
-        if bonds is not None:
-            if columns:
-                raise InputError(f"{path}: a book of options and bond options is written to "
+        units = UNITS
+        if tables:
+            if columns or len(tables) > 1:
+                raise InputError(f"{path}: a book of several instrument families is written to "
                                  "HDF5 only (.h5), each in its own group")
-            columns = dict(bonds)
+            (table, units), = tables.values()
+            columns = dict(table)
         table_attrs = dict(attrs, run=json.dumps({key: np.asarray(value).tolist()
                                                   for key, value in run.items()}))
-        atomic_write(path, table_bytes(fmt, columns, table_attrs,
-                                       BOND_UNITS if ids is None else UNITS))
+        atomic_write(path, table_bytes(fmt, columns, table_attrs, units))
         return
     with h5py.File("results.h5", "w", driver="core", backing_store=False) as f:
         g = f.create_group("results")
@@ -117,11 +120,11 @@ def write_results(path: str, ids: np.ndarray | None, prices: np.ndarray | None, 
             g.attrs[key] = value
         if scenarios is not None:
             _write_scenarios(g.create_group("scenarios"), *scenarios)
-        if bonds is not None:
-            b = g.create_group("bonds")
-            for name, values in bonds.items():
+        for family, (table, units) in tables.items():
+            b = g.create_group(family)
+            for name, values in table.items():
                 b.create_dataset(name, data=values)
-                b[name].attrs["unit"] = BOND_UNITS.get(name, "")
+                b[name].attrs["unit"] = units.get(name, "")
         r = f.create_group("run")
         for key, value in run.items():
             r.create_dataset(key, data=value)
@@ -146,10 +149,6 @@ def _write_scenarios(g, grid, prices: np.ndarray) -> None:
     g.attrs["shape"] = np.asarray(grid.shape, dtype=np.int64)
 
 
-BOND_UNITS = {"id": "the input's instrument id",
-              "price": "currency of face and strike (NaN where status is not 0)",
-              "status": "code: 0 priced, else the reason in /results' bond_status_reasons"}
-
 SCENARIO_UNITS = {"spot": "relative shift of spot (S0 x (1 + shift))",
                   "volatility": "absolute shift of volatility", "rate": "absolute shift of rate",
                   "days": "days passed (maturity - days / 365)"}
@@ -171,8 +170,9 @@ def read_results(path: str) -> dict:
                 s = g["scenarios"]
                 out["scenarios"] = {k: s[k][()] for k in s if isinstance(s[k], h5py.Dataset)}
                 out["scenarios"]["axes"] = {k: s["axes"][k][()] for k in s["axes"]}
-            if "bonds" in g:
-                out["bonds"] = {k: g["bonds"][k][()] for k in g["bonds"]}
+            for name in g:          # the other families' tables (write_results' tables)
+                if name != "scenarios" and isinstance(g[name], h5py.Group):
+                    out[name] = {k: g[name][k][()] for k in g[name]}
         return out
     frame = read_table(path, fmt)
     attrs = table_attributes(path, fmt)

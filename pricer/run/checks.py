@@ -180,18 +180,22 @@ def check_analytics(cols: dict, cfg: RunConfig, ids: np.ndarray) -> None:
             raise exc.prefixed(f"{what}, and ") from None
 
 
-def check_disk(cfg: RunConfig, options: int, chunks: int) -> None:
+def check_disk(cfg: RunConfig, options: int, chunks: int, outputs: int | None = None,
+               checkpoint: str | None = None) -> None:
     """The output's folder (and the checkpoint's) has room for what the run will write there —
     the results file, the checkpoint's chunks not yet saved — or InputError with the numbers,
-    before any pricing (a full disk found only at the write would lose the run)."""
-    outputs = len(cfg.outputs())
+    before any pricing (a full disk found only at the write would lose the run). `options`
+    rows of `outputs` values each (None: the option run's, cfg.outputs()); `checkpoint`: the
+    folder of the chunks (None: cfg.checkpoint)."""
+    outputs = len(cfg.outputs()) if outputs is None else outputs
+    checkpoint = checkpoint or cfg.checkpoint
     wanted = [(os.path.dirname(os.path.abspath(cfg.output)), "the results",
                results_bytes(options, outputs))]
-    if cfg.checkpoint:
-        folder = cfg.checkpoint if os.path.isdir(cfg.checkpoint) else \
-            os.path.dirname(os.path.abspath(cfg.checkpoint))
-        saved = sum(entry.stat().st_size for entry in os.scandir(cfg.checkpoint)
-                    if entry.is_file()) if os.path.isdir(cfg.checkpoint) else 0
+    if checkpoint:
+        folder = checkpoint if os.path.isdir(checkpoint) else \
+            os.path.dirname(os.path.abspath(checkpoint))
+        saved = sum(entry.stat().st_size for entry in os.scandir(checkpoint)
+                    if entry.is_file()) if os.path.isdir(checkpoint) else 0
         wanted.append((folder, "the checkpoint",
                        max(0.0, checkpoint_bytes(options, outputs, chunks) - saved)))
     by_device: dict = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -185,11 +186,28 @@ def verdict(comm, status: int, message: str | None = None, own=None) -> int:
     if (statuses == 2).any():
         sender = int(np.flatnonzero(statuses == 2)[0])
         text = bcast_text(comm, message if rank == sender else None, sender)
-        if rank == ROOT:
+        if rank == ROOT and _KEPT is not None:
+            _KEPT.append(text)
+        elif rank == ROOT:
             print(f"pricer: error: {'' if sender == ROOT else f'rank {sender}: '}{text}",
                   file=sys.stderr, flush=True)
         raise BadInput(2)
     return int(np.bitwise_or.reduce(every[:, 2]))
+
+
+_KEPT: list | None = None    # keep_refusals': the refusals' messages, not printed
+
+
+@contextmanager
+def keep_refusals():
+    """Within it, a bad-input verdict's message is kept in the list it yields rather than printed
+    (the Python API raises it as InputError)."""
+    global _KEPT
+    before, _KEPT = _KEPT, []
+    try:
+        yield _KEPT
+    finally:
+        _KEPT = before
 
 
 def bcast_text(comm, text: str | None, root: int) -> str:

@@ -24,25 +24,25 @@ import numpy as np
 
 from pricer import compiling
 from pricer.engines import get_engine, resolve_backend, set_local_rank
-from pricer.errors import OutputError
-from pricer.io.bonds import has_bond_options
+from pricer.errors import InputError, OutputError
+from pricer.io.formats import HDF5, output_format
 from pricer.io.portfolio import MATRIX_COLUMNS, matrix_columns
-from pricer.io.results import utc_now, write_results
-from pricer.run.provenance import provenance
+from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model.cost import lattice_nodes, nodes_priced
 from pricer.model.greeks import SCENARIO, Analytics
 from pricer.model.validity import PRICED, REASONS, reasons_text, status_of
-from pricer.run import memory
+from pricer.run import bond_family, memory, pipeline  # noqa: F401 - bond_family registers
+from pricer.run.checks import read_and_check, tree_names
+from pricer.run.chunk_loop import ChunkLoop
 from pricer.run.collectives import (ROOT, attempt, bcast_array, distribute, gather_rows,
                                     node_ranks, outcome, verdict, world)
-from pricer.run.checks import read_and_check, tree_names
-from pricer.run import bond_run
 from pricer.run.config import RunConfig, configure_threads, kept, threads_text
-from pricer.run.chunk_loop import ChunkLoop
+from pricer.run.families import families, families_in, family
 from pricer.run.faults import polite_barrier
 from pricer.run.plan import Plan, held, make_plan, plan_own_rows
 from pricer.run.pricing import run_chunks
 from pricer.run.progress import Progress
+from pricer.run.provenance import provenance
 
 STAGES = ("read", "distribute", "setup", "compute", "gather", "write")
 STEPS = MATRIX_COLUMNS.index("steps")
@@ -62,7 +62,8 @@ class RunSummary:
     notes: list = field(default_factory=list)  # e.g. chunks shrunk to fit the GPUs' memory
     rank_seconds: list = field(default_factory=list)   # each rank's compute stage
     threads: list = field(default_factory=list)        # each rank's CPU threads
-    bonds: object = None       # the file's bond options' results (bond_run.BondResults), if any
+    parts: list = field(default_factory=list)   # the file's other families' results
+                                                # (pipeline.FamilyResults), if any
 
     @property
     def compile(self) -> float:
@@ -97,14 +98,15 @@ class RunSummary:
     def record(self) -> dict:
         """The summary as data (`--summary-json`, pricer scaling): the family, the counts, the
         wall, every stage's seconds on rank 0 (compile apart from the others) and each rank's
-        compute seconds; a file's bond options, where it has them, under "bonds"."""
+        compute seconds; a file's other families, where it has them, under their names
+        ("bonds")."""
         out = {"family": "options", "task": "implied-vol" if self.analytics.implied else "price",
                "instruments": self.options, "nodes": self.nodes, "ranks": self.ranks,
                "backend": self.backend, "wall": self.wall, "stages": dict(self.stages),
                "rank_seconds": list(self.rank_seconds), "threads": list(self.threads),
                "reused": self.reused}
-        if self.bonds is not None:
-            out["bonds"] = self.bonds.record()
+        for part in self.parts:
+            out[part.family.name] = part.record()
         return out
 
 
@@ -136,40 +138,50 @@ class Agreed:
 
 def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
     """Price cfg.input into cfg.output on every rank of comm; returns the summary on rank 0.
-    `prepare`, if given, runs on rank 0 first (a job's portfolio generation). A file's bond
-    options (/bond_options) are priced first (bond_run.py), then its options, if any; one file
-    holds both results (implied volatilities are the options' alone)."""
+    `prepare`, if given, runs on rank 0 first (a job's portfolio generation). A file's rows of
+    another family (families.py: its /bond_options, say) are priced first (pipeline.py), then
+    its options, if any; one file holds both (implied volatilities are the options' alone)."""
     comm = comm or world()
-    bonds, notes = None, []
+    notes = []
     if prepare is None:
-        # every rank expands the paths alike ({array_task}): one verdict if it cannot
-        _, status, message, failure = attempt(cfg.expand_placeholders)
+        # every rank expands the paths alike ({array_task}) and loads the plug-in families
+        # (families.PRICER_PLUGINS): one verdict if it cannot
+        _, status, message, failure = attempt(lambda: (cfg.expand_placeholders(), families()))
         verdict(comm, status, message)
         if failure is not None:
             raise failure
-        found = comm.bcast(has_bond_options(cfg.input) if comm.Get_rank() == ROOT else None,
-                           root=ROOT)
-        if found[0] and cfg.implied and found[1]:
-            notes.append(f"{cfg.input}'s bond options (/bond_options) were not priced: "
-                         "implied volatilities are solved for its options")
-        elif found[0] and not found[1]:
-            return bond_run.price_file_bonds(cfg, comm, with_options=False)
-        elif found[0]:
-            return _run_mixed(cfg, comm)
-    summary = _run_options(cfg, comm, prepare, bonds)
+        names, options = comm.bcast(
+            (lambda found, options: ([f.name for f in found], options))(*families_in(cfg.input))
+            if comm.Get_rank() == ROOT else None, root=ROOT)
+        found = [family(name) for name in names]
+        if found and cfg.implied and options:
+            notes.append(f"{cfg.input}'s {' and '.join(f.noun for f in found)} (/"
+                         f"{', /'.join(f.group for f in found)}) were not priced: implied "
+                         "volatilities are solved for its options")
+        elif len(found) == 1 and not options:
+            return pipeline.price_file_part(found[0], cfg, comm, with_options=False)
+        elif found:
+            return _run_mixed(cfg, comm, found, options)
+    summary = _run_options(cfg, comm, prepare, [])
     if summary is not None:
         summary.notes += notes
     return summary
 
 
-def _run_mixed(cfg: RunConfig, comm) -> RunSummary | None:
-    """A file of bond options and options: its options checked too before its bond options are
-    priced (a bad option refused before any work), and rank 0's claim on the output held from
-    then until both are written (no other run can take it between the parts)."""
+def _run_mixed(cfg: RunConfig, comm, found: list, options: bool) -> RunSummary | None:
+    """A file of several families (options and bond options, say): its options checked too
+    before any other family is priced (a bad option refused before any work), and rank 0's claim
+    on the output held from then until all are written (no other run can take it between the
+    parts)."""
     ranks_here, _ = node_ranks(comm)
+    t_start = time.perf_counter()
     with ExitStack() as hold:
         def check():
-            read_and_check(cfg, comm.Get_size(), ranks_here)
+            if options:
+                read_and_check(cfg, comm.Get_size(), ranks_here)
+            elif output_format(cfg.output) != HDF5:
+                raise InputError(f"{cfg.output}: a book of several instrument families is "
+                                 "written to HDF5 only (.h5), each in its own group")
             hold.enter_context(held(cfg))
 
         _, status, message, failure = attempt(check) if comm.Get_rank() == ROOT \
@@ -178,11 +190,18 @@ def _run_mixed(cfg: RunConfig, comm) -> RunSummary | None:
         verdict(comm, status, message)
         if failure is not None:
             raise failure
-        bonds = bond_run.price_file_bonds(cfg, comm, with_options=True)
-        return _run_options(cfg, comm, None, bonds)
+        parts = [pipeline.price_file_part(family, cfg, comm, with_options=True)
+                 for family in found]
+        if options:
+            return _run_options(cfg, comm, None, parts)
+        if comm.Get_rank() != ROOT:
+            return None
+        pipeline.write_parts(cfg, parts, sha256_beside(cfg.input), comm.Get_size(),
+                             time.perf_counter() - t_start)
+        return pipeline.Parts(parts)
 
 
-def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
+def _run_options(cfg: RunConfig, comm, prepare, parts: list) -> RunSummary | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     t_start = time.perf_counter()
     # a first run's compile (in the engine's start, beside the plan) is a stage of its own
@@ -216,11 +235,11 @@ def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
     plan = agreed.plan
     values = plan.assemble(full)
     _write(cfg, plan, values, all_stats, engine_name, size, time.perf_counter() - t_start,
-           provenance(agreed.hosts, agreed.gpus), bonds)
+           provenance(agreed.hosts, agreed.gpus), parts)
     for lock in plan.locks:
         lock.release()
     clock.lap("write")
-    notes = plan.notes + agreed.notes + (bonds.lines() if bonds is not None else [])
+    notes = plan.notes + agreed.notes + [line for part in parts for line in part.lines()]
     if cfg.implied:
         status = values[:, -1].astype(np.int8)
         from pricer.model.implied import statuses_text
@@ -235,7 +254,7 @@ def _run_options(cfg: RunConfig, comm, prepare, bonds) -> RunSummary | None:
                       stages=clock.result(),
                       analytics=cfg.analytics(), reused=len(plan.input_ids) - int(agreed.bounds[-1]),
                       read_parts=agreed.parts, notes=notes, rank_seconds=all_stats[:, 0].tolist(),
-                      threads=all_stats[:, 3].astype(int).tolist(), bonds=bonds)
+                      threads=all_stats[:, 3].astype(int).tolist(), parts=parts)
 
 
 def _agree(cfg: RunConfig, comm, prepare) -> Agreed:
@@ -329,7 +348,7 @@ def _share(cfg: RunConfig, comm, agreed: Agreed) -> tuple[np.ndarray, np.ndarray
 
 
 def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, engine_name: str,
-           size: int, wall: float, origin: dict, bonds=None) -> None:
+           size: int, wall: float, origin: dict, parts: list = ()) -> None:
     """Rank 0: the results file, with its provenance (`origin`: provenance.provenance) and the
     ranks' stats. A failure says what was kept (OutputError)."""
     try:
@@ -359,11 +378,12 @@ def _write(cfg: RunConfig, plan: Plan, full: np.ndarray, all_stats: np.ndarray, 
         extra["status"] = extra["status"].astype(np.int8)
     if "iterations" in extra:
         extra["iterations"] = np.nan_to_num(extra["iterations"]).astype(np.int64)   # 0 skipped
-    if bonds is not None:
-        attrs.update(bond_run.bond_attrs(bonds))
+    for part in parts:
+        attrs.update(part.attrs)
     try:
         write_results(cfg.output, plan.input_ids, full[:, 0], attrs, run_stats, extra=extra,
-                      scenarios=scenarios, bonds=bonds.table() if bonds is not None else None)
+                      scenarios=scenarios,
+                      tables={p.family.name: (p.table(), p.family.units) for p in parts})
     except OSError as exc:      # a disk that filled since the check, a quota, a lost mount
         raise OutputError(f"{cfg.output}: the results could not be written "
                           f"({exc.strerror or exc}); {kept(cfg)}") from None

@@ -2,7 +2,8 @@
 communicator, on the collectives, chunk grid, checkpoint files and failure handling of every run.
 
 1. plan: rank 0 reads the family's index (ids and a cost per row) while every rank starts its
-   engine; checks the memory, cuts the book into chunks (Family.grid), finds the chunks a
+   engine; checks the memory and the disk's room for the results and the checkpoint, cuts the
+   book into chunks (Family.grid), finds the chunks a
    checkpoint holds, and splits the others over the ranks by cost; one verdict.
 2. read: every rank reads and checks its own rows (Family.read of its span of the file; with
    --invalid skip the rows that break a rule keep their status instead); one verdict, so that bad
@@ -35,6 +36,7 @@ from pricer.io.checkpoint import Checkpoint
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import sha256_beside, utc_now, write_results
 from pricer.model.validity import reasons_text
+from pricer.run.checks import check_disk
 from pricer.run.chunk_loop import ChunkLoop
 from pricer.run.chunks import split_chunks
 from pricer.run.collectives import (ROOT, attempt, bcast_array, check_launcher, gather_rows,
@@ -137,6 +139,8 @@ def _make_plan(family: Family, cfg, size: int, node_ranks: int, digest,
     family.check_memory(cfg, index, node_ranks, size)
     grid = np.asarray(family.grid(cfg, index), dtype=np.int64)
     outputs = len(family.outputs)
+    # room for the results and the checkpoint's chunks, before any pricing
+    check_disk(cfg, index.ids.size, grid.size - 1 if folder else 0, outputs, folder)
     done = np.zeros(grid.size - 1, dtype=bool)
     checkpoint, notes = None, []
     if folder:

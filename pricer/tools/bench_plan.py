@@ -1,7 +1,7 @@
 """`pricer bench plan`: rank 0's read, check and plan of a book, against a plain read of its columns.
 
 Before any pricing, rank 0 reads the book, checks every instrument, sizes the run and partitions
-it (pricer/run/plan.py, pricer/run/bond_run.py): a serial section of every command that grows
+it (pricer/run/plan.py, pricer/run/pipeline.py): a serial section of every command that grows
 with the book. Timed here, in one process with one numba thread, best of `repeats` after a warm-up
 (a file read from the page cache, as a second run of a book finds it):
 
@@ -93,13 +93,14 @@ def _own_rows(path: str, folder: str, size: int):
 def _bond_plan(path: str, folder: str):
     from concurrent.futures import Future
 
-    from pricer.run.bond_run import _make_plan
+    from pricer.run.bond_family import BondOptions
     from pricer.run.config import RunConfig
+    from pricer.run.pipeline import _make_plan
 
     def work():
         cfg = RunConfig(input=path, output=os.path.join(folder, "b.h5"), backend="cpu",
                         overwrite=True).check()
-        _make_plan(cfg, 1, 1, Future(), None)
+        _make_plan(BondOptions(), cfg, 1, 1, Future(), None)
     return work
 
 

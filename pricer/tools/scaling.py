@@ -36,7 +36,7 @@ from pricer.tools.tables import pyplot, write_outputs
 
 # scaling.csv's columns: these, each stage's seconds between them (a run's stages come from its
 # summary, --summary-json: an option run's read, distribute, setup, compute, gather and write,
-# pricer/run/driver.py; a bond run's plan, read, compute, gather and write, pricer/run/bond_run.py;
+# pricer/run/driver.py; a bond run's plan, read, compute, gather and write, pricer/run/pipeline.py;
 # a first run's compile apart), then these
 HEAD_COLUMNS = ("ranks", "runs", "wall", "wall_min", "wall_max", "launch_wall")
 TAIL_COLUMNS = ("compute_min", "compute_mean", "compute_max", "imbalance", "instruments", "nodes",
@@ -143,23 +143,24 @@ def launcher_command(launcher: str | None = None, environ=None) -> list[str]:
 
 
 def read_summary(path: str) -> dict:
-    """A run's summary as `--summary-json` writes it (RunSummary.record, BondResults.record),
+    """A run's summary as `--summary-json` writes it (RunSummary.record, FamilyResults.record),
     flattened for a row: the wall, each stage's seconds, each rank's compute seconds, the
-    instruments and nodes. A file of options and bond options counts both: the bond run's wall as
-    a stage "bonds" before the options' stages, the ranks' compute seconds summed."""
+    instruments and nodes. A file of options and bond options counts both: the bond part's wall
+    as a stage "bonds" before the options' stages, the ranks' compute seconds summed."""
     with open(path) as f:
         record = json.load(f)
     out = {"wall": float(record["wall"]), "ranks": int(record["ranks"]),
            "stages": {k: float(v) for k, v in record["stages"].items()},
            "rank_seconds": np.asarray(record["rank_seconds"], dtype=np.float64),
            "instruments": int(record["instruments"]), "nodes": float(record["nodes"])}
-    bonds = record.get("bonds")
-    if bonds is not None:
-        out["stages"] = {"bonds": float(bonds["wall"]), **out["stages"]}
-        out["wall"] += float(bonds["wall"])
-        out["rank_seconds"] = out["rank_seconds"] + np.asarray(bonds["rank_seconds"])
-        out["instruments"] += int(bonds["instruments"])
-        out["nodes"] += float(bonds["nodes"])
+    for name, part in record.items():      # the file's other families (pipeline.py)
+        if not (isinstance(part, dict) and "family" in part):
+            continue
+        out["stages"] = {name: float(part["wall"]), **out["stages"]}
+        out["wall"] += float(part["wall"])
+        out["rank_seconds"] = out["rank_seconds"] + np.asarray(part["rank_seconds"])
+        out["instruments"] += int(part["instruments"])
+        out["nodes"] += float(part["nodes"])
     return out
 
 
