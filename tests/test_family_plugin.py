@@ -52,6 +52,9 @@ def test_a_plugin_family_runs_on_two_ranks_with_a_checkpoint_and_skips(tmp_path)
     assert np.isnan(got["price"][[17, 4000, 5999]]).all()
     assert got["status"].tolist()[17] == 1 and got["status"][4000] == 2 and got["status"][5999] == 1
     assert (np.delete(got["status"], [17, 4000, 5999]) == 0).all()
+    info = run_pricer(["info", out])
+    assert info.returncode == 0, info.stderr
+    assert "6000 forwards" in info.stdout and "2 (maturity must be >= 0) 1" in info.stdout
     # the same prices, bitwise, from one rank without a checkpoint
     one = run_pricer(["price", book, "-o", tmp_path / "one.h5", "--backend", "serial",
                       "--invalid", "skip"], extra_env=PLUGIN)

@@ -122,22 +122,29 @@ def _describe_results(path: str) -> list[str]:
     r = read_results(path)
     attrs, units = dict(r["attrs"]), r.get("units", {})
     order = ("price",) + GREEKS + ("status",)
+    # the other families' tables (write_results' tables: /results/bonds, a plug-in's)
+    tables = {name: table for name, table in r.items() if isinstance(table, dict)
+              and name not in ("attrs", "run", "units", "scenarios")}
     columns = sorted((name for name in r if name not in ("attrs", "run", "units", "id",
-                                                          "scenarios", "bonds")),
+                                                          "scenarios", *tables)),
                      key=lambda name: order.index(name) if name in order else len(order))
     options = f"{r['price'].size} options" if "price" in r else "no options"
-    bonds = f", {r['bonds']['price'].size} bond options" if "bonds" in r else ""
-    lines = [f"{path}: results ({attrs.pop('schema', '?')}), {options}{bonds}"]
+    others = "".join(f", {t['id'].size} {'bond options' if name == 'bonds' else name}"
+                     for name, t in tables.items())
+    lines = [f"{path}: results ({attrs.pop('schema', '?')}), {options}{others}"]
     for name in columns:
         unit = f" [{units[name]}]" if units.get(name) else ""
         if name == "status":
             lines.append(_statuses(f"status{unit}", r[name], attrs.get("status_reasons")))
         else:
             lines.append(_range(name, r[name]) + unit)
-    if "bonds" in r:
-        b = r["bonds"]
-        lines.append(_range("bonds: price", b["price"]))
-        lines.append(_statuses("bonds: status", b["status"], attrs.pop("bond_status_reasons", None)))
+    for name, table in tables.items():
+        reasons = attrs.pop("bond_status_reasons" if name == "bonds" else
+                            f"{name}_status_reasons", None)
+        if "price" in table:
+            lines.append(_range(f"{name}: price", table["price"]))
+        if "status" in table:
+            lines.append(_statuses(f"{name}: status", table["status"], reasons))
     if "scenarios" in r:
         s = r["scenarios"]
         lines.append(f"  scenarios: {s['price'].shape[1]} ("
