@@ -154,10 +154,12 @@ def price_file(input, output, backend: str = "auto", progress: bool = False, **s
     with keep_refusals() as refusals:
         try:
             return run(cfg.check())
-        except BadInput as exc:
-            if exc.code == 2 and refusals:
-                raise InputError(refusals[-1]) from None
-            raise
+        except SystemExit as exc:   # the run's verdict: bad input (2) or a failure (1)
+            if isinstance(exc, BadInput) and exc.code == 2 and refusals:
+                found = [r for r in refusals if isinstance(r, InputError)]
+                raise (found[-1] if found else InputError(refusals[-1])) from None
+            raise RuntimeError(f"the run of {input} failed (its message is above, on stderr); "
+                               f"nothing was written to {output}") from None
 
 
 def read_book(path, kind: str | None = None, invalid: str = "refuse"):

@@ -115,3 +115,36 @@ def test_a_plugin_family_through_the_python_api(tmp_path):
     assert not (tmp_path / "refused.h5").exists()
     with pytest.raises(pricer.InputError, match="unknown setting"):
         pricer.price_file(book, tmp_path / "x.h5", greek=True)
+
+
+def test_a_failure_or_a_setting_of_options_alone_is_named(tmp_path, monkeypatch):
+    """A failing engine raises RuntimeError from the API (never SystemExit into the caller); a
+    file of two families and no options refuses the options' settings (exit 2); the bond
+    family's summary keeps its words."""
+    from pricer.tools.bond_datasets import write_dataset
+    book = tmp_path / "fw.h5"
+    _book(book, n=300)
+
+    def broken(self, columns):
+        raise ArithmeticError("the toy engine broke")
+
+    monkeypatch.setattr(toy_family.ForwardEngine, "price", broken)
+    with pytest.raises(RuntimeError, match="failed"):
+        pricer.price_file(book, tmp_path / "x.h5", backend="cpu")
+    assert not (tmp_path / "x.h5").exists()
+    monkeypatch.undo()
+    both = tmp_path / "both.h5"
+    write_dataset(str(both), "S1", 200, 0)
+    _, columns = _book(tmp_path / "more.h5", n=100)
+    with h5py.File(tmp_path / "more.h5", "r") as src, h5py.File(both, "a") as dst:
+        src.copy("forwards", dst)
+    result = run_pricer(["price", both, "-o", tmp_path / "g.h5", "--greeks"], extra_env=PLUGIN)
+    assert result.returncode == 2 and "--greeks apply to options" in result.stderr, result.stderr
+    result = run_pricer(["price", both, "-o", tmp_path / "b.h5", "--backend", "cpu"],
+                        extra_env=PLUGIN)
+    assert result.returncode == 0, result.stderr
+    assert "bond stages:" in result.stdout and "forwards stages:" in result.stdout
+    got = read_results(tmp_path / "b.h5")
+    assert got["bonds"]["id"].size == 200 and (got["bonds"]["status"] == 0).all()
+    np.testing.assert_allclose(got["forwards"]["price"], toy_family.oracle(columns),
+                               rtol=1e-13, atol=1e-12)

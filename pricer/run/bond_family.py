@@ -33,6 +33,7 @@ class BondOptions(Family):
     name = "bonds"
     group = "bond_options"
     noun = "bond options"
+    label = "bond"
     work = "tree nodes"
     reasons = bond_book.REASONS
     units = {"id": "the input's instrument id",

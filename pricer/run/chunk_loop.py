@@ -73,6 +73,10 @@ class ChunkLoop:
         finally:              # alone, failed() raises SystemExit: the watchdog must not outlive it
             self.stall.abandon()
 
+    def abandon(self) -> None:
+        """The loop left by an interrupt (not a failure to report): its watchdog stopped."""
+        self.stall.abandon()
+
     def end(self) -> None:
         """Every chunk done: the last fault point, then the ranks meet, so that rank 0's gather
         is the gather, not the wait for the slowest rank (it shows the progress meanwhile)."""

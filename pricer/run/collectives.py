@@ -195,13 +195,14 @@ def verdict(comm, status: int, message: str | None = None, own=None) -> int:
     return int(np.bitwise_or.reduce(every[:, 2]))
 
 
-_KEPT: list | None = None    # keep_refusals': the refusals' messages, not printed
+_KEPT: list | None = None    # keep_refusals': the refusals (InputError) and messages, not printed
 
 
 @contextmanager
 def keep_refusals():
-    """Within it, a bad-input verdict's message is kept in the list it yields rather than printed
-    (the Python API raises it as InputError)."""
+    """Within it, a bad-input verdict's message is kept in the list it yields rather than printed,
+    after the InputError that made it where this process raised it (the Python API raises that).
+    The process's: one run at a time."""
     global _KEPT
     before, _KEPT = _KEPT, []
     try:
@@ -283,6 +284,8 @@ def attempt(action):
     try:
         return action(), 0, None, None
     except InputError as exc:
+        if _KEPT is not None:       # keep_refusals: the refusal itself, its ids and column too
+            _KEPT.append(exc)
         return None, 2, str(exc), None
     except Exception as exc:  # noqa: BLE001 - a bug: see above
         return None, 1, None, exc

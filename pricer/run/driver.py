@@ -179,9 +179,11 @@ def _run_mixed(cfg: RunConfig, comm, found: list, options: bool) -> RunSummary |
         def check():
             if options:
                 read_and_check(cfg, comm.Get_size(), ranks_here)
-            elif output_format(cfg.output) != HDF5:
-                raise InputError(f"{cfg.output}: a book of several instrument families is "
-                                 "written to HDF5 only (.h5), each in its own group")
+            else:
+                pipeline.refuse_options_settings(cfg, found)
+                if output_format(cfg.output) != HDF5:
+                    raise InputError(f"{cfg.output}: a book of several instrument families is "
+                                     "written to HDF5 only (.h5), each in its own group")
             hold.enter_context(held(cfg))
 
         _, status, message, failure = attempt(check) if comm.Get_rank() == ROOT \
@@ -460,6 +462,9 @@ def compute(comm, cfg: RunConfig, local: np.ndarray, ids: np.ndarray, chunks: li
             loop.finished(k, chunk, values[a:b])
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
         loop.failed(exc)
+    except BaseException:     # an interrupt (the API's caller's): no watchdog outlives the run
+        loop.abandon()
+        raise
     loop.end()
     if cfg.implied:      # the lattices the searches priced, not the cost model's estimate
         iterations = values[:, analytics.outputs.index("iterations")]

@@ -47,6 +47,7 @@ class Family:
     name = ""                   # the registry's, the results' group and the summary's key
     group = ""                  # the input's group of its rows
     noun = "instruments"        # the summary's word for its rows
+    label = ""                  # the summary's word for its stages (default: name)
     work = "nodes"              # and for its costs' unit
     method = "lattice"          # the engines' method (the backend registry's key)
     outputs = ("price", "status")   # the values a row gets; status int8, 0 priced
@@ -108,14 +109,28 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+# names a family cannot have: the option run's, and keys of the results and the summary
+RESERVED = frozenset({"options", "attrs", "run", "units", "scenarios", "id", "price", "status",
+                      "delta", "gamma", "theta", "vega", "rho", "implied_volatility",
+                      "iterations", "family", "task", "instruments", "nodes", "ranks",
+                      "backend", "wall", "stages", "rank_seconds", "threads", "reused"})
 
 
 def register_family(family: Family) -> None:
     """Make `family` a run's: a file holding its group is priced by it (pipeline.py), and
     backends may register engines for it (engines.base.add_engines)."""
-    if not family.name or not family.group or family.name == "options":
+    if not family.name or not family.group or family.name in RESERVED \
+            or not family.name.isidentifier():
         raise ValueError(f"a family needs a name and an input group ({family.name!r}, "
-                         f"{family.group!r}); options is the option run's")
+                         f"{family.group!r}); the name a Python identifier, not one of "
+                         f"{', '.join(sorted(RESERVED))} (the option run's and the results' "
+                         "own keys)")
+    if _FAMILIES.get(family.name, family) is not family:
+        raise ValueError(f"a family {family.name!r} is registered already")
+    if tuple(family.outputs[-1:]) != ("status",):
+        raise ValueError(f"family {family.name!r}: its outputs end with status (int8, 0 "
+                         f"priced), not {family.outputs!r}")
+    family.label = family.label or family.name
     base.add_family(family.name)
     base.add_method(family.method)
     _FAMILIES[family.name] = family

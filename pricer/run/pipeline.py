@@ -92,7 +92,7 @@ class FamilyResults:
                  f"{fam.work}) on {self.ranks} rank(s){threads_text(self.threads)} with backend "
                  f"{self.backend} in {self.wall:.3f}s"
                  + (f" ({self.reused} of them from the checkpoint)" if self.reused else ""),
-                 f"{fam.name} stages: {stages}"]
+                 f"{fam.label} stages: {stages}"]
         skipped = int((self.status != 0).sum())
         if skipped:
             lines.append(f"--invalid skip: {skipped} of {self.status.size} {fam.noun} not "
@@ -261,9 +261,16 @@ def _compute(family: Family, comm, cfg, book, chunks: list, engine, checkpoint: 
             priced += done
             loop.finished(k, chunks[k][2], values[at[k]:at[k + 1]])
     except Exception as exc:  # noqa: BLE001 - any failure must end the job, named by rank 0
+        try:
+            if pricing is not None:
+                pricing.close()
+        finally:
+            loop.failed(exc)
+    except BaseException:     # an interrupt (the API's caller's): no watchdog outlives the run
         if pricing is not None:
             pricing.close()
-        loop.failed(exc)
+        loop.abandon()
+        raise
     loop.end()
     return values, priced, stats["waited"]
 
@@ -282,14 +289,8 @@ def price_file_part(family: Family, cfg, comm, with_options: bool):
     def refuse_options_only_settings():
         check_launcher(comm.Get_size())
         cfg.check()
-        unsupported = [flag for flag, on in (("implied-vol", cfg.implied),
-                                             ("--greeks", cfg.greeks),
-                                             ("--richardson", cfg.richardson),
-                                             ("scenarios", cfg.scenarios))
-                       if on] if family.options_only else []
-        if unsupported and not with_options:
-            raise InputError(f"{cfg.input}: holds {family.noun} only; {', '.join(unsupported)} "
-                             "apply to options (/portfolio)")
+        if not with_options:
+            refuse_options_settings(cfg, [family])
         if with_options and output_format(cfg.output) != HDF5:
             raise InputError(f"{cfg.output}: a book of options and {family.noun} is written to "
                              "HDF5 only (.h5), each in its own group")
@@ -319,6 +320,17 @@ def price_file_part(family: Family, cfg, comm, with_options: bool):
     finally:
         for lock in locks:
             lock.release()
+
+
+def refuse_options_settings(cfg, found: list) -> None:
+    """InputError where the settings that apply to options alone (implied-vol, --greeks, ...)
+    are given for a file of the families `found` and no options."""
+    unsupported = [flag for flag, on in (("implied-vol", cfg.implied), ("--greeks", cfg.greeks),
+                                         ("--richardson", cfg.richardson),
+                                         ("scenarios", cfg.scenarios)) if on]
+    if unsupported and any(family.options_only for family in found):
+        raise InputError(f"{cfg.input}: holds {' and '.join(f.noun for f in found)} only; "
+                         f"{', '.join(unsupported)} apply to options (/portfolio)")
 
 
 def write_parts(cfg, parts: list, digest, size: int, wall: float) -> None:
