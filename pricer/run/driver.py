@@ -150,9 +150,11 @@ def run(cfg: RunConfig, comm=None, prepare=None) -> RunSummary | None:
         verdict(comm, status, message)
         if failure is not None:
             raise failure
-        names, options = comm.bcast(
-            (lambda found, options: ([f.name for f in found], options))(*families_in(cfg.input))
-            if comm.Get_rank() == ROOT else None, root=ROOT)
+        if comm.Get_rank() == ROOT:
+            found, options = families_in(cfg.input)
+            names = [f.name for f in found]
+        names, options = comm.bcast((names, options) if comm.Get_rank() == ROOT else None,
+                                    root=ROOT)
         found = [family(name) for name in names]
         if found and cfg.implied and options:
             notes.append(f"{cfg.input}'s {' and '.join(f.noun for f in found)} (/"

@@ -15,7 +15,7 @@ communicator, on the collectives, chunk grid, checkpoint files and failure handl
    the rows to rank 0, which puts a resume's chunks back from the checkpoint.
 
 A rank's rows never travel: the file is read in parallel, and the run's serial part is rank 0's
-index and the results. A file of this family alone is written here (run_file); a file with
+index and the results. A file of this family alone is written here (price_file_part); a file with
 options too is written with them (driver.py).
 """
 
@@ -67,10 +67,6 @@ class FamilyResults:
     @property
     def status(self) -> np.ndarray:
         return self.values[:, -1].astype(np.int8)
-
-    @property
-    def price(self) -> np.ndarray:
-        return self.values[:, 0]
 
     def table(self) -> dict:
         """The results' columns (write_results' family tables): id, then the outputs."""
@@ -154,7 +150,7 @@ def _make_plan(family: Family, cfg, size: int, node_ranks: int, digest,
         if checkpoint.open(digest.result(), settings):
             done, failed = checkpoint.done(grid, outputs)
             if failed:
-                notes.append(f"checkpoint: {failed} {family.name} chunk file(s) failed their "
+                notes.append(f"checkpoint: {failed} {family.label} chunk file(s) failed their "
                              "checks and were priced again")
             for j in np.flatnonzero(done):      # a saved chunk's values judged as a fresh one's
                 a, b = int(grid[j]), int(grid[j + 1])
