@@ -31,7 +31,7 @@ from pricer.engines import get_engine
 from pricer.errors import InputError, first_ids
 from pricer.io.portfolio import ALL_COLUMNS, portfolio_from_columns
 from pricer.model.scenarios import AXES
-from pricer.run.checks import checked_matrix
+from pricer.run.checks import checked_rows
 from pricer.run.config import RunConfig
 from pricer.run.pricing import price_checked
 
@@ -270,7 +270,7 @@ def _computed(cfg: RunConfig, book, source: str):
         portfolio = read_options(source, values=cfg.invalid != "skip")
     else:
         portfolio = portfolio_from_columns(book, source, values=cfg.invalid != "skip")
-    checked = checked_matrix(cfg, portfolio)
+    checked = checked_rows(cfg, portfolio)
     engine = _engine(cfg)
     if cfg.threads is not None:
         import numba

@@ -19,7 +19,7 @@ from pricer.engines.cpu.serial import SerialEngine
 from pricer.tools.generate import SCENARIO_MATURITIES, SCENARIO_RATES, SCENARIO_SPOTS, SCENARIO_VOLS
 from pricer.model.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.model.lattice import lattice_parameters
-from pricer.io.portfolio import Portfolio, columns_from_matrix, read_portfolio, write_portfolio
+from pricer.io.portfolio import Portfolio, read_portfolio, write_portfolio
 from pricer.io.results import SCHEMA as RESULTS_SCHEMA
 from pricer.io.results import read_results
 
@@ -43,7 +43,7 @@ def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def reference_prices(portfolio: Portfolio) -> np.ndarray:
-    cols = columns_from_matrix(portfolio.to_matrix())
+    cols = portfolio.columns()
     return SerialEngine().price(lattice_parameters(cols, ids=portfolio.id))
 
 
@@ -445,7 +445,7 @@ def test_run_job_with_greeks(tmp_path):
 
 def analytics_reference(portfolio: Portfolio, analytics: Analytics) -> dict:
     """One process, no MPI, the serial engine: pricer/greeks.py on the whole portfolio."""
-    cols = columns_from_matrix(portfolio.to_matrix())
+    cols = portfolio.columns()
     return price_with_analytics(SerialEngine(), cols, "crr", portfolio.id, analytics)
 
 
@@ -563,7 +563,7 @@ def test_analytics_bad_input_exit_2_nothing_written(tmp_path, case, ranks):
     spoil(portfolio, 11)
     path, out = tmp_path / "book.h5", tmp_path / "prices.h5"
     write_portfolio(str(path), portfolio)
-    lattice_parameters(columns_from_matrix(portfolio.to_matrix()), ids=portfolio.id)  # valid without it
+    lattice_parameters(portfolio.columns(), ids=portfolio.id)  # valid without it
     try:
         proc = run_pricer(["price", path, "-o", out, flag, "--partition", "count"], ranks=ranks,
                           timeout=90)

@@ -26,7 +26,6 @@ from pricer.engines.cpu.padded import LANES, PAD, PAIR_MAX_STEPS, backward_padde
 from pricer.engines.cpu.parallel import BLOCK_STEPS, MIN_CHUNK_NODES, CpuEngine, _price_wide
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.errors import InputError
-from pricer.io.portfolio import columns_from_matrix
 from pricer.model.lattice import (CENTRED, CLAMPED, LEVEL_VALUES, PLAIN, TREE_NAMES, TREES,
                                   lattice_faults, lattice_parameters)
 from pricer.tools.generate import generate
@@ -755,7 +754,7 @@ def reference():
         assert np.array_equal(ref[name], getattr(grid, name)), name
     assert np.array_equal(ref["call"] != 0, grid.call) and np.array_equal(ref["american"] != 0,
                                                                            grid.american)
-    cols = columns_from_matrix(grid.to_matrix())
+    cols = grid.columns()
     return lattice_parameters(cols, ids=grid.id), ref["price"], ref["strike"]
 
 
@@ -828,8 +827,8 @@ def test_an_engine_starts_without_importing_scipy_linalg():
     import sys
     code = (
         "import sys, numpy as np, numba\n"
-        "from pricer.io.packing import pack_rows\n"     # a kernel before any engine (to_matrix)
-        "pack_rows([np.ones(3), np.zeros(3, bool)])\n"
+        "from pricer.model.implied import _normal_cdf\n"     # a kernel before any engine
+        "_normal_cdf(0.0)\n"
         "from pricer.engines import get_engine\n"
         "get_engine('serial').warm_up()\n"
         "print('scipy.linalg' in sys.modules)\n"

@@ -41,9 +41,8 @@ def test_a_program_keeps_its_numba_configuration_and_cache(tmp_path):
         "import numba, os, sys\n"
         "before = (numba.config.CACHE_DIR, numba.config.CPU_NAME, numba.config.CPU_FEATURES)\n"
         "import numpy as np, pricer, pricer.api, pricer.engines, pricer.engines.cpu.kernels\n"
-        "from pricer.io.packing import pack_rows\n"      # a pricer kernel: compiled and cached
-        "assert pack_rows([np.arange(3.0), np.ones(3, bool)]).tolist() == "
-        "[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]\n"
+        "from pricer.model.implied import _normal_cdf\n"      # a pricer kernel: compiled, cached
+        "assert _normal_cdf(0.0) == 0.5\n"
         "@numba.njit(cache=True)\n"
         "def mine(x):\n"
         "    return x + 1\n"
@@ -74,11 +73,11 @@ def test_an_unwritable_cache_folder_falls_back_to_a_keyed_temporary_one(tmp_path
     before = sorted(PACKAGE.rglob("*.nbi"))
     e = {k: v for k, v in env().items() if k != "NUMBA_CACHE_DIR"}
     e.update(XDG_CACHE_HOME="/proc/pricer-no-cache", TMPDIR=str(tmp_path))
-    code = ("import numpy as np\nfrom pricer.io.packing import pack_rows\n"
-            "print(pack_rows([np.arange(2.0)]).tolist())\n")
+    code = ("from pricer.model.implied import _normal_cdf\n"
+            "print(_normal_cdf(0.0))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
                           timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "[[0.0], [1.0]]", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == "0.5", proc.stderr
     cached = list(tmp_path.glob("pricer-numba-*/kernels-*/**/*.nbi"))
     assert cached, sorted(str(p) for p in tmp_path.rglob("*"))
     assert sorted(PACKAGE.rglob("*.nbi")) == before

@@ -15,7 +15,7 @@ from pricer.io.portfolio import portfolio_from_columns
 from pricer.model import option_rules
 from pricer.model.option_rules import IMPLIED, PRICE, PRICED, RULES, Rule
 from pricer.model.validity import REASONS
-from pricer.run.checks import checked_matrix
+from pricer.run.checks import checked_rows
 from pricer.run.config import RunConfig
 from pricer.tools.generate import generate
 
@@ -93,7 +93,7 @@ def test_refusal_and_statuses_follow_the_table(task):
     for rule in RULES:
         if rule.name in planted:
             want[planted[rule.name]] = rule.code
-    checked = checked_matrix(config(task, "skip"), portfolio_from_columns(cols, values=False))
+    checked = checked_rows(config(task, "skip"), portfolio_from_columns(cols, values=False))
     assert np.array_equal(checked.status, want), (seed, np.flatnonzero(checked.status != want))
     # refuse: the book's rules as it is read, then the task's, each in the table's order; the
     # first one broken names its column and its rows' ids (all of them), and once those rows are
@@ -101,7 +101,7 @@ def test_refusal_and_statuses_follow_the_table(task):
     order = [rule for rule in RULES if rule.task is None] + [r for r in RULES if r.task == task]
     for rule in order:
         with pytest.raises(InputError) as info:
-            checked_matrix(config(task, "refuse"), portfolio_from_columns(cols))
+            checked_rows(config(task, "refuse"), portfolio_from_columns(cols))
         error, rows = info.value, planted[rule.name]
         assert (error.column, sorted(error.ids.tolist())) == (rule.column,
                                                               sorted(ids[rows].tolist())), \
@@ -109,7 +109,7 @@ def test_refusal_and_statuses_follow_the_table(task):
         assert str(error).startswith(f"book: column {rule.column} "), (seed, str(error))
         assert all(str(i) in str(error) for i in ids[rows[:5]]), (seed, str(error))
         mend(cols, {rule.name: rows}, good)
-    checked_matrix(config(task, "refuse"), portfolio_from_columns(cols))     # every rule kept
+    checked_rows(config(task, "refuse"), portfolio_from_columns(cols))     # every rule kept
 
 
 RATE = Rule("rate beyond 1", "rate", lambda cols, limit: np.abs(cols["rate"]) > 1.0,
@@ -143,12 +143,12 @@ def test_a_task_rule_added_to_the_table_is_refused_and_skipped(monkeypatch):
     mend(clean, planted, good)
     clean["market_price"][[5, 6]] = 1e7
     monkeypatch.setattr(option_rules, "RULES", RULES + (rule,))
-    checked_matrix(config(PRICE, "refuse"), portfolio_from_columns(clean))   # not a pricing rule
+    checked_rows(config(PRICE, "refuse"), portfolio_from_columns(clean))   # not a pricing rule
     with pytest.raises(InputError) as info:
-        checked_matrix(config(IMPLIED, "refuse"), portfolio_from_columns(clean))
+        checked_rows(config(IMPLIED, "refuse"), portfolio_from_columns(clean))
     assert info.value.column == "market_price" and str(info.value).startswith(
         "book: column market_price is huge for option id(s) ")
     assert sorted(info.value.ids.tolist()) == sorted(clean["id"][[5, 6]].tolist())
-    status = checked_matrix(config(IMPLIED, "skip"),
+    status = checked_rows(config(IMPLIED, "skip"),
                             portfolio_from_columns(clean, values=False)).status
     assert np.flatnonzero(status).tolist() == [5, 6] and (status[[5, 6]] == 9).all()

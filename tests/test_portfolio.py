@@ -11,9 +11,8 @@ import pytest
 
 from pricer.errors import InputError
 from pricer.model.lattice import TREE_NAMES
-import pricer.io.portfolio as portfolio_module
-from pricer.io.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, MATRIX_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
-                              SCHEMA, Portfolio, columns_from_matrix, max_steps_for_memory,
+from pricer.io.portfolio import (ALL_COLUMNS, FLOAT_COLUMNS, METHOD_COLUMNS, OPTIONAL_COLUMNS, RUN_TREE,
+                              SCHEMA, Portfolio, max_steps_for_memory,
                               read_portfolio, write_portfolio)
 
 # ids that cannot be mistaken for anything else in a message (row numbers, counts, values)
@@ -101,63 +100,31 @@ def test_write_read_round_trip_without_tree_column(tmp_path, rng):
     assert np.array_equal(back.spot, original.spot) and back.take(np.arange(3)).tree is None
 
 
-def test_matrix_round_trip(rng):
-    """What the workers receive: one float64 (n, 10) matrix, back into typed columns; the tree
-    column travels as codes (positions in TREE_NAMES)."""
+def test_method_columns(rng):
+    """What a method receives: the book's columns, typed (steps int64, flags bool, floats
+    float64), C-contiguous and writeable whatever the book's arrays were (a strided view, a
+    read-only pandas column); the tree column as codes (positions in TREE_NAMES)."""
     p = random_portfolio(rng, 50)
-    matrix = p.to_matrix()
-    assert matrix.dtype == np.float64 and matrix.flags.c_contiguous
-    assert matrix.shape == (50, len(MATRIX_COLUMNS)) == (50, 10)
-    cols = columns_from_matrix(matrix)
-    for name in MATRIX_COLUMNS:
+    p.spot = np.repeat(p.spot, 2)[::2]          # a strided view
+    p.strike.flags.writeable = False
+    cols = p.columns()
+    assert tuple(cols) == METHOD_COLUMNS == ("spot", "strike", "maturity", "rate", "dividend",
+                                              "volatility", "steps", "call", "american", "tree")
+    for name in METHOD_COLUMNS:
+        assert cols[name].flags.c_contiguous and cols[name].flags.writeable, name
         if name != "tree":
             assert np.array_equal(cols[name], getattr(p, name)), name
     assert cols["steps"].dtype == np.int64 and cols["call"].dtype == bool
-    assert cols["tree"].dtype == np.int64
+    assert cols["tree"].dtype == np.int64 and cols["spot"].dtype == np.float64
     assert [TREE_NAMES[code] for code in cols["tree"]] == p.tree.tolist()
     # the column wins over the run's tree
-    assert np.array_equal(columns_from_matrix(p.to_matrix("lr"))["tree"], cols["tree"])
-
-
-def test_pack_rows_is_numpys_column_assignment(rng):
-    """pack_rows (a compiled loop) writes what NumPy's column assignment writes, bit for bit:
-    floats (NaN, -0.0, subnormals), bools, int64 beyond 2^53 (rounded), uint8, a strided view and
-    a read-only column (a pandas frame's); columns of two lengths are refused, not overread."""
-    from pricer.io.packing import pack_rows
-
-    n = 1001
-    floats = rng.standard_normal(n)
-    floats[:4] = (np.nan, -0.0, 5e-324, np.inf)
-    big = rng.integers(-(1 << 62), 1 << 62, n)
-    frozen = rng.random(n)
-    frozen.flags.writeable = False
-    columns = [floats, rng.random(n) < 0.5, big, rng.integers(0, 255, n).astype(np.uint8),
-               rng.random(2 * n)[::2], frozen]
-    expected = np.empty((n, len(columns)))
-    for j, column in enumerate(columns):
-        expected[:, j] = column
-    got = pack_rows(columns)
-    assert got.flags.c_contiguous and got.view(np.int64).tobytes() == \
-        expected.view(np.int64).tobytes()
-    assert pack_rows([np.zeros(0), np.zeros(0, bool)]).shape == (0, 2)
-    with pytest.raises(ValueError, match="one length"):
-        pack_rows([floats, floats[:-1]])
-
-
-def test_matrix_across_its_row_blocks(rng, monkeypatch):
-    """to_matrix shows its checks a block of rows at a time: a book of several blocks and a
-    partial last one is the plain column-by-column matrix."""
-    monkeypatch.setattr(portfolio_module, "MATRIX_BLOCK_ROWS", 7)
-    p = random_portfolio(rng, 52)
-    expected = np.column_stack([getattr(p, name) for name in MATRIX_COLUMNS[:-1]]
-                               + [p.tree_codes()]).astype(np.float64)
-    assert np.array_equal(p.to_matrix(), expected)
+    assert np.array_equal(p.columns("lr")["tree"], cols["tree"])
 
 
 def test_matrix_tree_codes_without_tree_column(rng):
     p = random_portfolio(rng, 20, trees=False)
-    assert (columns_from_matrix(p.to_matrix())["tree"] == RUN_TREE).all()
-    assert (columns_from_matrix(p.to_matrix("tian"))["tree"] == TREE_NAMES.index("tian")).all()
+    assert (p.columns()["tree"] == RUN_TREE).all()
+    assert (p.columns("tian")["tree"] == TREE_NAMES.index("tian")).all()
     assert p.trees_used("jr") == ["jr"]
     p.tree = np.array(["lr", "crr"] * 10)
     assert p.trees_used("jr") == ["crr", "lr"]
@@ -429,7 +396,7 @@ def test_tree_column_accepted_as_strings(tmp_path, dtype):
             }[dtype]
     p = read_portfolio(write_raw(tmp_path / "b.h5", with_trees(data)))
     assert p.tree.tolist() == names
-    assert [TREE_NAMES[c] for c in columns_from_matrix(p.to_matrix())["tree"]] == names
+    assert [TREE_NAMES[c] for c in p.columns()["tree"]] == names
 
 
 def test_tree_column_write_read_round_trip(tmp_path):
@@ -485,25 +452,27 @@ def test_undecodable_tree_name_is_named(tmp_path):
 
 
 def test_lattice_check_names_the_bad_options_beyond_its_first_block(rng, monkeypatch):
-    """Rank 0's lattice check goes block by block as the matrix is filled (MATRIX_BLOCK_ROWS, for
-    the cache); its refusal still names every bad option of the MESSAGE_ROWS from the first bad
-    block on, not of one block. The matrix and the trees it reports are those of to_matrix."""
+    """Rank 0's lattice check goes block by block (BLOCK_ROWS, for the cache); its refusal still
+    names every bad option of the MESSAGE_ROWS from the first bad block on, not of one block. The
+    columns it passes on are the book's, typed as Portfolio.columns types them."""
     from pricer.errors import InputError
-    from pricer.io import portfolio
     from pricer.run import checks
     from pricer.run.config import RunConfig
 
-    monkeypatch.setattr(portfolio, "MATRIX_BLOCK_ROWS", 4)
+    monkeypatch.setattr(checks, "BLOCK_ROWS", 4)
     monkeypatch.setattr(checks, "MESSAGE_ROWS", 16)
     cfg = RunConfig(input="book.h5", output="out.h5", backend="cpu")
     p = random_portfolio(rng, 40, trees=False)
     p.steps[:] = 50
-    good = checks.checked_matrix(cfg, p)
-    assert np.array_equal(good.matrix, p.to_matrix("crr")) and good.tree_names() == ["crr"]
+    good = checks.checked_rows(cfg, p)
+    want = p.columns("crr")
+    assert good.cols.keys() == want.keys() and good.tree_names() == ["crr"]
+    for name, column in want.items():
+        assert good.cols[name].dtype == column.dtype and np.array_equal(good.cols[name], column)
     assert good.status is None
     bad = [5, 9, 14, 30]            # p > 1 on crr: a rate far above the volatility, one step
     p.rate[bad], p.volatility[bad], p.steps[bad] = 0.9, 0.01, 1
     with pytest.raises(InputError) as caught:
-        checks.checked_matrix(cfg, p)
+        checks.checked_rows(cfg, p)
     assert list(caught.value.ids) == list(p.id[[5, 9, 14]])     # row 30 is beyond the window
     assert str(caught.value).startswith("book.h5: the crr lattice is not arbitrage-free")

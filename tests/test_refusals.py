@@ -312,7 +312,9 @@ def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
                             str(small_disk / "out.h5"), "--backend", "serial", "--chunk-nodes",
                             "2e6", "--checkpoint", str(folder)], env=slow,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not any(n.endswith(".lock") for n in os.listdir(small_disk)) and job.poll() is None:
+    # pricing has begun (the checks, the disk's included, passed): its first chunk is saved
+    while not (folder.is_dir() and any(n.startswith("chunk-") for n in os.listdir(folder))) \
+            and job.poll() is None:
         time.sleep(0.05)
     filler = small_disk / "filler"
     with open(filler, "wb") as f:                      # leave ~16 KiB free
@@ -328,9 +330,8 @@ def test_a_write_that_fails_says_what_was_kept(tmp_path, small_disk):
                        "--checkpoint", folder])
     assert proc.returncode == 0 and "(4000 of them from the checkpoint)" in proc.stdout, proc.stderr
     from pricer.engines.cpu.serial import SerialEngine
-    from pricer.io.portfolio import columns_from_matrix
     from pricer.model.lattice import lattice_parameters
-    want = SerialEngine().price(lattice_parameters(columns_from_matrix(portfolio.to_matrix())))
+    want = SerialEngine().price(lattice_parameters(portfolio.columns()))
     got = read_results(str(other))["price"]
     assert got.tobytes() == want.tobytes()
 

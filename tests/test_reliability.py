@@ -25,7 +25,7 @@ from helpers import env, launched, mpiexec, pricer_command, run_pricer
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.files import OutputLock
 from pricer.model.greeks import Analytics, price_with_analytics
-from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 from pricer.tools.generate import generate
 
@@ -65,7 +65,7 @@ def book(tmp_path_factory):
 
 
 def reference(portfolio: Portfolio, analytics: Analytics = Analytics()) -> dict:
-    cols = columns_from_matrix(portfolio.to_matrix())
+    cols = portfolio.columns()
     return price_with_analytics(SerialEngine(), cols, "crr", portfolio.id, analytics)
 
 

@@ -24,7 +24,7 @@ from pricer.engines.cpu.parallel import CpuEngine
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.errors import InputError
 from pricer.model.lattice import TREE_NAMES, TREES, lattice_parameters
-from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 
 ql = pytest.importorskip("QuantLib")
@@ -439,12 +439,12 @@ def test_price_with_tree_column_and_tree_flag(tmp_path, rng):
     book = tree_book(rng, n, rng.permutation(trees))
     path = tmp_path / "book.h5"
     write_portfolio(str(path), book)
-    expected = SERIAL.price(lattice_parameters(columns_from_matrix(book.to_matrix()), "crr"))
+    expected = SERIAL.price(lattice_parameters(book.columns(), "crr"))
     for k in range(n):
         one = book.take(np.array([k]))
         one.tree = None
         assert bitwise_equal(expected[k:k + 1], SERIAL.price(lattice_parameters(
-            columns_from_matrix(one.to_matrix()), str(book.tree[k]))))
+            one.columns(), str(book.tree[k]))))
     out = tmp_path / "out.h5"
     proc = run_pricer(["price", path, "-o", out, "--backend", "cpu", "--tree", "lr", "--quiet"])
     assert proc.returncode == 0, proc.stderr
@@ -460,7 +460,7 @@ def test_price_with_tree_column_and_tree_flag(tmp_path, rng):
     results = read_results(str(out))
     assert results["attrs"]["tree"] == "joshi4"
     assert bitwise_equal(results["price"], SERIAL.price(lattice_parameters(
-        columns_from_matrix(plain.to_matrix()), "joshi4")))
+        plain.columns(), "joshi4")))
 
 
 @pytest.mark.parametrize("ranks", [None, 2])
@@ -513,7 +513,7 @@ def test_job_file_tree_key(tmp_path, tree, ok):
         results = read_results(str(tmp_path / "out.h5"))
         assert results["attrs"]["tree"] == tree
         assert bitwise_equal(results["price"], SERIAL.price(lattice_parameters(
-            columns_from_matrix(book.to_matrix()), tree)))
+            book.columns(), tree)))
     else:
         assert proc.returncode == 2 and "unknown tree 'QL-CRR'; known trees: crr, ql-crr" in proc.stderr
         assert not (tmp_path / "out.h5").exists()

@@ -42,7 +42,7 @@ class Forwards(Family):
     reasons = {0: "priced", **{code: text for code, text, _ in RULES}}
     units = {"id": "the input's id", "price": "currency of spot", "status": "code"}
 
-    def index(self, cfg) -> Index:
+    def index(self, cfg, size: int, node_ranks: int) -> Index:
         with h5py.File(cfg.input, "r") as f:
             ids = f[self.group]["id"][()].astype(np.int64)
         return Index(ids, np.ones(ids.size))

@@ -1,10 +1,10 @@
 """The portfolio — its HDF5 schema, reading, writing and validation with named reasons.
 
 With `--distribute scatter|bcast` only rank 0 calls `read_portfolio`; the other ranks receive the
-validated columns as one float64 matrix (`to_matrix`/`columns_from_matrix`), so they never open the
-input file. With `--distribute read` every rank opens the file read-only: `read_index` (the id and
-steps columns, enough to partition) and `read_portfolio_rows` (its own rows). The optional `tree`
-column (tree names, strings in the file) travels in that matrix as each name's code, its index in
+validated columns (`Portfolio.columns`, each in its own type), so they never open the input file.
+With `--distribute read` every rank opens the file read-only: `read_index` (the id and steps
+columns, enough to partition) and `read_portfolio_rows` (its own rows). The optional `tree` column
+(tree names, strings in the file) travels as each name's code, its index in
 `pricer.model.lattice.TREE_NAMES`.
 """
 
@@ -31,17 +31,16 @@ INT_COLUMNS = ("steps",)
 FLAG_COLUMNS = ("call", "american")
 TREE_COLUMN = "tree"
 _COLUMN_TYPES = {"steps": np.int64, "call": bool, "american": bool}   # the others: float64
-MATRIX_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
+METHOD_COLUMNS = FLOAT_COLUMNS + INT_COLUMNS + FLAG_COLUMNS + (TREE_COLUMN,)
 # An implied-volatility run's matrix (pricer implied-vol) has the market price before the tree.
 MARKET_COLUMN = "market_price"
-IMPLIED_MATRIX_COLUMNS = MATRIX_COLUMNS[:-1] + (MARKET_COLUMN, TREE_COLUMN)
-MATRIX_BLOCK_ROWS = 1 << 15   # rows to_matrix's each_block sees at a time: their columns in cache
+IMPLIED_METHOD_COLUMNS = METHOD_COLUMNS[:-1] + (MARKET_COLUMN, TREE_COLUMN)
 OPTIONAL_DEFAULTS = {"dividend": 0.0}
 # Optional columns: dividend (default 0), tree (absent: every option takes the run's --tree) and
 # market_price (what `pricer implied-vol` solves for; a book with it may leave volatility out, a
 # start where given: NaN where not).
 OPTIONAL_COLUMNS = ("dividend", TREE_COLUMN, MARKET_COLUMN)
-ALL_COLUMNS = ("id",) + MATRIX_COLUMNS + (MARKET_COLUMN,)
+ALL_COLUMNS = ("id",) + METHOD_COLUMNS + (MARKET_COLUMN,)
 # The tree code in the matrix of an option that takes the run's tree (no tree column, no default).
 RUN_TREE = -1
 
@@ -80,33 +79,23 @@ class Portfolio:
         """The names of the trees that price this portfolio when the run's tree is `default`."""
         return [TREE_NAMES[code] for code in np.unique(self.tree_codes(default))]
 
-    def to_matrix(self, default_tree: str | None = None, unknown: int | None = None, *,
-                  codes: np.ndarray | None = None, each_block=None,
-                  implied: bool = False) -> np.ndarray:
-        """The columns the engines need, as one C-contiguous float64 (n, 10) matrix for MPI (an
-        (n, 11) one with the market prices, `implied`: matrix_columns); the tree column holds
-        tree codes (see tree_codes; `codes`: those codes, where the caller has them).
-        `each_block(rows, cols)`, if given, sees each block of rows (a slice) in order, with
-        their columns (block_columns), once the matrix is filled."""
-        from pricer.io.packing import pack_rows
-
-        names = matrix_columns(implied)
+    def columns(self, default_tree: str | None = None, *, codes: np.ndarray | None = None,
+                implied: bool = False) -> dict:
+        """The columns an option method takes (name -> C-contiguous, writeable array, the book's
+        own where it is one of the method's type already; one kind of array for every book, so
+        that the compiled kernels are the same whatever the book came from, a read-only pandas
+        column included): float64 values, steps int64, call and american bool, `codes`
+        (tree_codes(default_tree), where the caller has not them) as the tree column, and with
+        `implied` the market prices."""
         if codes is None:
-            codes = self.tree_codes(default_tree, unknown)
-        matrix = pack_rows([getattr(self, name) for name in names[:-1]] + [codes])
-        if each_block is not None:
-            for a in range(0, len(self), MATRIX_BLOCK_ROWS):
-                rows = slice(a, a + MATRIX_BLOCK_ROWS)
-                each_block(rows, self.block_columns(rows, codes))
-        return matrix
+            codes = self.tree_codes(default_tree)
 
-    def block_columns(self, rows: slice, codes: np.ndarray) -> dict:
-        """Rows `rows` as columns_from_matrix gives them (name -> array; views where a column has
-        the engines' type already), with `codes` (tree_codes) as the tree column."""
-        names = matrix_columns(self.market_price is not None)
-        cols = {name: np.asarray(getattr(self, name)[rows], dtype=_COLUMN_TYPES.get(name, float))
-                for name in names[:-1]}
-        cols[TREE_COLUMN] = np.asarray(codes[rows], dtype=np.int64)
+        def typed(values, dtype):
+            return np.require(np.asarray(values, dtype=dtype), requirements=["C", "W"])
+
+        cols = {name: typed(getattr(self, name), _COLUMN_TYPES.get(name, float))
+                for name in method_columns(implied)[:-1]}
+        cols[TREE_COLUMN] = typed(codes, np.int64)
         return cols
 
     def take(self, index) -> "Portfolio":
@@ -117,21 +106,10 @@ class Portfolio:
         return int(lattice_nodes(self.steps).sum())
 
 
-def matrix_columns(implied: bool = False) -> tuple:
+def method_columns(implied: bool = False) -> tuple:
     """The columns of the portfolio matrix, in order: an implied-volatility run's has the market
     prices too."""
-    return IMPLIED_MATRIX_COLUMNS if implied else MATRIX_COLUMNS
-
-
-def columns_from_matrix(matrix: np.ndarray) -> dict:
-    """The worker-side view of a portfolio slice: column name -> array (ids are not needed there)."""
-    names = matrix_columns(matrix.shape[1] == len(IMPLIED_MATRIX_COLUMNS))
-    cols = {name: matrix[:, j] for j, name in enumerate(names)}
-    cols["steps"] = cols["steps"].astype(np.int64)
-    cols["call"] = cols["call"] != 0.0
-    cols["american"] = cols["american"] != 0.0
-    cols[TREE_COLUMN] = cols[TREE_COLUMN].astype(np.int64)
-    return cols
+    return IMPLIED_METHOD_COLUMNS if implied else METHOD_COLUMNS
 
 
 def max_steps_for_memory() -> int:

@@ -199,7 +199,7 @@ EDGE, PRICED, NO_LATTICE = 0, 1, 2
 
 class Search:
     """The searches of a pool of options, a row per option (struct of arrays). `cols` are the
-    options' columns (pricer.io.portfolio.columns_from_matrix), `market` their market prices,
+    options' columns (pricer.io.portfolio.Portfolio.columns), `market` their market prices,
     `start` their first volatility."""
 
     def __init__(self, cols: dict, market: np.ndarray, start: np.ndarray):

@@ -20,7 +20,7 @@ from pricer.threads import threads_for
 
 
 class Solver:
-    """The implied volatilities of the options in `cols` (columns_from_matrix's, tree codes in
+    """The implied volatilities of the options in `cols` (Portfolio.columns', tree codes in
     "tree") at market prices `market`, priced by `engine` on `tree`. `guess`: a start per option
     (NaN: none, the European implied volatility is taken). Options enter a pool of at most
     `pool_rows` options and `pool_nodes` lattice nodes (each of its groups, Solver.rounds, takes
@@ -145,7 +145,7 @@ class Solver:
         self.search.step(rows, values, exists)
 
     def part(self, rows: np.ndarray) -> dict:
-        """The columns of options `rows`, typed as columns_from_matrix types them."""
+        """The columns of options `rows`, typed as Portfolio.columns types them."""
         table = _take(self.table, rows)
         part = {name: table[j] for j, name in enumerate(TABLE)}
         for name, kind in (("steps", np.int64), ("tree", np.int64), ("call", np.bool_),

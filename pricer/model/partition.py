@@ -274,12 +274,14 @@ def assign_by_cost(steps: np.ndarray, parts: int, small: float = SMALL) -> Assig
     return Assignment(order=order, bounds=bounds)
 
 
-def assign(steps: np.ndarray, parts: int, method: str = "cost") -> Assignment:
+def assign(steps: np.ndarray, parts: int, method: str = "cost",
+           cost: np.ndarray | None = None) -> Assignment:
     """The options each of `parts` ranks prices (module docstring): `count` and `cost` contiguous,
-    `cost` leaving input order where assign_by_cost does better by more than LPT_GAIN."""
+    `cost` leaving input order where assign_by_cost does better by more than LPT_GAIN. `cost`:
+    the options' option_cost, where the caller has it."""
     if method != "cost" or parts == 1 or len(steps) == 0:
         return Assignment.contiguous(partition(steps, parts, method))
-    cost = option_cost(steps)        # once, for the split and the bound
+    cost = option_cost(steps) if cost is None else cost   # once, for the split and the bound
     prefix = _prefix(cost)
     contiguous = Assignment.contiguous(_partition_by_cost(steps, parts, cost, prefix))
     contiguous.prefix = prefix

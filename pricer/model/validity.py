@@ -6,8 +6,8 @@ The reasons are the value checks a run refuses the whole book for by default (do
 one the refusal follows too: a row's status is the code of the first rule it breaks), then its
 lattice's and those of the extra lattices --greeks/--richardson price. Structural faults (a
 missing column, a wrong dtype, duplicate ids, an unreadable file) refuse the whole book in
-either mode. Every rank computes the statuses of its own rows from the portfolio matrix, the same
-function on the same values, so they need not travel.
+either mode. The rank that checks a row computes its status (rank 0 for the whole book, or every
+rank for its own rows with --distribute read), the same function on the same values.
 """
 
 from __future__ import annotations
@@ -74,28 +74,6 @@ def analytics_faults(cols: dict, tree: str, analytics: Analytics) -> np.ndarray:
     for _, part in analytics.described_lattices(sub)[1:]:
         faulty[ok[lattice_faults(part, tree)]] = True
     return faulty
-
-
-# In the portfolio matrix, a skipped option travels with steps 0 (nothing to price: the partition,
-# the chunks and the memory estimates count it as empty) and tree code SKIPPED - its status.
-SKIPPED = -100
-
-
-def mark_skipped(matrix: np.ndarray, cols: dict, tree: str, analytics: Analytics,
-                 max_steps: int, steps_column: int) -> np.ndarray:
-    """The status of every row of a portfolio matrix (`cols`: its columns by name, the tree code
-    last); the rows that cannot be priced are rewritten as skipped, in place."""
-    status = statuses(cols, tree, analytics, max_steps)
-    bad = status != PRICED
-    matrix[bad, steps_column] = 0
-    matrix[bad, -1] = SKIPPED - status[bad]
-    return status
-
-
-def status_of(matrix: np.ndarray) -> np.ndarray:
-    """The status of every row of a portfolio matrix that mark_skipped has seen (int8)."""
-    codes = matrix[:, -1]
-    return np.where(codes <= SKIPPED, SKIPPED - codes, PRICED).astype(np.int8)
 
 
 def reasons_text(status: np.ndarray, reasons: dict = REASONS) -> str:

@@ -40,7 +40,7 @@ class BondOptions(Family):
              "price": "currency of face and strike (NaN where status is not 0)",
              "status": "code: 0 priced, else the reason in /results' bond_status_reasons"}
 
-    def index(self, cfg) -> Index:
+    def index(self, cfg, size: int, node_ranks: int) -> Index:
         from pricer.io.bonds import read_bond_book, read_bond_index
 
         index = read_bond_index(cfg.input)

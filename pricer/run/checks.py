@@ -12,15 +12,14 @@ import numpy as np
 from pricer.errors import InputError, first_ids
 from pricer.files import check_input_file
 from pricer.io.formats import HDF5, input_format, read_book
-from pricer.io.portfolio import (MATRIX_COLUMNS, book_shape, columns_from_matrix,
-                                 max_steps_for_memory, priced_steps)
+from pricer.io.portfolio import book_shape, max_steps_for_memory, priced_steps
 from pricer.io.checkpoint import checkpoint_bytes
-from pricer.io.results import check_output_path, results_bytes, sha256_beside
+from pricer.io.results import check_output_path, results_bytes
 from pricer.model import option_rules
 from pricer.model.greeks import check
 from pricer.model.lattice import TREE_NAMES, check_lattices as lattice_check
 from pricer.model.option_rules import IMPLIED, PRICE
-from pricer.model.validity import UNKNOWN_TREE_CODE, mark_skipped, min_steps
+from pricer.model.validity import PRICED, UNKNOWN_TREE_CODE, min_steps, statuses
 from pricer.run import memory
 from pricer.run.config import RunConfig
 from pricer.run.memory import size_text
@@ -28,10 +27,10 @@ from pricer.run.memory import size_text
 
 def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     """Rank 0 only: everything that can be wrong with the input, found before any work; the node's
-    memory checked from the book's shape before the book itself is read. Returns the portfolio,
-    its rows checked (CheckedRows) and the future of the file's sha256 (sha256_beside)."""
+    memory checked from the book's shape before the book itself is read. Returns the portfolio
+    and its rows checked (CheckedRows)."""
     cfg.check()
-    check_input_file(cfg.input)   # before the hash is read beside the parse: a FIFO never ends
+    check_input_file(cfg.input)   # before any read: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     skip = cfg.invalid == "skip"
     hdf5 = input_format(cfg.input) == HDF5
@@ -39,24 +38,20 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
         options, most, has_tree = book_shape(cfg.input, values=not skip)
         if most is not None:      # else the read below names the steps column's fault
             check_memory(cfg, options, most, has_tree, size, node_ranks)
-    # the file's hash (for the results and checkpoints) is read beside the parsing and beyond it
-    # (sha256_beside): on a large input it is a large share of rank 0's read
-    digest = sha256_beside(cfg.input)
     portfolio = read_book(cfg.input, values=not skip)
     if not hdf5:          # a CSV or Parquet table is parsed whole before its shape is known
         steps = priced_steps(portfolio.steps)
         check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
                      size, node_ranks)
-    checked = checked_matrix(cfg, portfolio)
-    if skip:
-        portfolio.steps = checked.matrix[:, MATRIX_COLUMNS.index("steps")].astype(np.int64)
-    return portfolio, checked, digest
+    return portfolio, checked_rows(cfg, portfolio)
 
 
 @dataclass
 class CheckedRows:
-    """A portfolio's rows as the engines take them, checked."""
-    matrix: np.ndarray          # Portfolio.to_matrix, tree codes in its last column
+    """A portfolio's rows as the engines take them, checked: the option method's columns (name ->
+    array: float64, steps int64, call and american bool, the tree as its code in TREE_NAMES, the
+    market price for implied volatilities)."""
+    cols: dict
     status: np.ndarray | None   # --invalid skip: each row's status (model/validity.py), else None
     trees: int                  # the trees that price its rows, a bit per code in TREE_NAMES
 
@@ -69,33 +64,38 @@ def tree_names(bits: int) -> list:
     return [name for code, name in enumerate(TREE_NAMES) if bits >> code & 1]
 
 
-def checked_matrix(cfg: RunConfig, portfolio) -> CheckedRows:
-    """The portfolio's matrix with every option's lattice checked (check_lattices' refusals, by
-    id), a block of rows at a time (to_matrix's each_block: a block's temporaries stay in the
-    CPU's cache); with --invalid skip, the rows that cannot be priced marked as skipped instead."""
+def checked_rows(cfg: RunConfig, portfolio) -> CheckedRows:
+    """The portfolio's columns with every option's lattice checked (check_lattices' refusals, by
+    id), a block of rows at a time (a block's temporaries stay in the CPU's cache); with
+    --invalid skip, each row's status instead, a row that cannot be priced given steps 0 (nothing
+    to price: the partition, the chunks and the memory estimates count it as empty)."""
     skip = cfg.invalid == "skip"
     check_task_columns(cfg, portfolio, skip)
     codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
+    cols = portfolio.columns(codes=codes, implied=cfg.implied)
     if skip:
-        matrix = portfolio.to_matrix(codes=codes, implied=cfg.implied)
-        status = skip_invalid(cfg, matrix)
-        return CheckedRows(matrix, status, _tree_bits(matrix[:, -1]))
+        status = skip_invalid(cfg, cols)
+        return CheckedRows(cols, status, _tree_bits(codes[status == PRICED]))
 
-    def check(rows: slice, cols: dict) -> None:
+    def check(rows: slice, block: dict) -> None:
         try:
-            _check_block(cfg, cols, portfolio.id[rows])
+            _check_block(cfg, block, portfolio.id[rows])
         except InputError as exc:    # named from the MESSAGE_ROWS that start at this block
             wider = slice(rows.start, rows.start + MESSAGE_ROWS)
             try:
-                _check_block(cfg, portfolio.block_columns(wider, codes), portfolio.id[wider])
+                _check_block(cfg, {name: column[wider] for name, column in cols.items()},
+                             portfolio.id[wider])
             except InputError as more:
                 exc = more
             raise exc.prefixed(f"{cfg.input}: ") from None
 
-    matrix = portfolio.to_matrix(codes=codes, each_block=check, implied=cfg.implied)
+    n = len(portfolio)
+    for a in range(0, n, BLOCK_ROWS):
+        rows = slice(a, min(n, a + BLOCK_ROWS))
+        check(rows, {name: column[rows] for name, column in cols.items()})
     if portfolio.tree is None:         # one tree for every row
-        return CheckedRows(matrix, None, 1 << int(codes[0]) if codes.size else 0)
-    return CheckedRows(matrix, None, _tree_bits(codes))
+        return CheckedRows(cols, None, 1 << int(codes[0]) if codes.size else 0)
+    return CheckedRows(cols, None, _tree_bits(codes))
 
 
 def check_task_columns(cfg: RunConfig, portfolio, skip: bool) -> None:
@@ -118,15 +118,18 @@ def _tree_bits(codes: np.ndarray) -> int:
     return int(np.bitwise_or.reduce(np.left_shift(1, present))) if present.size else 0
 
 
-def skip_invalid(cfg: RunConfig, matrix: np.ndarray) -> np.ndarray:
-    """--invalid skip: every row's status (pricer/model/validity.py), the rows that cannot be
-    priced marked as skipped in the matrix; block by block (CHECK_ROWS)."""
-    status = np.empty(len(matrix), dtype=np.int8)
-    steps = MATRIX_COLUMNS.index("steps")
-    for a in range(0, len(matrix), CHECK_ROWS):
-        block = matrix[a:a + CHECK_ROWS]
-        status[a:a + CHECK_ROWS] = mark_skipped(block, columns_from_matrix(block), cfg.tree,
-                                                cfg.analytics(), max_steps_for_memory(), steps)
+def skip_invalid(cfg: RunConfig, cols: dict) -> np.ndarray:
+    """--invalid skip: every row's status (pricer/model/validity.py), block by block
+    (CHECK_ROWS); the rows that cannot be priced get steps 0 in `cols` (a copy of the column)."""
+    n = len(cols["steps"])
+    status = np.empty(n, dtype=np.int8)
+    analytics, most = cfg.analytics(), max_steps_for_memory()
+    for a in range(0, n, CHECK_ROWS):
+        block = {name: column[a:a + CHECK_ROWS] for name, column in cols.items()}
+        status[a:a + CHECK_ROWS] = statuses(block, cfg.tree, analytics, most)
+    skipped = status != PRICED
+    if skipped.any():
+        cols["steps"] = np.where(skipped, 0, cols["steps"])
     return status
 
 
@@ -143,11 +146,12 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
 
 
 # rows --invalid skip judges at a time: judging builds every parameter of an option (~150 bytes of
-# temporaries), so a block stays in the CPU's cache with its rows of the matrix and the peak does
-# not grow with the book (docs/decisions.md). checked_matrix checks to_matrix's blocks
-# (MATRIX_BLOCK_ROWS) for the same reason, and tells a refusal from the MESSAGE_ROWS that start at
-# the first bad block, so that its "and N more" counts more than one small block.
+# temporaries), so a block stays in the CPU's cache and the peak does not grow with the book
+# (docs/decisions.md). checked_rows checks blocks of BLOCK_ROWS for the same reason, and tells a
+# refusal from the MESSAGE_ROWS that start at the first bad block, so that its "and N more" counts
+# more than one small block.
 CHECK_ROWS = 1 << 16
+BLOCK_ROWS = 1 << 15
 MESSAGE_ROWS = 1 << 20
 
 

@@ -232,31 +232,40 @@ def bcast_array(comm, array: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def distribute(comm, matrix, bounds: np.ndarray, how: str, ncols: int) -> np.ndarray:
-    """Each rank's slice of rank 0's (n, ncols) float64 portfolio matrix (rows
-    bounds[r]:bounds[r+1]): Scatterv (how="scatter"), or Bcast of all of it (how="bcast")."""
+def distribute(comm, arrays: dict | None, bounds: np.ndarray, how: str) -> dict:
+    """Each rank's rows bounds[r]:bounds[r+1] of rank 0's 1-D arrays (name -> array, one length;
+    the others pass None), each in its own type: Scatterv of each (how="scatter"), or Bcast of
+    all of it (how="bcast"). Rank 0's own rows stay where they are: views."""
     rank = comm.Get_rank()
     if comm.Get_size() == 1:
-        return matrix[bounds[0]:bounds[1]]
+        return {name: array[bounds[0]:bounds[1]] for name, array in arrays.items()}
     from mpi4py import MPI
-    counts = np.diff(bounds)
-    row = _row_type(ncols)
-    try:
-        if how == "bcast":
-            if rank != ROOT:
-                matrix = np.empty((int(bounds[-1]), ncols))
-            _check_buffer(matrix)
-            comm.Bcast([matrix, int(bounds[-1]), row], root=ROOT)
-            return matrix[bounds[rank]:bounds[rank + 1]]
-        if rank == ROOT:       # rank 0's own rows stay where they are (MPI.IN_PLACE): a view
-            _check_buffer(matrix)
-            comm.Scatterv([matrix, counts, bounds[:-1], row], MPI.IN_PLACE, root=ROOT)
-            return matrix[bounds[ROOT]:bounds[ROOT + 1]]
-        local = np.empty((int(counts[rank]), ncols))
-        comm.Scatterv(None, [local, int(counts[rank]), row], root=ROOT)
-        return local
-    finally:
-        row.Free()
+    # every rank learns the arrays' names and types (a few bytes), then the buffers travel
+    kinds = comm.bcast([(name, array.dtype.str) for name, array in arrays.items()]
+                       if rank == ROOT else None, root=ROOT)
+    counts, n = np.diff(bounds), int(bounds[-1])
+    out = {}
+    for name, kind in kinds:
+        dtype = np.dtype(kind)
+        mpi_type = MPI.BYTE.Create_contiguous(dtype.itemsize)
+        mpi_type.Commit()
+        try:
+            if how == "bcast":
+                whole = np.ascontiguousarray(arrays[name]) if rank == ROOT \
+                    else np.empty(n, dtype=dtype)
+                comm.Bcast([whole, n, mpi_type], root=ROOT)
+                out[name] = whole[bounds[rank]:bounds[rank + 1]]
+            elif rank == ROOT:
+                whole = np.ascontiguousarray(arrays[name])
+                comm.Scatterv([whole, counts, bounds[:-1], mpi_type], MPI.IN_PLACE, root=ROOT)
+                out[name] = whole[bounds[ROOT]:bounds[ROOT + 1]]
+            else:
+                local = np.empty(int(counts[rank]), dtype=dtype)
+                comm.Scatterv(None, [local, int(counts[rank]), mpi_type], root=ROOT)
+                out[name] = local
+        finally:
+            mpi_type.Free()
+    return out
 
 
 def gather_rows(comm, values: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:

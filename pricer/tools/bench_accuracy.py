@@ -23,7 +23,6 @@ import numpy as np
 
 from pricer.tools.generate import generate
 from pricer.model.greeks import Analytics, price_with_analytics, richardson_steps
-from pricer.io.portfolio import columns_from_matrix
 from pricer.model.cost import lattice_nodes
 from pricer.tools.tables import write_json
 
@@ -36,7 +35,7 @@ TARGET_ERROR = 1e-4
 
 def scenario_columns(steps: int) -> dict:
     book = generate("scenarios", 270, steps=steps)
-    return columns_from_matrix(book.to_matrix())
+    return book.columns()
 
 
 def prices(engine, cols: dict, tree: str, richardson: bool) -> np.ndarray:

@@ -27,7 +27,6 @@ import numpy as np
 
 from pricer.tools.generate import generate
 from pricer.model.lattice import lattice_parameters
-from pricer.io.portfolio import columns_from_matrix
 from pricer.tools.tables import write_json
 
 TARGETS = {"American": 2.5e12, "European": 4.0e12, "American S": 2.0e12}
@@ -49,7 +48,7 @@ def portfolios(quick: bool):
 
 def params_of(spec: dict, exercise: str, calls_only: bool):
     book = generate(seed=2026, exercise=exercise, **spec)
-    cols = columns_from_matrix(book.to_matrix())
+    cols = book.columns()
     if calls_only:
         cols["call"] = np.ones_like(cols["call"])
     return lattice_parameters(cols)

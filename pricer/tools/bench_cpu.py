@@ -39,7 +39,6 @@ from pricer.engines.cpu.parallel import CpuEngine
 from pricer.engines.cpu.serial import SerialEngine
 from pricer.tools.generate import generate
 from pricer.model.lattice import lattice_parameters
-from pricer.io.portfolio import columns_from_matrix
 from pricer.model.cost import lattice_nodes
 from pricer.tools.anchors import have_quantlib, missing
 from pricer.tools.tables import write_json
@@ -125,7 +124,7 @@ def _cases(quick: bool) -> list[Case]:
     book = generate("random", count, seed=PORTFOLIO_SEED)
     stride = count // QL_OPTIONS
     index = np.arange(0, count, stride)
-    cases.append(Case(f"portfolio {count:,}", columns_from_matrix(book.to_matrix()), index,
+    cases.append(Case(f"portfolio {count:,}", book.columns(), index,
                       ql_note=f"QuantLib timed on {index.size} of {count:,} options "
                               f"(every {stride}th), extrapolated per node"))
     return cases

@@ -55,7 +55,7 @@ def solve_timed(backend: str, portfolio, repeats: int, threads: int | None = Non
 
     from pricer.engines import get_engine
     from pricer.io.portfolio import Portfolio
-    from pricer.run.checks import checked_matrix
+    from pricer.run.checks import checked_rows
     from pricer.run.config import RunConfig
     from pricer.run.pricing import price_checked
 
@@ -66,12 +66,12 @@ def solve_timed(backend: str, portfolio, repeats: int, threads: int | None = Non
     engine = get_engine(backend)
     engine.warm_up()
     priced = RunConfig(input="bench", output="bench", backend=backend, tree="ql-crr").check()
-    market = price_checked(engine, priced, checked_matrix(priced, portfolio), portfolio.id)[0][:, 0]
+    market = price_checked(engine, priced, checked_rows(priced, portfolio), portfolio.id)[0][:, 0]
     given = Portfolio(**{**vars(portfolio), "market_price": market,
                          "volatility": np.full(len(portfolio), np.nan)})
-    checked = checked_matrix(cfg, given)
+    checked = checked_rows(cfg, given)
     head = np.arange(min(len(given), 256))
-    price_checked(engine, cfg, checked_matrix(cfg, given.take(head)), given.id[head])   # warm-up
+    price_checked(engine, cfg, checked_rows(cfg, given.take(head)), given.id[head])   # warm-up
     walls = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -1,15 +1,16 @@
 """`pricer bench plan`: rank 0's read, check and plan of a book, against a plain read of its columns.
 
 Before any pricing, rank 0 reads the book, checks every instrument, sizes the run and partitions
-it (pricer/run/plan.py, pricer/run/pipeline.py): a serial section of every command that grows
+it (pricer/run/pipeline.py, pricer/run/option_family.py): a serial section of every command that grows
 with the book. Timed here, in one process with one numba thread, best of `repeats` after a warm-up
 (a file read from the page cache, as a second run of a book finds it):
 
 - plain read: h5py reads the book's columns into NumPy arrays, nothing else (the floor);
-- options, whole plan: make_plan on one rank (read, check, matrix for the ranks, chunk grid,
-  partition, the output's claim), per option and as a multiple of the plain read;
-- options, --distribute read: rank 0's part when every rank reads and checks its own rows
-  (plan_own_rows), at 1, 2 and 4 ranks: it shrinks with the ranks;
+- options, whole plan: the option book's plan and share on one rank (read, check, the method's
+  columns, partition, chunk grid), per option and as a multiple of the plain read;
+- options, --distribute read: rank 0's part when every rank reads and checks its own rows (the
+  index of ids and steps, the partition, its own rows), at 1, 2 and 4 ranks: it shrinks with the
+  ranks;
 - bonds: rank 0's plan of a book of bond options (the index, the trees' shapes, the memory
   check, the chunk grid and the split), per instrument.
 
@@ -62,31 +63,23 @@ def _plain_read(path: str, group: str, names=None):
                 if isinstance(g[name], h5py.Dataset)}
 
 
-def _option_plan(path: str, folder: str):
+def _option_plan(path: str, folder: str, size: int = 1, distribute: str = "scatter"):
+    """Rank 0's plan of the option book at `size` ranks, and its share of the rows, beside the
+    input's hash (as a run reads it: sha256_beside)."""
+    from pricer.io.results import sha256_beside
+    from pricer.run.collectives import Alone
     from pricer.run.config import RunConfig
-    from pricer.run.plan import make_plan
+    from pricer.run.option_family import OptionBook
+    from pricer.run.pipeline import make_plan
 
     def work():
         cfg = RunConfig(input=path, output=os.path.join(folder, "o.h5"), backend="cpu",
-                        overwrite=True).check()
-        plan = make_plan(cfg, 1, 1, None)
-        for lock in plan.locks:
-            lock.release()
-        return plan.digest.result
-    return work
-
-
-def _own_rows(path: str, folder: str, size: int):
-    from pricer.run.config import RunConfig
-    from pricer.run.plan import plan_own_rows
-
-    def work():
-        cfg = RunConfig(input=path, output=os.path.join(folder, "o.h5"), backend="cpu",
-                        overwrite=True, distribute="read").check()
-        plan, _ = plan_own_rows(cfg, size, 0, 1)
-        for lock in plan.locks:
-            lock.release()
-        return plan.digest.result
+                        overwrite=True, distribute=distribute).check()
+        family, digest = OptionBook(), sha256_beside(path)
+        plan = make_plan(family, cfg, size, 1, digest, None)
+        if distribute == "read" or size == 1:      # rank 0's own rows (alone: every row)
+            family.share(cfg, Alone(), plan, plan.rank_chunks(0))
+        return digest.result
     return work
 
 
@@ -95,12 +88,12 @@ def _bond_plan(path: str, folder: str):
 
     from pricer.run.bond_family import BondOptions
     from pricer.run.config import RunConfig
-    from pricer.run.pipeline import _make_plan
+    from pricer.run.pipeline import make_plan
 
     def work():
         cfg = RunConfig(input=path, output=os.path.join(folder, "b.h5"), backend="cpu",
                         overwrite=True).check()
-        _make_plan(BondOptions(), cfg, 1, 1, Future(), None)
+        make_plan(BondOptions(), cfg, 1, 1, Future(), None)
     return work
 
 
@@ -129,7 +122,7 @@ def bench_plan(args) -> dict:
               f"<= {OPTION_RATIO:.0f}x)")
         out["own_rows_s"] = {}
         for size in (1, 2, 4):
-            seconds = _best(_own_rows(book, folder, size), repeats)
+            seconds = _best(_option_plan(book, folder, size, "read"), repeats)
             out["own_rows_s"][size] = seconds
             print(f"  --distribute read, rank 0 of {size}  {seconds:8.3f} s  "
                   f"{seconds / count * 1e9:6.0f} ns/option of the book")

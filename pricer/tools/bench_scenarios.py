@@ -53,11 +53,10 @@ def _median_seconds(call, repeats: int):
 
 def bench_scenarios(args) -> dict:
     from pricer.engines import get_engine, gpu_available
-    from pricer.io.portfolio import columns_from_matrix
     from pricer.model.greeks import concatenate
     from pricer.model.lattice import lattice_parameters
     from pricer.model.scenarios import ScenarioLattices
-    from pricer.run.checks import checked_matrix
+    from pricer.run.checks import checked_rows
     from pricer.run.config import RunConfig
     from pricer.run.pricing import price_checked
     from pricer.tools.generate import generate
@@ -70,14 +69,14 @@ def bench_scenarios(args) -> dict:
     book = generate("uniform", args.count, seed=2026, steps=args.steps, exercise="american")
     engine = get_engine(backend)
     engine.warm_up()
-    cols = columns_from_matrix(book.to_matrix("crr"))
+    cols = book.columns("crr")
     params = lattice_parameters(concatenate([cols] + grid.columns(cols)), "crr")
     nodes = float((params.steps * (params.steps + 1) // 2).sum())
     expanded, prices = _median_seconds(lambda: engine.price(params), args.repeats)
     lattices = ScenarioLattices({key: np.ascontiguousarray(value) for key, value in cols.items()},
                                 grid, "crr", book.id, base=True)
     called, in_call = _median_seconds(lambda: engine.price_lattices(lattices), args.repeats)
-    checked = checked_matrix(cfg, book)
+    checked = checked_rows(cfg, book)
     gridded, (values, _) = _median_seconds(
         lambda: price_checked(engine, cfg, checked, book.id), args.repeats)
     n = len(book)

@@ -145,12 +145,12 @@ def with_market_prices(portfolio: Portfolio) -> None:
     drawn volatility (the cpu backend), the volatility column then left out (NaN), so that the
     implied volatilities should give the drawn ones back."""
     from pricer.engines import get_engine
-    from pricer.run.checks import checked_matrix
+    from pricer.run.checks import checked_rows
     from pricer.run.config import RunConfig
     from pricer.run.pricing import price_checked
 
     cfg = RunConfig(input="pricer generate --market-prices", output="-", backend="cpu").check()
-    values, _ = price_checked(get_engine("cpu"), cfg, checked_matrix(cfg, portfolio), portfolio.id)
+    values, _ = price_checked(get_engine("cpu"), cfg, checked_rows(cfg, portfolio), portfolio.id)
     portfolio.market_price = values[:, 0]
     portfolio.volatility = np.full(len(portfolio), np.nan)
 

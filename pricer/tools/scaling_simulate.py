@@ -125,16 +125,15 @@ def cost_model_check(steps_list=COST_MODEL_STEPS, nodes_per_point: float = 3e8, 
     from pricer.engines import get_engine
     from pricer.tools.generate import generate
     from pricer.model.greeks import price_with_analytics
-    from pricer.io.portfolio import columns_from_matrix
     from pricer.model.cost import lattice_nodes
 
     engine = get_engine(backend)
-    warm = columns_from_matrix(generate("uniform", 8, steps=64).to_matrix("crr"))
+    warm = generate("uniform", 8, steps=64).columns("crr")
     price_with_analytics(engine, warm, "crr", np.arange(8))   # compile / load the kernels
     rows = []
     for n in steps_list:
         count = max(4, int(nodes_per_point / float(lattice_nodes(n))))
-        cols = columns_from_matrix(generate("uniform", count, seed=n, steps=n).to_matrix("crr"))
+        cols = generate("uniform", count, seed=n, steps=n).columns("crr")
         ids = np.arange(count)
         best = math.inf
         for _ in range(repeats):

@@ -21,7 +21,7 @@ import numpy as np
 from pricer.engines import backend, backends, get_engine, gpu_available
 from pricer.engines.cpu.parallel import LEVEL_PARALLEL_MIN_STEPS
 from pricer.io.portfolio import portfolio_from_columns
-from pricer.run.checks import checked_matrix
+from pricer.run.checks import checked_rows
 from pricer.run.config import RunConfig
 from pricer.run.pricing import price_checked
 from pricer.tools.generate import generate
@@ -83,7 +83,7 @@ def warm(names: list[str], report=print) -> list[tuple[str, float]]:
                             greeks=bool(greeks),
                             task="implied-vol" if greeks is None else "price").check()
             portfolio = portfolio_from_columns(book, cfg.input)
-            price_checked(engine, cfg, checked_matrix(cfg, portfolio), portfolio.id)
+            price_checked(engine, cfg, checked_rows(cfg, portfolio), portfolio.id)
         if backend(name).prices("bonds"):
             get_engine(name, "bonds").price(warm_bond_book())
         spent.append((name, time.perf_counter() - start))

@@ -23,7 +23,6 @@ from pricer import __version__  # noqa: E402
 from pricer.engines.cpu.serial import SerialEngine  # noqa: E402
 from pricer.tools.generate import generate  # noqa: E402
 from pricer.model.lattice import lattice_parameters  # noqa: E402
-from pricer.io.portfolio import columns_from_matrix  # noqa: E402
 
 OUT = Path(__file__).with_name("scenarios_n20000.csv")
 COUNT, STEPS = 270, 20_000
@@ -33,7 +32,7 @@ COLUMNS = ("id", "spot", "strike", "maturity", "rate", "dividend", "volatility",
 
 def main() -> None:
     portfolio = generate("scenarios", COUNT, steps=STEPS)
-    params = lattice_parameters(columns_from_matrix(portfolio.to_matrix()), "crr", ids=portfolio.id)
+    params = lattice_parameters(portfolio.columns(), "crr", ids=portfolio.id)
     start = time.perf_counter()
     prices = SerialEngine().price(params)
     seconds = time.perf_counter() - start

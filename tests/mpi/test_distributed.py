@@ -23,7 +23,7 @@ from pricer.engines.cpu.serial import SerialEngine
 from pricer.model.greeks import GREEKS, Analytics, price_with_analytics
 from pricer.model.lattice import TREE_NAMES, lattice_parameters
 from pricer.model.partition import assign
-from pricer.io.portfolio import Portfolio, columns_from_matrix, write_portfolio
+from pricer.io.portfolio import Portfolio, write_portfolio
 from pricer.io.results import read_results
 
 comm = MPI.COMM_WORLD
@@ -56,7 +56,7 @@ def make_book(seed: int, n: int) -> Portfolio:
 
 def serial_reference(portfolio: Portfolio) -> np.ndarray:
     """The one-process reference: the serial engine on the whole portfolio, no MPI involved."""
-    cols = columns_from_matrix(portfolio.to_matrix())
+    cols = portfolio.columns()
     return SerialEngine().price(lattice_parameters(cols, ids=portfolio.id))
 
 
@@ -367,7 +367,7 @@ def test_greeks_and_richardson_bitwise_equal_to_one_process(seed, shared_dir, re
     errors = None
     if RANK == ROOT:
         analytics = Analytics(greeks=True, richardson=True)
-        cols = columns_from_matrix(portfolio.to_matrix())
+        cols = portfolio.columns()
         want = price_with_analytics(SerialEngine(), cols, "crr", portfolio.id, analytics)
         r = read_results(cfg.output)
         errors = [f"{name} differs from the one-process reference at rows "
