@@ -2,7 +2,7 @@
 
 A partition is an int64 array `bounds` of length parts + 1: part k owns the contiguous options
 bounds[k]:bounds[k+1] in input order, so gathering the parts in rank order restores input order.
-That is what a run uses (`partition`, pricer/run/plan.py).
+That is what a run uses (`partition`, pricer/run/option_family.py).
 
 `partition_by_cost` places the cuts so that the largest part is as small as any contiguous split can
 make it (the exact min-max bottleneck, found by bisection), and within that bottleneck each cut as
@@ -14,7 +14,7 @@ options (longest-processing-time-first for the large ones, the small ones fillin
 as an `Assignment` — a permutation `order` of the options plus `bounds` into it — which is within
 ~0.5 % of the bound on the generated books.
 
-`assign` is what a run uses (pricer/run/plan.py): `count` and `cost` as contiguous slices, except
+`assign` is what a run uses (pricer/run/option_family.py): `count` and `cost` as contiguous slices, except
 that `cost` switches to `assign_by_cost` where the best contiguous split's largest part is more
 than LPT_GAIN over the largest part of that assignment. The caller sends rows `order` to the ranks
 and puts the gathered rows back with `Assignment.restore`, so results stay in input order either
