@@ -15,6 +15,7 @@ from pricer.io.portfolio import portfolio_from_columns
 from pricer.model import option_rules
 from pricer.model.option_rules import IMPLIED, PRICE, PRICED, RULES, Rule
 from pricer.model.validity import REASONS
+from pricer.run import checks
 from pricer.run.checks import checked_rows
 from pricer.run.config import RunConfig
 from pricer.tools.generate import generate
@@ -152,3 +153,50 @@ def test_a_task_rule_added_to_the_table_is_refused_and_skipped(monkeypatch):
     status = checked_rows(config(IMPLIED, "skip"),
                             portfolio_from_columns(clean, values=False)).status
     assert np.flatnonzero(status).tolist() == [5, 6] and (status[[5, 6]] == 9).all()
+
+
+def _refusal(call):
+    """The InputError call() raises (its text, column and ids), or None."""
+    try:
+        call()
+    except InputError as exc:
+        return str(exc), exc.column, sorted(np.asarray(exc.ids).tolist())
+    return None
+
+
+@pytest.mark.parametrize("task", [PRICE, IMPLIED])
+def test_rules_left_by_the_read_are_refused_as_the_read_refuses_them(task, monkeypatch):
+    """A run's HDF5 book is read without its own rules, which checked_rows judges a block at a
+    time by their quick proofs (Rule.clear) beside the lattices: the same refusal as a book whose
+    read judged them, rule after rule, though a lattice fault sits in a block before every broken
+    rule; then that fault's (pricing); and none for a clean book whose proofs fail (finite strikes whose sum
+    overflows)."""
+    monkeypatch.setattr(checks, "BLOCK_ROWS", 16)       # the planted rows in many blocks
+    seed = int(np.random.default_rng().integers(1 << 30))
+    cols, planted, good = planted_book(seed, task)
+    mend(cols, {"unknown tree": planted.pop("unknown tree")}, good)
+    del cols["tree"]                    # no proof for tree names: those books are judged whole
+    free = min(set(range(COUNT)) - {int(r) for rows in planted.values() for r in rows})
+    lattice = {"rate": 0.5, "dividend": 0.0, "volatility": 0.01, "steps": 1, "maturity": 1.0}
+    kept = {name: cols[name][free].copy() for name in lattice}
+    for name, value in lattice.items():            # p > 1: a CRR lattice that does not exist
+        cols[name][free] = value
+    cfg = config(task, "refuse")
+
+    def both():
+        read = _refusal(lambda: checked_rows(cfg, portfolio_from_columns(cols)))
+        left = _refusal(lambda: checked_rows(cfg, portfolio_from_columns(cols, values=False),
+                                             book_rules=True))
+        assert read == left, (seed, read, left)
+        return left
+
+    order = [r for r in RULES if r.task is None] + [r for r in RULES if r.task == task]
+    for rule in [r for r in order if r.name in planted]:     # the book's, then the task's
+        assert both()[1] == rule.column, (seed, rule.name)
+        mend(cols, {rule.name: planted[rule.name]}, good)
+    if task == PRICE:           # (implied volatilities build their lattices as they search)
+        assert "not arbitrage-free" in both()[0] and both()[2] == [int(cols["id"][free])]
+    for name, value in kept.items():
+        cols[name][free] = value
+    cols["strike"][[free, free + 1]] = 1e308
+    assert both() is None

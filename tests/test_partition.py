@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pricer.run.chunks import chunk_grid
+from pricer.model.cost import COST_ROWS, EXACT_SUMS, lattice_costs, lattice_nodes
 from pricer.tools.generate import generate
 from pricer.model.partition import (LPT_GAIN, PARTITIONERS, assign, assign_by_cost, lower_bound,
                               min_bottleneck, option_cost, part_costs, partition,
@@ -266,11 +267,25 @@ def test_chunk_grid_is_its_definition(steps, nodes, rows):
 
 
 @pytest.mark.parametrize("dist", ["random", "skewed"])
-def test_chunk_grid_from_the_partitions_prefix_sums(dist):
-    """A run's plan hands the partition's cost prefix sums to chunk_grid (one sum of the costs,
-    not two): the same grid as chunk_grid's own, for both chunk shapes."""
-    steps = generate(dist, 50_000, seed=3).steps
-    a = assign(steps, 4, "cost")
-    assert a.in_input_order() and a.prefix is not None
+def test_lattice_costs_are_the_serial_sums_and_give_the_same_grid(dist):
+    """A run's plan sums the lattice nodes a block at a time (cost.lattice_costs) and hands the
+    sums to the partition and to chunk_grid: bitwise np.cumsum's sums (across the blocks' edges
+    too), the same partition, and the same grid as chunk_grid's own, for both chunk shapes."""
+    steps = generate(dist, 50_000 + COST_ROWS // 3, seed=3).steps
+    nodes, prefix = lattice_costs(steps)
+    assert np.array_equal(nodes, lattice_nodes(steps))
+    assert prefix[0] == 0.0 and np.array_equal(prefix[1:], np.cumsum(lattice_nodes(steps)))
+    a, b = assign(steps, 4, "cost"), assign(steps, 4, "cost", cost=nodes, prefix=prefix)
+    assert np.array_equal(a.order, b.order) and np.array_equal(a.bounds, b.bounds)
     for shape in ((2.0**28, 2**17), (1e8, 1000), (2.0**40, 2**21)):
-        assert np.array_equal(chunk_grid(steps, *shape, prefix=a.prefix), chunk_grid(steps, *shape))
+        assert np.array_equal(chunk_grid(steps, *shape, prefix=prefix), chunk_grid(steps, *shape))
+
+
+def test_lattice_costs_beyond_exact_sums_are_summed_serially():
+    """Nodes whose total reaches 2^53 (where float sums round) are summed as np.cumsum sums
+    them, not a block at a time."""
+    steps = np.full(3 * COST_ROWS + 5, 3_000_000, dtype=np.int64)    # ~4.5e12 nodes each
+    steps[::7] = 12_345
+    nodes, prefix = lattice_costs(steps)
+    assert prefix[-1] >= EXACT_SUMS
+    assert np.array_equal(prefix[1:], np.cumsum(lattice_nodes(steps)))

@@ -223,7 +223,8 @@ class PortfolioIndex:
 
 def read_index(path: str, values: bool = True) -> PortfolioIndex:
     """The file's structure checked as read_portfolio does, then only its id and steps columns
-    (values=False: steps out of range are left to --invalid skip)."""
+    (values=False: the steps column's rules are left to the caller: --invalid skip's statuses,
+    or a run's checked_rows)."""
     def read(f):
         g, names = _checked_group(path, f)
         return PortfolioIndex(id=_typed_column(path, "id", g["id"], None),
@@ -234,28 +235,6 @@ def read_index(path: str, values: bool = True) -> PortfolioIndex:
     if values:
         _check_steps(index.id, index.steps, path)
     return index
-
-
-def book_shape(path: str, values: bool = True) -> tuple[int, int | None, bool]:
-    """(options, largest steps, whether it has a tree column) of a portfolio file, reading only its
-    steps column (in blocks), so that a run can be refused for memory before the book is read; the
-    largest steps is None where the column is not valid (the full read then names the fault)."""
-    def read(f):
-        g, names = _checked_group(path, f)
-        ds = g["steps"]
-        if ds.dtype.kind not in "iu":
-            return int(ds.shape[0]), None, TREE_COLUMN in names
-        blocks = [ds[a:a + (1 << 22)] for a in range(0, ds.shape[0], 1 << 22)]
-        if not values:     # --invalid skip: the largest of the steps that can be priced
-            blocks = [b[b > 0] for b in map(priced_steps, blocks)]
-            if not any(b.size for b in blocks):
-                return int(ds.shape[0]), None, TREE_COLUMN in names
-            blocks = [b for b in blocks if b.size]
-        least = min(int(b.min()) for b in blocks)
-        most = max(int(b.max()) for b in blocks)
-        valid = 1 <= least and most <= min(max_steps_for_memory(), np.iinfo(np.int64).max)
-        return int(ds.shape[0]), most if valid else None, TREE_COLUMN in names
-    return _with_file(path, read)
 
 
 def _with_file(path: str, read):
@@ -342,9 +321,9 @@ def _named(missing: list) -> str:
 def _defaults(raw: dict, count: int) -> None:
     """The optional columns' defaults, where absent; a volatility left out (a book of market
     prices) is NaN, no start."""
-    for name, default in OPTIONAL_DEFAULTS.items():
-        raw.setdefault(name, np.full(count, default))
-    raw.setdefault("volatility", np.full(count, np.nan))
+    for name, default in {**OPTIONAL_DEFAULTS, "volatility": np.nan}.items():
+        if name not in raw:
+            raw[name] = np.full(count, default)
 
 
 def _rows_of(ds, rows: np.ndarray | None, text: bool = False) -> np.ndarray:
@@ -416,7 +395,7 @@ def validate(p: Portfolio, source: str = "portfolio", values: bool = True,
              indexed: bool = False) -> None:
     """Value checks with named reasons: the book's rules of pricer/model/option_rules.py's table,
     the first one broken refused (those of the run's task, the market prices, are judged once
-    the task is known: checks.check_task_columns; lattice arbitrage, p in (0,1), in
+    the task is known: checks.checked_rows; lattice arbitrage, p in (0,1), in
     pricer/model/lattice.py). values=False: unique ids only (--invalid skip). `indexed`: the id
     and steps columns come from a read_index, which checked them whole."""
     if not indexed:

@@ -165,6 +165,8 @@ def _tree_parameters(cols: dict, tree: str, ids: np.ndarray | None):
     """(dt, log_up, log_down, p) of every option, each by its tree, checked."""
     n = int(np.shape(cols["steps"])[0])
     ids = ids if ids is not None else np.arange(n)
+    if "tree" not in cols:         # every option the run's tree
+        return _parameters(cols, tree_named(tree).name, ids)
     codes = _codes(cols, tree)
     if n == 0 or (codes == codes[0]).all():
         name = TREE_NAMES[int(codes[0])] if n else tree_named(tree).name

@@ -2,9 +2,11 @@
 the first rule a row breaks (`refuse`: an InputError naming the column, the first ids and the
 first value), and with --invalid skip each row's status is the code of the first rule it breaks
 (`statuses`), the row then not priced. pricer/io/portfolio.py's validate judges the book's rules
-as the book is read; pricer/run/checks.py's check_task_columns the rules of the run's task
-(implied volatilities: the market prices; pricing: a volatility for every option) once the task
-is known; pricer/model/validity.py's statuses all of them, then the lattices'.
+as the book is read (a run's HDF5 book leaves them to checked_rows); pricer/run/checks.py's
+checked_rows the rules of the run's task (implied volatilities: the market prices; pricing: a
+volatility for every option) once the task is known, block by block by their quick proofs
+(Rule.clear) before the lattices; pricer/model/validity.py's statuses all of them, then the
+lattices'.
 
 The table is in code order (every rule of a code before the next code's), so that a row's first
 broken rule is also its lowest code. The lattices' own rules (a tree's fewest steps, p in (0, 1),
@@ -53,6 +55,8 @@ class Rule:
     task: str | None = None          # None: every book's, judged as it is read; PRICE, IMPLIED:
                                      # only a run of that task's, judged once the task is known
     needs: str | None = None         # a column the rule applies only where the book has (not None)
+    clear: Callable | None = None    # clear(cols, limit) -> True only where no row breaks it, by
+                                     # one reduction of the column (no mask): refuse's fast path
 
     def applies(self, cols, task: str | None) -> bool:
         return self.task == task and (self.needs is None or cols.get(self.needs) is not None)
@@ -88,6 +92,31 @@ def _not_positive(name: str) -> Callable:
     return lambda cols, limit: cols[name] <= 0.0
 
 
+# The quick proofs (Rule.clear). A sum is finite only where every term is (a NaN or an infinity
+# makes it NaN or infinite; a finite sum that overflows proves nothing and the mask decides); a
+# least value above a bound puts every value above it (NaN makes the least NaN, no proof).
+def _sum_finite(name: str) -> Callable:
+    def clear(cols, limit) -> bool:
+        with np.errstate(all="ignore"):
+            return bool(np.isfinite(np.add.reduce(np.asarray(cols[name], np.float64))))
+    return clear
+
+
+def _least_above(name: str, bound: float, strict: bool = True) -> Callable:
+    def clear(cols, limit) -> bool:
+        column = np.asarray(cols[name])
+        if not column.size:
+            return True
+        least = np.min(column)
+        return bool(least > bound) if strict else bool(least >= bound)
+    return clear
+
+
+def _steps_within(cols, limit) -> bool:
+    steps = np.asarray(cols["steps"])
+    return not steps.size or bool(np.max(steps) <= limit)
+
+
 def _volatility_not_finite(cols, limit):
     # a book of market prices may leave a volatility (a start) out: NaN (a pricing run refuses
     # it with its own rule, "absent")
@@ -105,23 +134,29 @@ def _unknown_tree(cols, limit):
 NAN = "is NaN or infinite for option id(s) {ids}"
 POSITIVE = "must be > 0; it is not for option id(s) {ids} (first value {value})"
 RULES = (
-    *(Rule(f"{name} not finite", name, _not_finite(name), NAN, NOT_FINITE)
+    *(Rule(f"{name} not finite", name, _not_finite(name), NAN, NOT_FINITE,
+           clear=_sum_finite(name))
       for name in ("spot", "strike", "maturity", "rate", "dividend")),
-    Rule("volatility not finite", "volatility", _volatility_not_finite, NAN, NOT_FINITE),
-    Rule("market_price not finite", MARKET, _not_finite(MARKET), NAN, NOT_FINITE, task=IMPLIED),
+    Rule("volatility not finite", "volatility", _volatility_not_finite, NAN, NOT_FINITE,
+         clear=_sum_finite("volatility")),    # a NaN start of a book of market prices: the mask
+    Rule("market_price not finite", MARKET, _not_finite(MARKET), NAN, NOT_FINITE, task=IMPLIED,
+         clear=_sum_finite(MARKET)),
     Rule("volatility absent", "volatility", lambda cols, limit: np.isnan(cols["volatility"]),
          "is NaN or absent for option id(s) {ids}: pricing needs it (`pricer implied-vol` "
-         "solves for it from market_price)", NOT_FINITE, task=PRICE),
-    *(Rule(f"{name} not positive", name, _not_positive(name), POSITIVE, NOT_POSITIVE, _float)
+         "solves for it from market_price)", NOT_FINITE, task=PRICE,
+         clear=_sum_finite("volatility")),
+    *(Rule(f"{name} not positive", name, _not_positive(name), POSITIVE, NOT_POSITIVE, _float,
+           clear=_least_above(name, 0.0))
       for name in ("spot", "strike", "maturity", "volatility")),
     Rule("market_price negative", MARKET, lambda cols, limit: cols[MARKET] < 0.0,
          "must be >= 0; it is not for option id(s) {ids} (first value {value})", NOT_POSITIVE,
-         _float, task=IMPLIED),
+         _float, task=IMPLIED, clear=_least_above(MARKET, 0.0, strict=False)),
     Rule("steps below 1", "steps", lambda cols, limit: cols["steps"] < 1,
-         "must be >= 1; it is not for option id(s) {ids} (first value {value})", BAD_STEPS, _int),
+         "must be >= 1; it is not for option id(s) {ids} (first value {value})", BAD_STEPS, _int,
+         clear=_least_above("steps", 1, strict=False)),
     Rule("steps beyond memory", "steps", lambda cols, limit: cols["steps"] > limit,
          "is too large for this machine's memory for option id(s) {ids} (first value {value}, "
-         "limit {limit})", BAD_STEPS, _int),
+         "limit {limit})", BAD_STEPS, _int, clear=_steps_within),
     Rule("unknown tree", "tree", _unknown_tree, "has unknown tree name(s) {value} for option "
          "id(s) {ids}; known trees: " + ", ".join(TREE_NAMES), UNKNOWN_TREE, _tree_names,
          needs="tree"),
@@ -139,9 +174,17 @@ def rules(cols, task: str | None, columns=None, without=()) -> list:
 def refuse(cols, ids: np.ndarray, source: str, chosen: list, limit: int) -> None:
     """InputError for the first of the rules `chosen` (rules()) that a row of `cols` breaks."""
     for rule in chosen:
+        if rule.clear is not None and rule.clear(cols, limit):
+            continue
         bad = rule.bad(cols, limit)
         if bad.any():
             raise rule.error(cols, ids, bad, source, limit)
+
+
+def cleared(cols, chosen: list, limit: int) -> bool:
+    """Whether the quick proofs (Rule.clear) show that no row of `cols` breaks a rule of `chosen`
+    (False proves nothing: refuse then judges)."""
+    return all(rule.clear is not None and rule.clear(cols, limit) for rule in chosen)
 
 
 def broken(cols, chosen: list, limit: int) -> np.ndarray:

@@ -202,9 +202,6 @@ class Assignment:
     order: np.ndarray    # a permutation of range(n), int64
     bounds: np.ndarray   # parts + 1 non-decreasing int64 bounds into `order`
     identity: bool = False   # order is known to be range(n)
-    # the options' cost prefix sums in input order, [0, c0, c0 + c1, ...], where the partition
-    # computed them (chunk_grid takes them rather than summing the same costs again)
-    prefix: np.ndarray | None = None
 
     @classmethod
     def contiguous(cls, bounds: np.ndarray) -> "Assignment":
@@ -275,16 +272,16 @@ def assign_by_cost(steps: np.ndarray, parts: int, small: float = SMALL) -> Assig
 
 
 def assign(steps: np.ndarray, parts: int, method: str = "cost",
-           cost: np.ndarray | None = None) -> Assignment:
+           cost: np.ndarray | None = None, prefix: np.ndarray | None = None) -> Assignment:
     """The options each of `parts` ranks prices (module docstring): `count` and `cost` contiguous,
     `cost` leaving input order where assign_by_cost does better by more than LPT_GAIN. `cost`:
-    the options' option_cost, where the caller has it."""
+    the options' option_cost, `prefix` its prefix sums (cost.lattice_costs), where the caller has
+    them."""
     if method != "cost" or parts == 1 or len(steps) == 0:
         return Assignment.contiguous(partition(steps, parts, method))
     cost = option_cost(steps) if cost is None else cost   # once, for the split and the bound
-    prefix = _prefix(cost)
+    prefix = _prefix(cost) if prefix is None else prefix
     contiguous = Assignment.contiguous(_partition_by_cost(steps, parts, cost, prefix))
-    contiguous.prefix = prefix
     largest = (prefix[contiguous.bounds[1:]] - prefix[contiguous.bounds[:-1]]).max()
     if largest <= LPT_GAIN * _lower_bound(cost, prefix[-1], parts):
         return contiguous    # no assignment of whole options can gain LPT_GAIN here

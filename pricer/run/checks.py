@@ -12,7 +12,8 @@ import numpy as np
 from pricer.errors import InputError, first_ids
 from pricer.files import check_input_file
 from pricer.io.formats import HDF5, input_format, read_book
-from pricer.io.portfolio import book_shape, max_steps_for_memory, priced_steps
+from pricer.io.portfolio import (max_steps_for_memory, priced_steps, read_index,
+                                 read_portfolio_rows)
 from pricer.io.checkpoint import checkpoint_bytes
 from pricer.io.results import check_output_path, results_bytes
 from pricer.model import option_rules
@@ -33,17 +34,34 @@ def read_and_check(cfg: RunConfig, size: int, node_ranks: int):
     check_input_file(cfg.input)   # before any read: a FIFO never ends
     check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
     skip = cfg.invalid == "skip"
-    hdf5 = input_format(cfg.input) == HDF5
-    if hdf5:
-        options, most, has_tree = book_shape(cfg.input, values=not skip)
-        if most is not None:      # else the read below names the steps column's fault
-            check_memory(cfg, options, most, has_tree, size, node_ranks)
+    if input_format(cfg.input) == HDF5:
+        # the ids and steps first (the structure checked, the ids unique): the memory checked from
+        # them, then the other columns; the book's own rules are judged with its lattices, a
+        # block at a time (checked_rows)
+        index = read_index(cfg.input, values=False)
+        most = _most_steps(index.steps, skip)
+        if most is not None:      # else checked_rows names the steps column's fault
+            check_memory(cfg, len(index), most, index.has_tree, size, node_ranks)
+        portfolio = read_portfolio_rows(cfg.input, None, values=False, index=index)
+        return portfolio, checked_rows(cfg, portfolio, book_rules=not skip)
+    # a CSV or Parquet table is parsed whole before its shape is known
     portfolio = read_book(cfg.input, values=not skip)
-    if not hdf5:          # a CSV or Parquet table is parsed whole before its shape is known
-        steps = priced_steps(portfolio.steps)
-        check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
-                     size, node_ranks)
+    steps = priced_steps(portfolio.steps)
+    check_memory(cfg, len(portfolio), max(int(steps.max()), 1), portfolio.tree is not None,
+                 size, node_ranks)
     return portfolio, checked_rows(cfg, portfolio)
+
+
+def _most_steps(steps: np.ndarray, skip: bool) -> int | None:
+    """The most steps of a row the run prices, for the memory check: with --invalid skip of the
+    rows whose steps keep the steps column's rules (None if none does), else of every row (None
+    where one breaks them: the refusal names it)."""
+    if skip:
+        priced = priced_steps(steps)
+        return int(priced.max()) if priced.any() else None
+    steps_rules = option_rules.rules({"steps": steps}, None, columns=("steps",))
+    return int(steps.max()) if option_rules.cleared({"steps": steps}, steps_rules,
+                                                    max_steps_for_memory()) else None
 
 
 @dataclass
@@ -64,51 +82,78 @@ def tree_names(bits: int) -> list:
     return [name for code, name in enumerate(TREE_NAMES) if bits >> code & 1]
 
 
-def checked_rows(cfg: RunConfig, portfolio) -> CheckedRows:
+def checked_rows(cfg: RunConfig, portfolio, book_rules: bool = False) -> CheckedRows:
     """The portfolio's columns with every option's lattice checked (check_lattices' refusals, by
     id), a block of rows at a time (a block's temporaries stay in the CPU's cache); with
     --invalid skip, each row's status instead, a row that cannot be priced given steps 0 (nothing
-    to price: the partition, the chunks and the memory estimates count it as empty)."""
+    to price: the partition, the chunks and the memory estimates count it as empty).
+    `book_rules`: the book was read without its own rules (option_rules), which are judged here
+    with the run's task's, before any lattice and with the same refusal (the first rule broken
+    anywhere in the book): a block is judged by the rules' quick proofs (option_rules.cleared),
+    and the whole book by option_rules.refuse where a proof fails or a lattice is refused."""
     skip = cfg.invalid == "skip"
-    check_task_columns(cfg, portfolio, skip)
-    codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE if skip else None)
-    cols = portfolio.columns(codes=codes, implied=cfg.implied)
+    check_task_columns(cfg, portfolio)
     if skip:
+        codes = portfolio.tree_codes(cfg.tree, UNKNOWN_TREE_CODE)
+        cols = portfolio.columns(codes=codes, implied=cfg.implied)
         status = skip_invalid(cfg, cols)
         return CheckedRows(cols, status, _tree_bits(codes[status == PRICED]))
+    rules = _rules_of(cfg, portfolio, book_rules)
+    limit = max_steps_for_memory()
+
+    def refuse() -> None:      # the read's order: every rule over the whole book, then lattices
+        option_rules.refuse(vars(portfolio), portfolio.id, cfg.input, rules, limit)
+        del rules[:]           # judged
+
+    if any(rule.clear is None for rule in rules):    # a tree column's names: judged whole first
+        refuse()
+    codes = portfolio.tree_codes(cfg.tree, None)
+    cols = portfolio.columns(codes=codes, implied=cfg.implied)
+    # a book without a tree column: every row the run's tree, which a block without one says
+    judged = [name for name in cols if name != "tree" or portfolio.tree is not None]
 
     def check(rows: slice, block: dict) -> None:
         try:
             _check_block(cfg, block, portfolio.id[rows])
         except InputError as exc:    # named from the MESSAGE_ROWS that start at this block
+            refuse()                 # a broken rule of a later row comes first
             wider = slice(rows.start, rows.start + MESSAGE_ROWS)
             try:
-                _check_block(cfg, {name: column[wider] for name, column in cols.items()},
+                _check_block(cfg, {name: cols[name][wider] for name in judged},
                              portfolio.id[wider])
             except InputError as more:
                 exc = more
             raise exc.prefixed(f"{cfg.input}: ") from None
 
-    n = len(portfolio)
+    n, span = len(portfolio), BLOCK_ROWS * RULE_BLOCKS
     for a in range(0, n, BLOCK_ROWS):
+        if rules and a % span == 0:    # the rules' proofs of the rows the next blocks check
+            rows = slice(a, min(n, a + span))
+            if not option_rules.cleared({name: cols[name][rows] for name in cols}, rules, limit):
+                refuse()
         rows = slice(a, min(n, a + BLOCK_ROWS))
-        check(rows, {name: column[rows] for name, column in cols.items()})
+        check(rows, {name: cols[name][rows] for name in judged})
     if portfolio.tree is None:         # one tree for every row
         return CheckedRows(cols, None, 1 << int(codes[0]) if codes.size else 0)
     return CheckedRows(cols, None, _tree_bits(codes))
 
 
-def check_task_columns(cfg: RunConfig, portfolio, skip: bool) -> None:
-    """The columns the run's task needs: an implied-volatility run the market prices; a pricing run
-    every volatility, which a book of market prices may leave out (NaN; --invalid skip skips
-    those options): option_rules' rules of the task."""
+def check_task_columns(cfg: RunConfig, portfolio) -> None:
+    """The columns the run's task needs: an implied-volatility run the market prices (a pricing
+    run needs every volatility, which a book of market prices may leave out: a rule of the task,
+    _rules_of)."""
     if cfg.implied and portfolio.market_price is None:
         raise InputError(f"{cfg.input}: implied volatilities need a market_price column (the "
                          f"prices to solve for)", column="market_price")
-    if not skip:      # the rules of the task (option_rules), the book's being judged at the read
-        cols = vars(portfolio)
-        option_rules.refuse(cols, portfolio.id, cfg.input, option_rules.rules(
-            cols, IMPLIED if cfg.implied else PRICE), max_steps_for_memory())
+
+
+def _rules_of(cfg: RunConfig, portfolio, book_rules: bool) -> list:
+    """The rules (option_rules) checked_rows judges: the book's own where its read left them, then
+    the run's task's (implied volatilities: the market prices; pricing: a volatility for every
+    option, which a book of market prices may leave out)."""
+    cols = vars(portfolio)
+    return (option_rules.rules(cols, None) if book_rules else []) + \
+        option_rules.rules(cols, IMPLIED if cfg.implied else PRICE)
 
 
 def _tree_bits(codes: np.ndarray) -> int:
@@ -153,6 +198,10 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
 CHECK_ROWS = 1 << 16
 BLOCK_ROWS = 1 << 15
 MESSAGE_ROWS = 1 << 20
+# checked_rows proves the rules over the rows of RULE_BLOCKS blocks at a time: a proof is a few
+# NumPy calls per rule, whose overhead a block's rows would not repay; the span's columns (~16 MiB)
+# then stay in the last-level cache for its blocks' lattices
+RULE_BLOCKS = 8
 
 
 def _check_block(cfg: RunConfig, cols: dict, ids: np.ndarray) -> None:

@@ -40,6 +40,7 @@ class Index:
     ids: np.ndarray       # int64, in the book's order
     cost: np.ndarray      # float64 per row: the work (engine nodes, say) for partition and chunks
     extra: dict = field(default_factory=dict)   # what the family's grid needs besides
+    prefix: np.ndarray | None = None    # the costs' prefix sums [0, c0, c0 + c1, ...], if made
 
 
 class Family:
@@ -73,8 +74,9 @@ class Family:
         """Chunk boundaries in rows (0 first, the row count last): by default the run's chunk
         shape (RunConfig.chunk_shape) over the rows' costs."""
         from pricer.run.chunks import chunk_grid
-        return chunk_grid(index.cost, *cfg.chunk_shape(),
-                          prefix=np.concatenate(([0.0], np.cumsum(index.cost))))
+        prefix = index.prefix if index.prefix is not None \
+            else np.concatenate(([0.0], np.cumsum(index.cost)))
+        return chunk_grid(index.cost, *cfg.chunk_shape(), prefix=prefix)
 
     def layout(self, cfg, index: Index, size: int):
         """Where no checkpoint binds the chunks: (order, grid, bounds) of the family's own

@@ -27,7 +27,7 @@ import numpy as np
 from pricer.engines import get_engine
 from pricer.files import check_input_file
 from pricer.io.portfolio import priced_steps, read_index, read_portfolio_rows
-from pricer.model.cost import lattice_nodes, nodes_priced
+from pricer.model.cost import lattice_costs, lattice_nodes, nodes_priced
 from pricer.model.greeks import SCENARIO
 from pricer.model.partition import assign
 from pricer.model.validity import PRICED, REASONS
@@ -101,7 +101,8 @@ class OptionBook(Family):
                 else np.zeros(len(portfolio), dtype=np.int8)
             book = OptionRows(checked.cols, portfolio.id, status, checked.trees)
             steps = checked.cols["steps"]
-            return Index(portfolio.id, lattice_nodes(steps), {"steps": steps, "book": book})
+            cost, prefix = lattice_costs(steps)
+            return Index(portfolio.id, cost, {"steps": steps, "book": book}, prefix)
         cfg.check()
         check_input_file(cfg.input)     # before any read: a FIFO or a device never ends
         skip = cfg.invalid == "skip"
@@ -109,19 +110,15 @@ class OptionBook(Family):
         steps = priced_steps(index.steps) if skip else index.steps   # the rows judge the rest
         check_memory(cfg, len(index), max(int(steps.max(initial=0)), 1), index.has_tree, size,
                      node_ranks)
-        return Index(index.id, lattice_nodes(steps), {"steps": steps})
+        cost, prefix = lattice_costs(steps)
+        return Index(index.id, cost, {"steps": steps}, prefix)
 
     def layout(self, cfg, index: Index, size: int):
         """partition.assign's parts, each cut by the run's chunk shape."""
         steps = index.extra["steps"]
-        assignment = assign(steps, size, cfg.partition, cost=index.cost)
+        assignment = assign(steps, size, cfg.partition, cost=index.cost, prefix=index.prefix)
         if assignment.in_input_order():
-            prefix = assignment.prefix      # the partition's prefix sums of the costs, if any
-            if prefix is None:
-                prefix = np.empty(steps.size + 1)
-                prefix[0] = 0.0
-                np.cumsum(index.cost, out=prefix[1:])
-            order, grid = None, chunk_grid(steps, *cfg.chunk_shape(), prefix=prefix)
+            order, grid = None, chunk_grid(steps, *cfg.chunk_shape(), prefix=index.prefix)
         else:
             order = assignment.order
             grid = chunk_grid(steps[order], *cfg.chunk_shape())
@@ -177,8 +174,8 @@ class OptionBook(Family):
     def read(self, cfg, rows):
         if isinstance(rows, slice):
             rows = np.arange(rows.start, rows.stop, dtype=np.int64)
-        part = read_portfolio_rows(cfg.input, rows, values=cfg.invalid != "skip")
-        checked = checked_rows(cfg, part)
+        part = read_portfolio_rows(cfg.input, rows, values=False)    # judged with the lattices
+        checked = checked_rows(cfg, part, book_rules=cfg.invalid != "skip")
         status = checked.status if checked.status is not None \
             else np.zeros(len(part), dtype=np.int8)
         return OptionRows(checked.cols, part.id, status, checked.trees)
