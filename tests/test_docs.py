@@ -111,3 +111,12 @@ def test_the_help_says_what_the_commands_take():
     price = " ".join(run_pricer(["price", "-h"]).stdout.split())
     for needle in ("HDF5", "CSV", "Parquet", "/bond_options", ".csv or .parquet"):
         assert needle in price, (needle, price)
+
+
+def test_performance_md_holds_the_current_numbers_only():
+    """docs/performance.md is the current numbers, each with its command (history is in git): it
+    stays short enough to read (300 lines) and names no commit."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 300
+    commit = re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
+    assert commit is None, commit
