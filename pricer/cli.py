@@ -251,7 +251,7 @@ def _implied_vol(args) -> int:
 
 def _run_job(args) -> int:
     from pricer.run.config import RunConfig
-    from pricer.tools.generate import ensure_generated
+    from pricer.tools.generate import JobBook
 
     try:
         cfg, job = RunConfig.from_job(args.job, args)
@@ -260,8 +260,18 @@ def _run_job(args) -> int:
             print(f"pricer: error: {exc}", file=sys.stderr)
         return 2
     spec = job["portfolio"].get("generate")
-    prepare = (lambda: ensure_generated(cfg.input, spec)) if spec else None
-    return _run(args, cfg, prepare)
+    if not spec:
+        return _run(args, cfg)
+    book = JobBook(cfg, spec)
+    try:
+        return _run(args, cfg, book.make)
+    except SystemExit as exc:    # every rank's verdict: a refused run leaves no book it made
+        if exc.code == 2:
+            book.discard()
+        raise
+    except InputError:
+        book.discard()
+        raise
 
 
 def _run(args, cfg, prepare=None) -> int:

@@ -241,6 +241,24 @@ class OutputLock:
         _LEFT_BEHIND.discard(self)
 
 
+def claim(targets, recheck: Callable[[], None] | None = None) -> list:
+    """Every path of `targets` claimed (OutputLock, in order), then `recheck()`: the outputs'
+    checks made again under the claims, since a run that held one until now may have written it.
+    Returns the locks, for the caller to release once its files are written; where a claim or the
+    check fails, the claims taken so far are released and the error raised."""
+    locks = []
+    try:
+        for target in targets:
+            locks.append(OutputLock(os.path.normpath(target)).acquire())
+        if recheck is not None:
+            recheck()
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
 def expand_placeholders(path: str | None, environ=os.environ) -> str | None:
     """`path` with {array_task} replaced by the Slurm array task id (SLURM_ARRAY_TASK_ID), so that
     the tasks of a job array write one file each; InputError where the id is not set."""

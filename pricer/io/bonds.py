@@ -11,6 +11,7 @@ exercise_frequency may be left out where no row is bermudan.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import h5py
@@ -316,27 +317,33 @@ def has_bond_options(path: str) -> tuple[bool, bool]:
 
 def write_bond_book(path: str, ids, columns: dict, curves: dict, default: str | None = None) -> None:
     """Write a book (columns as bond_book.columns_of makes them: codes, a curve index into the sorted
-    curve names of `curves` {name: YieldCurve}) in the schema above, atomically."""
+    curve names of `curves` {name: YieldCurve}) in the schema above, atomically: the file is built
+    in memory (bond_book_image) and written as plain bytes (files.atomic_write), so that a disk
+    that fills during the write raises OSError and leaves nothing."""
+    atomic_write(path, bond_book_image(ids, columns, curves, default))
+
+
+def bond_book_image(ids, columns: dict, curves: dict, default: str | None = None) -> memoryview:
+    """The bytes of the HDF5 file write_bond_book writes, made in memory (a view
+    of its buffer, not a copy)."""
     names = sorted(curves)
-
-    def write(tmp: str) -> None:
-        with h5py.File(tmp, "w") as f:
-            g = f.create_group(GROUP)
-            g.attrs["schema"] = SCHEMA
-            g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
-            for name in bond_book.BOND_COLUMNS:
-                values = np.asarray(columns[name])
-                if name in TEXT or name == "curve":   # fixed-length (UTF-8 bytes): one array
-                    known = np.array([t.encode() for t in (TEXT[name] if name in TEXT
-                                                           else names)])
-                    g.create_dataset(name, data=known[values])
-                else:
-                    g.create_dataset(name, data=values)
-            c = f.create_group(CURVES)
-            if default is not None:
-                c.attrs["default"] = default
-            for name in names:
-                c.create_dataset(f"{name}/times", data=curves[name].times)
-                c.create_dataset(f"{name}/rates", data=curves[name].rates)
-
-    atomic_write(path, write)
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        g = f.create_group(GROUP)
+        g.attrs["schema"] = SCHEMA
+        g.create_dataset("id", data=np.asarray(ids, dtype=np.int64))
+        for name in bond_book.BOND_COLUMNS:
+            values = np.asarray(columns[name])
+            if name in TEXT or name == "curve":   # fixed-length (UTF-8 bytes): one array
+                known = np.array([t.encode() for t in (TEXT[name] if name in TEXT
+                                                       else names)])
+                g.create_dataset(name, data=known[values])
+            else:
+                g.create_dataset(name, data=values)
+        c = f.create_group(CURVES)
+        if default is not None:
+            c.attrs["default"] = default
+        for name in names:
+            c.create_dataset(f"{name}/times", data=curves[name].times)
+            c.create_dataset(f"{name}/rates", data=curves[name].rates)
+    return image.getbuffer()

@@ -3,7 +3,8 @@
     [portfolio]            path = "book.h5"          (the input; relative paths are from the CWD)
     [portfolio.generate]   dist, count, seed, steps, exercise, min_steps, max_steps
                            (optional: rank 0 writes `path` from these first, unless it already holds
-                           exactly this generated portfolio: pricer.tools.generate)
+                           exactly this generated portfolio, with the checks and the claim of
+                           `pricer generate`; a run then refused removes it: pricer.tools.generate)
     [pricing]              backend, tree, partition, distribute, threads, t1, t2, greeks, richardson,
                            invalid, stall_timeout, task ("price", or "implied-vol": solve for
                            the volatilities of a book with market prices)

@@ -10,6 +10,7 @@ columns, enough to partition) and `read_portfolio_rows` (its own rows). The opti
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass, fields
 
@@ -122,28 +123,35 @@ def max_steps_for_memory() -> int:
 
 
 def write_portfolio(path: str, portfolio: Portfolio, attrs: dict | None = None) -> None:
-    """Write a portfolio in the `pricer.portfolio/1` schema (atomically: temp file, then rename)."""
-    def write(tmp: str) -> None:
-        with h5py.File(tmp, "w") as f:
-            g = f.create_group(GROUP)
-            g.attrs["schema"] = SCHEMA
-            g.attrs.update(attrs or {})
-            g.create_dataset("id", data=portfolio.id.astype(np.int64))
-            for c in FLOAT_COLUMNS:
-                if c == "volatility" and portfolio.market_price is not None \
-                        and np.isnan(portfolio.volatility).all():
-                    continue          # a book of market prices without volatilities
-                g.create_dataset(c, data=getattr(portfolio, c).astype(np.float64))
-            g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
-            for c in FLAG_COLUMNS:
-                g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
-            if portfolio.market_price is not None:
-                g.create_dataset(MARKET_COLUMN, data=portfolio.market_price.astype(np.float64))
-            if portfolio.tree is not None:
-                g.create_dataset(TREE_COLUMN, data=np.asarray(portfolio.tree, dtype=object),
-                                 dtype=h5py.string_dtype("utf-8"))
+    """Write a portfolio in the `pricer.portfolio/1` schema (atomically: temp file, then rename).
+    The file is built in memory (portfolio_image) and written as plain bytes: a disk that fills
+    during the write raises OSError and leaves nothing (files.atomic_write)."""
+    atomic_write(path, portfolio_image(portfolio, attrs))
 
-    atomic_write(path, write)
+
+def portfolio_image(portfolio: Portfolio, attrs: dict | None = None) -> memoryview:
+    """The bytes of the HDF5 file write_portfolio writes, made in memory (a view
+    of its buffer, not a copy)."""
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        g = f.create_group(GROUP)
+        g.attrs["schema"] = SCHEMA
+        g.attrs.update(attrs or {})
+        g.create_dataset("id", data=portfolio.id.astype(np.int64))
+        for c in FLOAT_COLUMNS:
+            if c == "volatility" and portfolio.market_price is not None \
+                    and np.isnan(portfolio.volatility).all():
+                continue          # a book of market prices without volatilities
+            g.create_dataset(c, data=getattr(portfolio, c).astype(np.float64))
+        g.create_dataset("steps", data=portfolio.steps.astype(np.int64))
+        for c in FLAG_COLUMNS:
+            g.create_dataset(c, data=getattr(portfolio, c).astype(bool))
+        if portfolio.market_price is not None:
+            g.create_dataset(MARKET_COLUMN, data=portfolio.market_price.astype(np.float64))
+        if portfolio.tree is not None:
+            g.create_dataset(TREE_COLUMN, data=np.asarray(portfolio.tree, dtype=object),
+                             dtype=h5py.string_dtype("utf-8"))
+    return image.getbuffer()
 
 
 def read_portfolio(path: str, values: bool = True) -> Portfolio:

@@ -13,12 +13,11 @@ options, a plug-in's family), written to one file.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 from pricer.errors import InputError
-from pricer.files import OutputLock, check_input_file, check_output_file
+from pricer.files import check_input_file, check_output_file, claim as claim_outputs
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import check_output_path, sha256_beside
 from pricer.model.greeks import Analytics
@@ -168,21 +167,15 @@ def run(cfg: RunConfig, comm=None, prepare=None):
 
 
 def claim(cfg: RunConfig) -> list:
-    """The output, and the checkpoint folder if any, claimed for this run (OutputLock); the
+    """The output, and the checkpoint folder if any, claimed for this run (files.claim); the
     output's checks made again under the claim, since a run that held it until now may have
     written it."""
-    locks = []
-    try:
-        for target in filter(None, (cfg.output, cfg.checkpoint)):
-            locks.append(OutputLock(os.path.normpath(target)).acquire())
+    def recheck() -> None:
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
         if cfg.summary_json:     # written at the end: refused now rather than after the work
             check_output_file(cfg.summary_json, cfg.overwrite, "summary")
-    except BaseException:
-        for lock in locks:
-            lock.release()
-        raise
-    return locks
+
+    return claim_outputs(filter(None, (cfg.output, cfg.checkpoint)), recheck)
 
 
 def _summary(cfg: RunConfig, results: list, notes: list):

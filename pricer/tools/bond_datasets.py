@@ -33,7 +33,7 @@ from pricer.model import hw1f
 
 DATASETS = ("U1", "U2", "R1", "R2", "R3", "S1", "S2")
 # the instruments as objects, their columns and the file's rows while a dataset is written
-GENERATE_BYTES_PER_INSTRUMENT = 512    # the columns, and the text columns' objects as written
+GENERATE_BYTES_PER_INSTRUMENT = 512    # the columns, the text columns' objects, the file in memory
 STEPS_PER_YEAR = 12
 WIDTHS, HEIGHTS = (7, 511), (13, 1200)
 CURVE = hw1f.YieldCurve(np.array([0.25, 1.0, 2.0, 5.0, 10.0, 30.0, 100.0]),
@@ -127,11 +127,11 @@ def dataset(name: str, count: int | None = None, seed: int = 2026):
 def write_dataset(path: str, name: str, count: int | None = None, seed: int = 2026,
                   overwrite: bool = False) -> None:
     """`pricer generate --bonds NAME`: the dataset as a book of bond options (pricer/io/bonds.py)
-    on its one curve, named "default"."""
+    on its one curve, named "default"; checked, claimed and written as `pricer generate` writes an
+    option book (pricer/tools/generate.py: check_memory, claimed, write_image)."""
     from pricer.files import check_output_file
-    from pricer.io.bonds import write_bond_book
-
-    from pricer.run.memory import GIB, available_bytes
+    from pricer.io.bonds import bond_book_image
+    from pricer.tools.generate import check_memory, claimed, write_image
 
     if count is not None and count < 1:
         raise InputError(f"--count must be >= 1, got {count}")
@@ -140,11 +140,10 @@ def write_dataset(path: str, name: str, count: int | None = None, seed: int = 20
     check_output_file(path, overwrite, "book of bond options")
     if not path.endswith((".h5", ".hdf5")):
         raise InputError(f"{path}: a book of bond options is an HDF5 file (.h5)")
-    need, have = (count or 100_000) * GENERATE_BYTES_PER_INSTRUMENT, available_bytes()
-    if need > have:
-        raise InputError(f"--count {count}: generating it needs ~{need / GIB:.2f} GiB of memory, "
-                         f"this machine has {have / GIB:.2f} GiB available")
-    columns = dataset_columns(name, count, seed)
-    n = columns["maturity"].size
-    write_bond_book(path, np.arange(1, n + 1), columns, {"default": CURVE}, default="default")
+    check_memory(count or 100_000, GENERATE_BYTES_PER_INSTRUMENT)
+    with claimed(path, overwrite, "book of bond options"):
+        columns = dataset_columns(name, count, seed)
+        n = columns["maturity"].size
+        write_image(path, bond_book_image(np.arange(1, n + 1), columns, {"default": CURVE},
+                                          default="default"), "book of bond options")
     print(f"wrote {path}: {n} bond options ({name}, seed {seed})", flush=True)
