@@ -144,14 +144,14 @@ def make_plan(family: Family, cfg, size: int, node_ranks: int, digest,
     if folder:
         checkpoint = Checkpoint(folder)
         if checkpoint.open(digest.result(), _settings(family, cfg, grid)):
-            done, failed = checkpoint.done(grid, outputs)
+            def judge(j: int, values: np.ndarray) -> None:   # as a fresh chunk's values
+                family.judge(cfg, index.ids[int(grid[j]):int(grid[j + 1])], values)
+
+            done, failed = checkpoint.done(grid, outputs, judge)
             if failed:
                 what = "" if family.top_level else f"{family.label} "
                 notes.append(f"checkpoint: {failed} {what}chunk file(s) failed their checks (cut "
                              "short, changed, or another chunk's or run's) and were priced again")
-            for j in np.flatnonzero(done):      # a saved chunk's values judged as a fresh one's
-                a, b = int(grid[j]), int(grid[j + 1])
-                family.judge(cfg, index.ids[a:b], checkpoint.load(int(j), b - a, outputs))
     todo = np.flatnonzero(~done).astype(np.int64)
     costs = np.add.reduceat(index.cost, grid[:-1])[todo] if todo.size else np.zeros(0)
     return Plan(grid, todo, split_chunks(costs, size), None, True, index,
