@@ -10,6 +10,12 @@ without a file that passes its checks are priced), an empty or new DIR starts on
 holds another input's or other settings' checkpoint is refused by name. The prices of a chunk do
 not depend on which rank or run priced it, so the result is bitwise the one an uninterrupted run
 writes. DIR must be visible to every rank (rank 0 reads the chunks back).
+
+Every entry of DIR is read as an input is: the manifest and the run's chunk names must be regular
+files (a link, FIFO, device, socket or directory there is no file a run wrote: the run is refused,
+naming it, before anything is opened, followed or replaced), opened without following a link or
+waiting for a writer, and read no further than what a whole one holds (MANIFEST_BYTES; a chunk's
+header and the rows the grid gives it): a larger file fails its checks unread.
 """
 
 from __future__ import annotations
@@ -17,14 +23,58 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 
 import numpy as np
 
-from pricer.errors import InputError
-from pricer.files import atomic_write
+from pricer.errors import InputError, OutputError
+from pricer.files import _kind, atomic_write
 
 FORMAT = "pricer.checkpoint/2"
 MANIFEST = "manifest.json"
+MANIFEST_BYTES = 1 << 20    # a manifest's size at most (the settings' few hundred bytes)
+HEADER_BYTES = 1024         # a chunk file's first line at most (its JSON header: ~250 bytes)
+
+
+class NotAnEntry(OSError):
+    """A checkpoint entry that is not a regular file, or larger than a whole one."""
+
+
+def read_entry(path: str, limit: int) -> bytes:
+    """The bytes of the checkpoint entry `path`, a regular file of at most `limit` bytes, read as
+    an input is: opened without following a link (O_NOFOLLOW) or waiting for a FIFO's writer
+    (O_NONBLOCK), judged by what was opened (fstat), never more than `limit` + 1 bytes read.
+    NotAnEntry where it is no such file, OSError where it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotAnEntry(f"{path}: is {_kind(info.st_mode)}")
+        if info.st_size > limit:
+            raise NotAnEntry(f"{path}: holds {info.st_size} bytes, more than {limit}")
+        data = f.read(limit + 1)
+    if len(data) > limit:         # it grew while it was read
+        raise NotAnEntry(f"{path}: holds more than {limit} bytes")
+    return data
+
+
+def entry_kind(path: str) -> str | None:
+    """What `path` is where it is not a regular file (not followed if it is a link): "a symbolic
+    link (to T)", "a FIFO (named pipe)", "a directory", ...; None for a regular file or none."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    return _kind(mode)
+
+
 def checkpoint_bytes(options: int, outputs: int, chunks: int) -> float:
     """A whole checkpoint's size: the values, a header line per chunk, the manifest."""
     return options * 8 * outputs + 512.0 * chunks + 4096
@@ -58,12 +108,12 @@ class Checkpoint:
         manifest = os.path.join(self.folder, MANIFEST)
         want = {"format": FORMAT, "input_sha256": input_sha256, "settings": settings,
                 "settings_sha256": settings_hash(settings)}
-        if os.path.exists(manifest):
-            self._check(manifest, want)
+        if os.path.lexists(manifest):
+            blob = self._manifest(manifest)
+            self._check(blob, want)
             self._remove_leftovers()
             try:   # the chunks still to price must be writable there: rewritten as it is
-                with open(manifest, "rb") as f:
-                    atomic_write(manifest, f.read(), fsync=True)
+                atomic_write(manifest, blob, fsync=True)
             except OSError as exc:
                 raise InputError(f"{self.folder}: cannot write the checkpoint folder: "
                                  f"{exc.strerror or exc}") from None
@@ -94,16 +144,27 @@ class Checkpoint:
 
     def attach(self) -> "Checkpoint":
         """Any rank, once rank 0 has opened the folder: the run's id, from its manifest."""
-        with open(os.path.join(self.folder, MANIFEST)) as f:
-            have = json.load(f)
+        have = json.loads(read_entry(os.path.join(self.folder, MANIFEST), MANIFEST_BYTES))
         self.run = f"{have['input_sha256']}:{have['settings_sha256']}"
         return self
 
-    def _check(self, manifest: str, want: dict) -> None:
+    def _manifest(self, manifest: str) -> bytes:
+        """The manifest's bytes, or InputError where it is no regular file of at most
+        MANIFEST_BYTES (a FIFO there would never end a read, a link may lead anywhere)."""
+        kind = entry_kind(manifest)
+        if kind is not None:
+            raise InputError(f"{manifest}: is {kind}, not the regular file a run writes; the "
+                             f"checkpoint cannot be continued: give an empty or new folder")
         try:
-            with open(manifest) as f:
-                have = json.load(f)
-        except (OSError, ValueError) as exc:
+            return read_entry(manifest, MANIFEST_BYTES)
+        except OSError as exc:
+            raise InputError(f"{self.folder}: unreadable {MANIFEST}: "
+                             f"{exc.strerror or exc}") from None
+
+    def _check(self, blob: bytes, want: dict) -> None:
+        try:
+            have = json.loads(blob)
+        except ValueError as exc:
             raise InputError(f"{self.folder}: unreadable {MANIFEST}: {exc}") from None
         if not isinstance(have, dict) or have.get("format") != FORMAT:
             found = have.get("format") if isinstance(have, dict) else None
@@ -135,10 +196,10 @@ class Checkpoint:
         atomic_write(self.path(chunk), json.dumps(header).encode() + b"\n" + data, fsync=True)
 
     def _read(self, chunk: int, rows: int, outputs: int) -> np.ndarray | None:
-        """The chunk's values if its file passes every check, else None."""
+        """The chunk's values if its file passes every check, else None; never more read than
+        a whole one holds."""
         try:
-            with open(self.path(chunk), "rb") as f:
-                blob = f.read()
+            blob = read_entry(self.path(chunk), HEADER_BYTES + 8 * rows * outputs)
             line, data = blob.split(b"\n", 1)
             header = json.loads(line)
         except (OSError, ValueError):
@@ -151,19 +212,46 @@ class Checkpoint:
             return None
         return np.frombuffer(data, dtype=np.float64).reshape(rows, outputs).copy()
 
-    def done(self, grid: np.ndarray, outputs: int) -> tuple[np.ndarray, int]:
+    def check_entries(self, chunks: int) -> None:
+        """InputError naming the first of the names of the run's `chunks` chunk files that is
+        not a regular file (module doc): it is left as it is, never opened or replaced."""
+        with os.scandir(self.folder) as entries:
+            odd = sorted(entry.name for entry in entries
+                         if entry.name.startswith("chunk-") and
+                         not entry.is_file(follow_symlinks=False))
+        names = {os.path.basename(self.path(j)) for j in range(chunks)} if odd else set()
+        for name in odd:
+            path = os.path.join(self.folder, name)
+            kind = entry_kind(path) if name in names else None
+            if kind is not None:
+                raise InputError(f"{path}: is {kind}, not a chunk file (a checkpoint holds the "
+                                 f"regular files its runs write); remove it, and its chunk is "
+                                 f"priced again")
+
+    def done(self, grid: np.ndarray, outputs: int, judge=None) -> tuple[np.ndarray, int]:
         """Which chunks have a file that passes every check, and how many files there fail one
-        (their chunks are priced again)."""
+        (their chunks are priced again); `judge(chunk, values)`, if given, sees each whole
+        chunk's values as they are read. InputError for an entry that is not a regular file
+        (check_entries)."""
+        self.check_entries(len(grid) - 1)
         ok = np.zeros(len(grid) - 1, dtype=bool)
         failed = 0
         for j in range(len(grid) - 1):
-            ok[j] = self._read(j, int(grid[j + 1] - grid[j]), outputs) is not None
-            failed += not ok[j] and os.path.exists(self.path(j))
+            values = self._read(j, int(grid[j + 1] - grid[j]), outputs)
+            ok[j] = values is not None
+            if ok[j] and judge is not None:
+                judge(j, values)
+            failed += not ok[j] and os.path.lexists(self.path(j))
         return ok, failed
 
     def load(self, chunk: int, rows: int, outputs: int) -> np.ndarray:
-        """A chunk that done() found whole (checked again: it must not have changed since)."""
+        """A chunk that done() found whole, checked again; OutputError (nothing is written) if
+        it has changed since."""
         values = self._read(chunk, rows, outputs)
         if values is None:
-            raise RuntimeError(f"{self.path(chunk)}: changed while this run was using it")
+            raise OutputError(f"{self.path(chunk)}: changed while this run was using it (a "
+                              f"checkpoint folder serves one run at a time: something else "
+                              f"wrote there); no results were written: run the same command "
+                              f"again, which reads back the chunks that pass their checks and "
+                              f"prices this one again")
         return values

@@ -237,23 +237,38 @@ def check_disk(cfg: RunConfig, options: int, chunks: int, outputs: int | None = 
                checkpoint: str | None = None) -> None:
     """The output's folder (and the checkpoint's) has room for what the run will write there —
     the results file, the checkpoint's chunks not yet saved — or InputError with the numbers,
-    before any pricing (a full disk found only at the write would lose the run). `options`
-    rows of `outputs` values each (None: the option run's, cfg.outputs()); `checkpoint`: the
-    folder of the chunks (None: cfg.checkpoint)."""
+    before any pricing (a full disk found only at the write would lose the run); InputError too
+    for a folder that does not exist or cannot be looked at. `options` rows of `outputs` values
+    each (None: the option run's, cfg.outputs()); `checkpoint`: the folder of the chunks (None:
+    cfg.checkpoint). The checkpoint's saved chunks are its regular files (a link is not
+    followed)."""
     outputs = len(cfg.outputs()) if outputs is None else outputs
     checkpoint = checkpoint or cfg.checkpoint
-    wanted = [(os.path.dirname(os.path.abspath(cfg.output)), "the results",
+    wanted = [(cfg.output, os.path.dirname(os.path.abspath(cfg.output)), "the results",
                results_bytes(options, outputs))]
     if checkpoint:
         folder = checkpoint if os.path.isdir(checkpoint) else \
             os.path.dirname(os.path.abspath(checkpoint))
-        saved = sum(entry.stat().st_size for entry in os.scandir(checkpoint)
-                    if entry.is_file()) if os.path.isdir(checkpoint) else 0
-        wanted.append((folder, "the checkpoint",
+        try:
+            with os.scandir(checkpoint) as entries:
+                saved = sum(entry.stat(follow_symlinks=False).st_size for entry in entries
+                            if entry.is_file(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            saved = 0
+        except OSError as exc:
+            raise InputError(f"{checkpoint}: cannot read the checkpoint folder: "
+                             f"{exc.strerror}") from None
+        wanted.append((checkpoint, folder, "the checkpoint",
                        max(0.0, checkpoint_bytes(options, outputs, chunks) - saved)))
     by_device: dict = {}
-    for folder, what, nbytes in wanted:
-        entry = by_device.setdefault(os.stat(folder).st_dev, [folder, [], 0.0])
+    for path, folder, what, nbytes in wanted:
+        try:
+            device = os.stat(folder).st_dev
+        except OSError as exc:
+            raise InputError(f"{path}: folder {folder} " + (
+                "does not exist" if isinstance(exc, FileNotFoundError) else
+                f"cannot be used: {exc.strerror}")) from None
+        entry = by_device.setdefault(device, [folder, [], 0.0])
         entry[1].append(f"{what} need ~{size_text(nbytes)}")
         entry[2] += nbytes
     for folder, whats, nbytes in by_device.values():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pricer.errors import InputError
 from pricer.files import check_input_file, check_output_file, claim as claim_outputs
+from pricer.io.checkpoint import entry_kind
 from pricer.io.formats import HDF5, output_format
 from pricer.io.results import check_output_path, sha256_beside
 from pricer.model.greeks import Analytics
@@ -137,6 +138,8 @@ def run(cfg: RunConfig, comm=None, prepare=None):
                              "each in its own group")
         check_input_file(cfg.input)   # before the hash is read beside the run: a FIFO never ends
         check_output_path(cfg.output, cfg.overwrite, protect=cfg.input)
+        check_checkpoint_paths(cfg, [checkpoint_folder(cfg, fam, fam is found[0])
+                                     for fam in found])
         locks.extend(claim(cfg))
         # the file's hash (for the results and checkpoints), read beside the parsing and beyond
         return sha256_beside(cfg.input)
@@ -164,6 +167,31 @@ def run(cfg: RunConfig, comm=None, prepare=None):
     finally:
         for lock in locks:
             lock.release()
+
+
+def check_checkpoint_paths(cfg: RunConfig, folders: list) -> None:
+    """InputError unless each checkpoint folder (one per family: pipeline.checkpoint_folder) is a
+    path of its own — not the input, not the output, nor a folder the output is in (the run
+    would price everything, then fail to write or refuse its own folder) — and is a folder or
+    can be made one: its parent exists, and it is a directory where it exists."""
+    where = os.path.realpath
+    for folder in filter(None, folders):
+        if where(folder) == where(cfg.input):
+            raise InputError(f"{folder}: --checkpoint names the input; give the checkpoint a "
+                             f"folder of its own")
+        if where(folder) == where(cfg.output):
+            raise InputError(f"{folder}: --checkpoint names the output (-o {cfg.output}); give "
+                             f"the checkpoint a folder of its own")
+        if where(cfg.output).startswith(where(folder).rstrip(os.sep) + os.sep):
+            raise InputError(f"{cfg.output}: the output is inside the checkpoint folder "
+                             f"{folder}; write it elsewhere")
+        parent = os.path.dirname(os.path.abspath(folder))
+        if not os.path.isdir(parent):
+            raise InputError(f"{folder}: folder {parent} does not exist")
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            raise InputError(f"{folder}: is {entry_kind(folder) or 'a regular file'}; "
+                             f"--checkpoint names a folder (a new one, an empty one, or one that "
+                             f"holds this run's checkpoint)")
 
 
 def claim(cfg: RunConfig) -> list:

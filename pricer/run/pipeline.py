@@ -13,6 +13,8 @@ prepare (every family before any pricing):
    of its span of the file; with --invalid skip the rows that break a rule keep their status
    instead); one verdict, so that bad input anywhere makes every rank exit 2, the lowest rank's
    message printed.
+Both under a stall watchdog of their own (watchdog.py, OPENING): a rank stuck in its part of them
+(rank 0 in a read of the input or the checkpoint that never returns) ends the job, named.
 
 finish:
 3. compute: each rank prices its chunks (Family.setup, then Family.price), saving each chunk to
@@ -25,6 +27,7 @@ finish:
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,10 +45,11 @@ from pricer.run.checks import check_disk
 from pricer.run.chunk_loop import ChunkLoop
 from pricer.run.chunks import split_chunks
 from pricer.run.collectives import ROOT, attempt, bcast_array, gather_rows, verdict
-from pricer.run.faults import polite_barrier
+from pricer.run.faults import PLAN, abort_job, inject, planned_faults, polite_barrier
 from pricer.run.families import Family
 from pricer.run.parts import FamilyResults
 from pricer.run.progress import Progress
+from pricer.run.watchdog import StallWatch, opening_limit
 
 
 @dataclass
@@ -125,6 +129,7 @@ def make_plan(family: Family, cfg, size: int, node_ranks: int, digest,
     """Rank 0: the family's index, the memory check, the chunk grid (or the family's partition
     where no checkpoint binds the chunks), the disk check, the checkpoint's chunks, the ranks'
     shares by cost."""
+    inject(planned_faults(ROOT), ROOT, PLAN)
     index = family.index(cfg, size, node_ranks)
     n = index.ids.size
     if n == 0 and not family.top_level:
@@ -144,25 +149,65 @@ def make_plan(family: Family, cfg, size: int, node_ranks: int, digest,
     if folder:
         checkpoint = Checkpoint(folder)
         if checkpoint.open(digest.result(), _settings(family, cfg, grid)):
-            done, failed = checkpoint.done(grid, outputs)
+            def judge(j: int, values: np.ndarray) -> None:   # as a fresh chunk's values
+                family.judge(cfg, index.ids[int(grid[j]):int(grid[j + 1])], values)
+
+            done, failed = checkpoint.done(grid, outputs, judge)
             if failed:
                 what = "" if family.top_level else f"{family.label} "
                 notes.append(f"checkpoint: {failed} {what}chunk file(s) failed their checks (cut "
                              "short, changed, or another chunk's or run's) and were priced again")
-            for j in np.flatnonzero(done):      # a saved chunk's values judged as a fresh one's
-                a, b = int(grid[j]), int(grid[j + 1])
-                family.judge(cfg, index.ids[a:b], checkpoint.load(int(j), b - a, outputs))
     todo = np.flatnonzero(~done).astype(np.int64)
     costs = np.add.reduceat(index.cost, grid[:-1])[todo] if todo.size else np.zeros(0)
     return Plan(grid, todo, split_chunks(costs, size), None, True, index,
                 np.flatnonzero(done).astype(np.int64), checkpoint, notes)
 
 
+OPENING = "the run's opening stages (its plan, the reads of the input and the checkpoint)"
+
+
 def prepare_family(family: Family, cfg, comm, node_ranks: int, digest,
                    folder: str | None) -> Ready:
     """Plan and share (module doc) on every rank of comm. Bad input makes every rank exit 2
-    (BadInput)."""
+    (BadInput). Watched (watchdog.StallWatch of the OPENING stage): a rank stuck in its part (rank
+    0 in a read of the input or the checkpoint that never returns, a device that never starts)
+    or silent ends the job, named, rather than leave the others waiting for it for ever."""
+    watch = StallWatch(comm, cfg.stall_timeout,
+                       lambda message: abort_job(comm, message, in_thread=True), stage=OPENING)
+    try:
+        ready = _prepare(family, cfg, comm, node_ranks, digest, folder, watch)
+    except BaseException:
+        watch.abandon()      # stopped already where every rank ends at a verdict (_agree)
+        raise
+    watch.stop()
+    return ready
+
+
+def _agree(comm, watch: StallWatch, status: int, message: str | None, failure) -> None:
+    """One verdict (collectives.verdict); where it ends the run, every rank ends at it, so each
+    stops its watch with the others (their goodbyes) before it leaves."""
+    try:
+        verdict(comm, status, message)
+    except BaseException:
+        watch.stop()
+        raise
+    if failure is not None:
+        watch.stop()
+        raise failure
+
+
+def _input_bytes(cfg) -> float:
+    try:
+        return float(os.path.getsize(cfg.input))
+    except OSError:
+        return 0.0
+
+
+def _prepare(family: Family, cfg, comm, node_ranks: int, digest, folder: str | None,
+             watch: StallWatch) -> Ready:
     rank, size = comm.Get_rank(), comm.Get_size()
+    limit = opening_limit(_input_bytes(cfg), cfg.stall_timeout)
+    watch.begin(limit)
     clock = compiling.StageClock()     # a first run's compile a stage of its own
     parts = {"plan": 0.0, "fit": 0.0}
     start = time.perf_counter()
@@ -186,7 +231,9 @@ def prepare_family(family: Family, cfg, comm, node_ranks: int, digest,
             if p_status:
                 status, message, failure = p_status, p_message, p_failure
     joined = time.perf_counter()
+    watch.finished()       # this rank's part done: only its silence is watched while it waits
     polite_barrier(comm)   # the others sleep while rank 0 reads, rather than spin on its cores
+    watch.begin(limit)
     # every rank's GPU, measured now that every engine has started, to rank 0, which fits every
     # rank's share to it or refuses the run before the verdict
     gathered = comm.gather((memory.device_info(family.device(engine)), socket.gethostname()),
@@ -198,9 +245,7 @@ def prepare_family(family: Family, cfg, comm, node_ranks: int, digest,
             lambda: family.fit(cfg, plan, family.device(engine), [g[0] for g in gathered]))
         fits, notes = fitted if fitted is not None else (None, [])
         parts["fit"] = time.perf_counter() - t
-    verdict(comm, status, message)
-    if failure is not None:
-        raise failure
+    _agree(comm, watch, status, message, failure)
     fit = bcast_array(comm, np.asarray(fits if fits is not None else np.zeros(size), np.int64)
                       if rank == ROOT else None)
     shared = [bcast_array(comm, getattr(plan, name) if rank == ROOT else None)
@@ -214,9 +259,8 @@ def prepare_family(family: Family, cfg, comm, node_ranks: int, digest,
     clock.lap(family.stage_names[0], beside=parts["plan"])
     shared, status, message, failure = attempt(
         lambda: family.share(cfg, comm, plan, plan.rank_chunks(rank)))
-    verdict(comm, status, message)
-    if failure is not None:
-        raise failure
+    watch.finished()
+    _agree(comm, watch, status, message, failure)
     book, chunks = shared
     clock.lap(family.stage_names[1])
     hosts = [host for _, host in gathered] if rank == ROOT else None

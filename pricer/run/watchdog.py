@@ -9,6 +9,12 @@ that only a rank that has really stopped reaches it, and the silence limit is FL
 chunk has COLD_START more (the engine's kernels compile at their first call). Neither limit is
 ever infinite.
 
+The opening stages (pipeline.prepare_family: rank 0's plan, with its reads of the input and the
+checkpoint, every rank's engine start and read of its rows) are watched the same way, a watch of
+their own (`stage`): a rank in them for longer than their limit (--stall-timeout, else FLOOR + the
+input's size at READ_RATE; its kernel compiles not counted), or silent for longer than the silence
+limit, ends the job, so that no rank waits for ever for a rank 0 stuck in a read.
+
 Every rank runs a thread beside its pricing (the engines release the GIL while they price), on a
 communicator of the watchdog's own: every BEAT seconds it tells its peers (rank 0: every rank; the
 others: rank 0) how long ago its main thread finished its last chunk, that chunk's limit, its
@@ -32,12 +38,16 @@ import time
 
 import numpy as np
 
+from pricer import compiling
+
 ROOT = 0
 BEAT_TAG = 7719      # FailureWatch uses 7717, Progress 7718
 BEAT = 0.25          # seconds between beats, and between a thread's checks
 FLOOR = 120.0        # seconds: the silence limit, and every chunk's limit beyond its own work
 RATE = 1e8           # lattice nodes per second a stalled-or-not rank is held to (default limits)
 MINIMUM = 1.0        # the smallest --stall-timeout: several beats must fit in it
+READ_RATE = 1e6      # bytes of the input per second an opening stage is held to (default limits):
+                     # far below what a file system reads and the checks judge
 COLD_START = 600.0   # seconds more for a rank's first chunk: numba compiles the CPU kernels at
                      # their first call, 30-50 s per process on a cold cache, more with many ranks
                      # compiling at once on one node (its process stays heard from meanwhile)
@@ -65,11 +75,24 @@ def silence_limit(stall_timeout: float | None) -> float:
     return float(stall_timeout) if stall_timeout is not None else FLOOR
 
 
+def opening_limit(input_bytes: float, stall_timeout: float | None) -> float:
+    """Seconds a rank may spend in an opening stage of a run whose input holds `input_bytes`
+    (its kernel compiles not counted: StallWatch's `stage`)."""
+    if stall_timeout is not None:
+        return float(stall_timeout)
+    return FLOOR + float(input_bytes) / READ_RATE
+
+
 class StallWatch:
     """One per rank for the compute stage. The main thread calls begin(limit) before each chunk,
     done(chunk) after it, finished() after its last, and, once past the compute barrier, stop()
     (every rank; it returns when every peer has said goodbye) — or abandon() where the run ends
     otherwise (an exception on the way out of this rank alone).
+
+    With `stage` (its words in the messages, e.g. "the run's opening stages"), one for stages
+    that are no chunk loop: begin(limit) as the rank's own work starts, finished() as it waits
+    for the others (then only its silence is watched, until the next begin); a rank's time in the
+    stage leaves out its kernel compiles (compiling.seconds(): a cold cache's 30-50 s).
 
     Ending: stop() makes the thread send each peer (rank 0: every rank; the others: rank 0) a last
     beat, BYE, after which it sends nothing more, and keep taking in beats and checking silence
@@ -77,7 +100,8 @@ class StallWatch:
     is left in flight and the communicator can be freed; and a rank that stops before it says BYE
     (lost while it waits in the barrier) is still caught by its silence."""
 
-    def __init__(self, comm, stall_timeout: float | None, abort, clock=time.monotonic):
+    def __init__(self, comm, stall_timeout: float | None, abort, clock=time.monotonic,
+                 stage: str | None = None):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.MPI = None     # a run of one rank has no peers to hear (and may run without MPI)
         if self.size > 1:
@@ -87,6 +111,8 @@ class StallWatch:
         self.silence = silence_limit(stall_timeout)
         self.abort = abort               # abort(message): ends the job (faults.abort_job)
         self.clock = clock
+        self.stage = stage
+        self.compiled = compiling.seconds() if stage else 0.0   # as the stage's work began
         self.talking = self.size > 1 and self.MPI.Query_thread() >= self.MPI.THREAD_MULTIPLE
         self.comm = comm.Dup() if self.size > 1 else None
         where = (socket.gethostname(), os.getpid())
@@ -106,9 +132,13 @@ class StallWatch:
 
     # ---- the main thread
     def begin(self, limit: float) -> None:
-        """A chunk starts, with `limit` seconds to finish it (chunk_limit)."""
+        """A chunk (or the rank's work in its stage) starts, with `limit` seconds to finish it
+        (chunk_limit, opening_limit)."""
         self.limit = limit
+        if self.stage:
+            self.compiled = compiling.seconds()
         self.progress_at = self.clock()
+        self.over = False
 
     def done(self, chunk: int) -> None:
         self.chunks += 1
@@ -165,7 +195,10 @@ class StallWatch:
                 self._check(rank, now)
 
     def _own(self, now: float) -> list:
-        return [now, now - self.progress_at, self.limit, self.chunks, self.over, self.last_chunk]
+        age = now - self.progress_at
+        if self.stage:
+            age = max(0.0, age - (compiling.seconds() - self.compiled))
+        return [now, age, self.limit, self.chunks, self.over, self.last_chunk]
 
     def _send(self, beat: np.ndarray, dest: int) -> None:
         self.pending.append(self.comm.Isend([beat, self.MPI.DOUBLE], dest=dest, tag=BEAT_TAG))
@@ -190,8 +223,12 @@ class StallWatch:
             return
         if silent > SILENT_BEATS * BEAT:     # its thread has stopped beating too
             what = f"has not been heard from for {silent:.1f} s (stopped, or its node lost"
-            what += f"; limit {self.silence:g} s)" if over else \
+            what += f"; limit {self.silence:g} s)" if over or self.stage else \
                 f"; no chunk finished for {stuck:.1f} s, limit {limit:.3g} s)"
+            what += f" in {self.stage}" if self.stage else ""
+        elif self.stage:
+            what = (f"has been in {self.stage} for {stuck:.1f} s (a stuck device or file "
+                    f"system; limit {limit:.3g} s, kernel compiles not counted)")
         else:
             what = (f"has finished no chunk for {stuck:.1f} s (a stuck engine, device or file "
                     f"system; limit {limit:.3g} s)")
@@ -199,11 +236,12 @@ class StallWatch:
 
     def _stalled_text(self, rank: int, seen: list | None, what: str) -> str:
         host, pid = self.where[rank]
+        work = f"the input's size at {READ_RATE:g} bytes/s" if self.stage else \
+            f"the chunk's lattice nodes at {RATE:g} nodes/s"
         setting = (f"--stall-timeout {self.stall_timeout:g}" if self.stall_timeout is not None
-                   else f"by default {FLOOR:g} s + the chunk's lattice nodes at {RATE:g} nodes/s; "
-                        f"--stall-timeout SECONDS sets it")
+                   else f"by default {FLOOR:g} s + {work}; --stall-timeout SECONDS sets it")
         done = ""
-        if seen is not None:
+        if seen is not None and not self.stage:
             chunks, last = seen[3], seen[5]
             done = f"; it had finished {chunks} chunk(s)" + (
                 f", the last chunk number {last} of the run's chunk grid" if last >= 0 else "")
