@@ -13,6 +13,7 @@ options, a plug-in's family), written to one file.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
