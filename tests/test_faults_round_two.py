@@ -1,0 +1,165 @@
+"""Faults of the second hostile sweep (docs/reliability.md): a signal to any rank of a real
+`mpiexec -n 2` job at any moment; `pricer scaling`'s refusals; the messages of odd input (threads,
+CSV cells, Parquet nulls, scenario grids, `pricer info` of a mixed file)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import env, launched, mpiexec, pricer_command
+from pricer.io.portfolio import write_portfolio
+from pricer.io.results import read_results
+from test_reliability import (HANG_TIMEOUT, _chunks, _stopped, leftover_processes, make_book,
+                              rank_pid, wait_while)
+
+REPEATS = 3     # the signal tests' runs each: what they catch was intermittent
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    path = tmp_path_factory.mktemp("book") / "book.h5"
+    portfolio = make_book()
+    write_portfolio(str(path), portfolio)
+    return path, portfolio
+
+
+def _job(book_path, folder, extra_env=None, checkpoint=True):
+    out = folder / "prices.h5"
+    e = env()
+    e.update({"PRICER_CHUNK_DELAY": "0.2", "PRICER_PROGRESS": "off", **(extra_env or {})})
+    cmd = [mpiexec(), "-n", "2"] + pricer_command() + [
+        "price", str(book_path), "-o", str(out), "--chunk-nodes", "2e4", "--threads", "1"]
+    if checkpoint:
+        cmd += ["--checkpoint", str(folder / "ck")]
+    return cmd, e, out
+
+
+def _ranks(out) -> list[int]:
+    return [rank_pid(str(out), rank) for rank in (0, 1)]
+
+
+def _mapped(pid: int, name: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return False
+
+
+def _signal_mask(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def _nothing_left(folder, out):
+    """No output, no lock file, no temporary file (in the folder or the checkpoint), no process."""
+    left = sorted(os.listdir(folder))
+    assert left in (["ck"], []), left
+    if (folder / "ck").exists():
+        assert [n for n in os.listdir(folder / "ck") if n.startswith(".")] == []
+    assert leftover_processes(str(out)) == []
+
+
+def _signalled_rank_1(book_path, folder, signum, moment):
+    """One run of the job, `signum` to rank 1 at `moment`: (exit code, stderr)."""
+    cmd, e, out = _job(book_path, folder)
+    with launched(cmd, e) as job:
+        pid = rank_pid(str(out), 1)
+        if moment == "importing":
+            wait_while(job, lambda: not _mapped(pid, "_multiarray_umath"))
+        elif moment == "claimed":
+            wait_while(job, lambda: not (folder / ".prices.h5.lock").exists())
+        else:
+            wait_while(job, lambda: _chunks(folder / "ck") < 4)
+        assert job.poll() is None, job.communicate()
+        os.kill(pid, signum)
+        _, stderr = job.communicate(timeout=HANG_TIMEOUT)
+    _nothing_left(folder, out)
+    return job.returncode, stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("moment", ["importing", "claimed", "pricing"])
+def test_a_signal_to_rank_1_ends_the_job_with_exit_1_and_no_claim_left(tmp_path, book, signum,
+                                                                       moment):
+    """SIGTERM or SIGINT to rank 1 (not the claim's holder) of `mpiexec -n 2 pricer price
+    --checkpoint`: while its interpreter imports numpy (before MPI has started), as soon as rank
+    0 holds the claims, and while chunks are priced. Exit 1, one `pricer: terminated` line, no
+    traceback, no output, and neither the output's nor the checkpoint's lock file left (MPI_Abort
+    kills rank 0 outright: rank 0 removes them before the abort)."""
+    name = signal.Signals(signum).name
+    for attempt in range(REPEATS):
+        folder = tmp_path / f"run-{attempt}"
+        folder.mkdir()
+        code, stderr = _signalled_rank_1(book[0], folder, signum, moment)
+        assert code == 1, (attempt, code, stderr)
+        assert f"pricer: terminated ({name})" in stderr and "Traceback" not in stderr, stderr
+
+
+def _signalled_launcher(book_path, folder):
+    cmd, e, out = _job(book_path, folder)
+    with launched(cmd, e) as job:
+        pids = _ranks(out)
+        wait_while(job, lambda: not all(_mapped(p, "_multiarray_umath") for p in pids))
+        assert job.poll() is None, job.communicate()
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=HANG_TIMEOUT)
+    _nothing_left(folder, out)
+    return job.returncode, stderr
+
+
+def test_sigterm_to_mpiexec_while_the_ranks_import_exits_1(tmp_path, book):
+    """SIGTERM to the launcher while both ranks' interpreters import numpy (the command's first
+    second, before its argument parser is built): the launcher forwards it, each rank ends with 1
+    (not killed by the signal: the launcher's 15), nothing written."""
+    for attempt in range(REPEATS):
+        folder = tmp_path / f"run-{attempt}"
+        folder.mkdir()
+        code, stderr = _signalled_launcher(book[0], folder)
+        assert code == 1, (attempt, code, stderr)
+        assert "pricer: terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+
+
+def _late_signal(book_path, folder):
+    cmd, e, out = _job(book_path, folder, {"PRICER_FAULT": "stop:0:write",
+                                           "PRICER_CHUNK_DELAY": "0"}, checkpoint=False)
+    term, interrupt = 1 << (signal.SIGTERM - 1), 1 << (signal.SIGINT - 1)
+    with launched(cmd, e) as job:
+        root, other = _ranks(out)
+        wait_while(job, lambda: not _stopped(root))
+        # rank 1's command has returned once it ignores SIGTERM (ending.decided)
+        wait_while(job, lambda: not _signal_mask(other, "SigIgn") & term)
+        assert job.poll() is None, job.communicate()
+        os.kill(other, signal.SIGINT)
+        wait_while(job, lambda: (_signal_mask(other, "SigPnd") | _signal_mask(other, "ShdPnd"))
+                   & interrupt)
+        time.sleep(0.5)     # rank 1's signal thread has acted on it by then, if it exits
+        os.kill(root, signal.SIGCONT)
+        _, stderr = job.communicate(timeout=HANG_TIMEOUT)
+    assert leftover_processes(str(out)) == []
+    return job.returncode, stderr
+
+
+def test_a_late_signal_to_a_rank_that_has_returned_keeps_the_run(tmp_path, book):
+    """SIGINT to rank 1 once its command has returned (it waits in MPI_Finalize) while rank 0
+    has still to write the results (PRICER_FAULT=stop:0:write stops rank 0 there until SIGCONT):
+    the job is rank 0's to end, so it finishes, exit 0, the results whole, no lock left — an exit
+    of rank 1 would have had the launcher kill rank 0 and report 0 with no results written."""
+    path, portfolio = book
+    for attempt in range(REPEATS):
+        folder = tmp_path / f"run-{attempt}"
+        folder.mkdir()
+        code, stderr = _late_signal(path, folder)
+        assert code == 0, (attempt, code, stderr)
+        assert sorted(os.listdir(folder)) == ["prices.h5"], os.listdir(folder)
+        assert read_results(str(folder / "prices.h5"))["id"].size == len(portfolio.id)
