@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import env, launched, mpiexec, pricer_command
+from helpers import env, launched, mpiexec, pricer_command, run_pricer
 from pricer.io.portfolio import write_portfolio
 from pricer.io.results import read_results
 from test_reliability import (HANG_TIMEOUT, _chunks, _stopped, leftover_processes, make_book,
@@ -163,3 +163,65 @@ def test_a_late_signal_to_a_rank_that_has_returned_keeps_the_run(tmp_path, book)
         assert code == 0, (attempt, code, stderr)
         assert sorted(os.listdir(folder)) == ["prices.h5"], os.listdir(folder)
         assert read_results(str(folder / "prices.h5"))["id"].size == len(portfolio.id)
+
+
+# ------------------------------------------------------------------------------ pricer scaling
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pricer: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_scaling_refusals_are_one_line_and_make_nothing(tmp_path, capsys):
+    """`pricer scaling`'s refusals (exit 2, one line) come before it makes any folder: a FIFO as
+    the book, an --out or --work that is a file or lies under one, and a book that `pricer price`
+    refuses (its runs' exit 2: the refusal's line, and the folders it made removed)."""
+    from pricer.tools.scaling import main
+
+    book, market = tmp_path / "book.h5", tmp_path / "market.h5"
+    write_portfolio(str(book), make_book(20))
+    proc = run_pricer(["generate", "--dist", "random", "--count", "20", "--max-steps", "50",
+                       "--market-prices", "-o", market])
+    assert proc.returncode == 0, proc.stderr
+    os.mkfifo(tmp_path / "fifo.h5")
+    (tmp_path / "file").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    common = ["--ranks", "1", "--launcher", mpiexec(), "--no-warmup", "--backend", "cpu"]
+    cases = [([str(tmp_path / "fifo.h5"), "--out", str(tmp_path / "o")], "FIFO"),
+             ([str(book), "--out", str(tmp_path / "file")], "file: exists and is not a folder"),
+             ([str(book), "--out", str(tmp_path / "file" / "o")], "exists and is not a folder"),
+             ([str(book), "--out", str(tmp_path / "o"), "--work", str(tmp_path / "file")],
+              "file: exists and is not a folder"),
+             ([str(book), "--simulate", "--out", str(tmp_path / "file")], "not a folder"),
+             ([str(market), "--out", str(tmp_path / "o" / "deep")], "column volatility is NaN")]
+    for argv, message in cases:
+        assert main(argv + common) == 2, argv
+        assert message in _one_line(capsys), argv
+        assert sorted(os.listdir(tmp_path)) == before, argv
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_run_summary_without_its_figures_is_one_line(tmp_path, capsys, monkeypatch):
+    """A run whose summary lacks a figure scaling reads (here a launcher that drops
+    `rank_seconds`, as a pricer of another version would write it): exit 1, one line naming the
+    file and the figure, not a KeyError."""
+    import sys
+    from pricer.tools.scaling import main
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    book = tmp_path / "book.h5"
+    write_portfolio(str(book), make_book(20))
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(
+        "import json, subprocess, sys\n"
+        f"code = subprocess.call([{mpiexec()!r}] + sys.argv[1:])\n"
+        "path = sys.argv[sys.argv.index('--summary-json') + 1]\n"
+        "record = json.load(open(path))\n"
+        "del record['rank_seconds']\n"
+        "json.dump(record, open(path, 'w'))\n"
+        "sys.exit(code)\n")
+    argv = [str(book), "--ranks", "1", "--out", str(tmp_path / "o"), "--no-warmup",
+            "--backend", "cpu", "--launcher", f"{sys.executable} {launcher}"]
+    assert main(argv) == 1
+    assert "ranks-1-rep-1.json: the run's summary has no 'rank_seconds'" in _one_line(capsys)

@@ -98,8 +98,10 @@ def plot_simulate(rows: list[dict], path: str, title: str) -> bool:
 def simulate(args) -> int:
     from pricer.io.portfolio import read_portfolio
 
+    from pricer.tools.scaling import make_folders
+
     portfolio = read_portfolio(args.input)
-    os.makedirs(args.out, exist_ok=True)       # after the checks: a refused run makes nothing
+    make_folders([args.out])       # after the checks: a refused study makes nothing
     rows = simulate_rows(portfolio.steps, args.ranks)
     title = f"`{os.path.basename(args.input)}`, {len(portfolio):,} options"
     table = markdown_simulate(rows, title)
