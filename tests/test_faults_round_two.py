@@ -225,3 +225,122 @@ def test_a_run_summary_without_its_figures_is_one_line(tmp_path, capsys, monkeyp
             "--backend", "cpu", "--launcher", f"{sys.executable} {launcher}"]
     assert main(argv) == 1
     assert "ranks-1-rep-1.json: the run's summary has no 'rank_seconds'" in _one_line(capsys)
+
+
+# ------------------------------------------------------------------------------ messages
+
+def test_threads_beyond_the_cores_are_capped_before_the_memory_check(tmp_path):
+    """--threads far beyond the cores (an 8-option book and a bond book): the run's threads are
+    capped at the cores (numba's pool), so is its memory estimate; priced, the summary saying
+    how many threads ran, where the estimate of 10^8 threads' buffers refused it."""
+    import numba
+
+    options, bonds = tmp_path / "options.h5", tmp_path / "bonds.h5"
+    write_portfolio(str(options), make_book(8))
+    proc = run_pricer(["generate", "--bonds", "R1", "--count", "20", "-o", bonds])
+    assert proc.returncode == 0, proc.stderr
+    cores = numba.config.NUMBA_NUM_THREADS
+    for book in (options, bonds):
+        out = tmp_path / f"{book.stem}-out.h5"
+        proc = run_pricer(["price", book, "-o", out, "--backend", "cpu", "--threads",
+                           "100000000"])
+        assert proc.returncode == 0, proc.stderr
+        assert f"({cores} threads each)" in proc.stdout or cores == 1, proc.stdout
+        assert out.exists()
+
+
+def _csv(path, frame, header=None):
+    text = frame.to_csv(index=False, float_format="%.17g")
+    if header is not None:
+        text = header + "\n" + text.split("\n", 1)[1]
+    path.write_text(text)
+
+
+def test_whitespace_around_csv_cells_and_headers_is_no_part_of_them(tmp_path):
+    """A CSV book whose header names and cells have whitespace after them (spaces, a tab, a
+    no-break space; a tree name `jr `) is read as the same book without it, bitwise; a cell that
+    is not a number still names its column and option id."""
+    import numpy as np
+    import pandas as pd
+    from pricer.errors import InputError
+    from pricer.io.formats import read_book
+
+    book = make_book(6)
+    frame = pd.DataFrame({name: getattr(book, name) for name in
+                          ("id", "spot", "strike", "maturity", "rate", "dividend", "volatility",
+                           "steps", "call", "american")})
+    frame["tree"] = ["crr", "jr", "tian", "crr", "jr", "lr"]
+    _csv(tmp_path / "clean.csv", frame)
+    spaced = frame.astype(str)
+    spaced["strike"] = [f"{float(v)!r}\t" for v in frame["strike"]]
+    spaced["spot"] = [f"{float(v)!r}\xa0" for v in frame["spot"]]
+    spaced["steps"] = [f"{v}  " for v in frame["steps"]]
+    spaced["volatility"] = [f"{float(v)!r}  " for v in frame["volatility"]]
+    spaced["tree"] = [f"{v} " for v in frame["tree"]]
+    spaced["call"] = [f"{v} " for v in frame["call"]]
+    _csv(tmp_path / "spaced.csv", spaced, header=",".join(f"{name}  " for name in frame.columns))
+    clean, read = read_book(tmp_path / "clean.csv"), read_book(tmp_path / "spaced.csv")
+    for name in ("id", "spot", "strike", "maturity", "volatility", "steps", "call", "tree"):
+        a, b = np.asarray(getattr(clean, name)), np.asarray(getattr(read, name))
+        assert a.dtype == b.dtype and (a == b).all(), name
+    spaced.loc[3, "strike"] = "101.5 x"
+    _csv(tmp_path / "bad.csv", spaced)
+    with pytest.raises(InputError, match=rf"column strike holds '101.5 x' for option id "
+                                         rf"{frame['id'][3]}, not a number"):
+        read_book(tmp_path / "bad.csv")
+
+
+def test_an_empty_tree_cell_or_a_parquet_null_is_named_by_its_option_id(tmp_path):
+    """An empty cell of a CSV book's tree column, a null in a Parquet book's: refused naming the
+    column and the option, not as the column's dtype (object)."""
+    import pandas as pd
+    from pricer.errors import InputError
+    from pricer.io.formats import read_book
+
+    book = make_book(5)
+    frame = pd.DataFrame({name: getattr(book, name) for name in
+                          ("id", "spot", "strike", "maturity", "rate", "dividend", "volatility",
+                           "steps", "call", "american")})
+    frame["tree"] = ["crr", None, "jr", "crr", None]
+    _csv(tmp_path / "book.csv", frame)
+    frame.to_parquet(tmp_path / "book.parquet", index=False)
+    for name in ("book.csv", "book.parquet"):
+        with pytest.raises(InputError, match=rf"column tree is empty for option id "
+                                             rf"{frame['id'][1]}$"):
+            read_book(tmp_path / name)
+    proc = run_pricer(["price", tmp_path / "book.csv", "-o", tmp_path / "out.h5"])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "column tree is empty for option id" in proc.stderr
+
+
+@pytest.mark.parametrize("axis", ['"0:inf:3"', '"-1e308:1e308:3"', '"nan:1:2"', "[0, inf]"])
+def test_a_scenario_axis_that_is_not_finite_is_one_line(tmp_path, axis):
+    """A job file's scenario axis with a value that is not finite, or whose points' spacing
+    overflows: exit 2 with one line, no NumPy warning before it."""
+    write_portfolio(str(tmp_path / "book.h5"), make_book(5))
+    (tmp_path / "job.toml").write_text(
+        f'[portfolio]\npath = "book.h5"\n[pricing]\nbackend = "cpu"\n[scenarios]\nspot = {axis}\n'
+        f'[output]\npath = "out.h5"\n')
+    proc = run_pricer(["run", "job.toml"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("pricer: error: scenarios: spot has a value that is not "
+                                  "finite") and proc.stderr.count("\n") == 1, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["book.h5", "job.toml"]
+
+
+def test_info_on_a_file_of_options_and_bond_options_shows_both(tmp_path):
+    """`pricer info` on a file with /portfolio and /bond_options describes both parts."""
+    import h5py
+
+    mixed, bonds = tmp_path / "mixed.h5", tmp_path / "bonds.h5"
+    write_portfolio(str(mixed), make_book(7))
+    proc = run_pricer(["generate", "--bonds", "R1", "--count", "12", "-o", bonds])
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(bonds, "r") as src, h5py.File(mixed, "a") as dst:
+        for group in ("bond_options", "curves"):
+            src.copy(group, dst)
+    proc = run_pricer(["info", mixed])
+    assert proc.returncode == 0, proc.stderr
+    assert "portfolio (pricer.portfolio/1, HDF5), 7 options" in proc.stdout, proc.stdout
+    assert f"{mixed} /bond_options: bond options (pricer.bond_options/1), 12 instruments" \
+        in proc.stdout, proc.stdout

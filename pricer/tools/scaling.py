@@ -33,7 +33,7 @@ import numpy as np
 
 from pricer.errors import InputError
 from pricer.files import check_input_file
-from pricer.tools.tables import pyplot, write_outputs
+from pricer.tools.tables import make_folders, pyplot, remove_made, write_outputs
 
 # scaling.csv's columns: these, each stage's seconds between them (a run's stages come from its
 # summary, --summary-json: an option run's read, distribute, setup, compute, gather and write,
@@ -225,40 +225,6 @@ def _refusal(text: str) -> str:
     errors = [line for line in lines if line.startswith("pricer: error: ")]
     line = (errors or lines or ["pricer: error: the run exited 2 and said nothing"])[-1]
     return line.removeprefix("pricer: error: ")
-
-
-def make_folders(paths) -> list[str]:
-    """Each folder of `paths` made, with its missing parents; returns those this call made,
-    outermost first. InputError (one line) where a path or a parent is not a folder or cannot
-    be made, and then nothing is left of what it made."""
-    made = []
-    try:
-        for path in paths:
-            missing, here = [], os.path.abspath(path)
-            while not os.path.isdir(here):
-                if os.path.lexists(here):
-                    which = "" if here == os.path.abspath(path) else f" {here}"
-                    raise InputError(f"{path}:{which} exists and is not a folder")
-                missing.append(here)
-                here = os.path.dirname(here)
-            for folder in reversed(missing):
-                try:
-                    os.mkdir(folder)
-                except OSError as exc:
-                    raise InputError(f"{path}: cannot make the folder {folder}: "
-                                     f"{exc.strerror}") from None
-                made.append(folder)
-    except InputError:
-        remove_made(made)
-        raise
-    return made
-
-
-def remove_made(made: list[str]) -> None:
-    """Remove the folders make_folders made (outermost first), with what was written in them."""
-    for folder in made:
-        if os.path.isdir(folder):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def aggregate(ranks: int, runs: list[dict]) -> dict:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from pricer.tools.tables import pyplot, write_outputs
+from pricer.tools.tables import make_folders, pyplot, write_outputs
 
 SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
                "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
@@ -97,8 +97,6 @@ def plot_simulate(rows: list[dict], path: str, title: str) -> bool:
 
 def simulate(args) -> int:
     from pricer.io.portfolio import read_portfolio
-
-    from pricer.tools.scaling import make_folders
 
     portfolio = read_portfolio(args.input)
     make_folders([args.out])       # after the checks: a refused study makes nothing
