@@ -106,6 +106,25 @@ def test_a_signal_to_rank_1_ends_the_job_with_exit_1_and_no_claim_left(tmp_path,
         assert f"pricer: terminated ({name})" in stderr and "Traceback" not in stderr, stderr
 
 
+def test_sigterm_to_rank_0_before_mpi_has_started_ends_the_job_with_exit_1(tmp_path, book):
+    """SIGTERM to rank 0 while its interpreter imports numpy: held until its command has started
+    MPI, then the job's end (exit 1, nothing left) — a rank 0 that exited alone there left rank 1
+    in MPI_Init for ever (seen: a hang), one killed by the signal made the launcher's 15."""
+    for attempt in range(REPEATS):
+        folder = tmp_path / f"run-{attempt}"
+        folder.mkdir()
+        cmd, e, out = _job(book[0], folder)
+        with launched(cmd, e) as job:
+            pid = rank_pid(str(out), 0)
+            wait_while(job, lambda pid=pid: not _mapped(pid, "_multiarray_umath"))
+            assert job.poll() is None, job.communicate()
+            os.kill(pid, signal.SIGTERM)
+            _, stderr = job.communicate(timeout=HANG_TIMEOUT)
+        assert job.returncode == 1, (attempt, job.returncode, stderr)
+        assert "pricer: terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+        _nothing_left(folder, out)
+
+
 def _signalled_launcher(book_path, folder):
     cmd, e, out = _job(book_path, folder)
     with launched(cmd, e) as job:
