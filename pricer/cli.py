@@ -420,6 +420,16 @@ COMMANDS = {"price": _price, "implied-vol": _implied_vol, "run": _run_job, "gene
             "calibrate": _calibrate, "scaling": _scaling, "warm": _warm}
 
 
+# the commands that start MPI under a launcher (pricer.run.collectives.world)
+STARTING_MPI = ("price", "implied-vol", "run", "generate")
+
+
+def _command(argv: list) -> str | None:
+    """The command's name in a command line, read before the parser is built."""
+    words = [word for word in argv if not word.startswith("-")]
+    return words[0] if words else None
+
+
 def _may_use_a_gpu(argv: list) -> bool:
     """Whether a command line may price on a GPU (`price` or `run`, without --backend cpu or
     serial), read before the parser is built: building it imports numpy and numba."""
@@ -435,11 +445,13 @@ def _may_use_a_gpu(argv: list) -> bool:
 
 
 def main(argv=None) -> int:
+    if argv is None:   # a real command line (tests call main(argv) inside pytest): the signals
+        ending.exit_1_on_signals()     # are handled before the imports that take the start's time
+        ending.command_starts_mpi(_command(sys.argv[1:]) in STARTING_MPI)
     if _may_use_a_gpu(sys.argv[1:] if argv is None else list(argv)):
         start_cuda_beside()       # the driver's start beside the imports (pricer.devices)
     args = build_parser().parse_args(argv)
-    if argv is None:   # a real command line (tests call main(argv) inside pytest)
-        ending.exit_1_on_signals()
+    if argv is None:
         if args.command in COMPILING:
             from pricer.compiling import prefer_full_width_vectors
             prefer_full_width_vectors()

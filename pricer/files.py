@@ -28,10 +28,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None] | bytes,
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
-    _LEFT_BEHIND.add(tmp)
+    data = isinstance(write, (bytes, bytearray, memoryview))
+    with _CLAIMING:     # a cleanup that ends the process holds it for ever: no write starts after
+        _LEFT_BEHIND.add(tmp)   # it, and bytes are written to a file it has seen or will see
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666) if data else None
+        except BaseException:
+            _LEFT_BEHIND.discard(tmp)
+            raise
     try:
-        if isinstance(write, (bytes, bytearray, memoryview)):
-            with open(tmp, "wb") as f:
+        if data:
+            with os.fdopen(fd, "wb") as f:
                 f.write(write)
                 if fsync:
                     f.flush()
@@ -124,7 +131,7 @@ def cleanup(final: bool = False) -> None:
     now on (they would fail on what was just removed, and print a traceback before the end)."""
     _CLAIMING.acquire()
     try:
-        _remove_left_behind()
+        _remove_left_behind(keep=final)
     finally:
         if not final:
             _CLAIMING.release()
@@ -133,6 +140,7 @@ def cleanup(final: bool = False) -> None:
 CLEANUP_WAIT = 3.0   # seconds an ending process waits for its cleanup
 ABORT_FLUSH = 0.5    # seconds between the last line and MPI_Abort: the launcher forwards a rank's
                      # stderr asynchronously and drops what is still in flight when Abort kills it
+SWEEP_WAIT = 1.0     # seconds an ending process waits for its last look at its temporary files
 
 
 def end_process(line: str, world=None) -> None:
@@ -145,7 +153,9 @@ def end_process(line: str, world=None) -> None:
         os.write(2, f"{line}\n".encode())
         if world is not None and world.Get_size() > 1:
             time.sleep(ABORT_FLUSH)
+            sweep_before_exit()
             world.Abort(1)
+        sweep_before_exit()
     finally:
         os._exit(1)
 
@@ -160,16 +170,29 @@ def cleanup_before_exit(wait: float = CLEANUP_WAIT) -> None:
     helper.join(wait)
 
 
-def _remove_left_behind() -> None:
+def sweep_before_exit(wait: float = SWEEP_WAIT) -> None:
+    """The temporary files removed once more by a process about to end, after cleanup_before_exit
+    (waited for at most `wait` seconds): a write that was creating its file while the cleanup ran
+    made it after, and no rename publishes it any more (the cleanup holds _CLAIMING)."""
+    helper = threading.Thread(target=_remove_left_behind, kwargs={"keep": True, "locks": False},
+                              name="pricer-sweep", daemon=True)
+    helper.start()
+    helper.join(wait)
+
+
+def _remove_left_behind(keep: bool = False, locks: bool = True) -> None:
+    """keep: the temporary files' names stay registered (for sweep_before_exit)."""
     for item in list(_LEFT_BEHIND):
         if isinstance(item, OutputLock):
-            item.release()
+            if locks:
+                item.release()
         else:
             try:
                 os.remove(item)
             except OSError:
                 pass
-            _LEFT_BEHIND.discard(item)
+            if not keep:
+                _LEFT_BEHIND.discard(item)
 
 
 class OutputLock:

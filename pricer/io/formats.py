@@ -178,12 +178,16 @@ def read_book(path, values: bool = True):
 
 def _name_unparsable(frame, path) -> None:
     """A numeric column that came back as text (a cell that is not a number) named with the
-    first such cell's option id and value; flag columns of true/false and 0/1 mixed made bool."""
+    first such cell's option id and value; flag columns of true/false and 0/1 mixed made bool.
+    Whitespace around a header or a cell is no part of it (a tab or a no-break space after a
+    number, as a space is; `jr ` names the tree jr); an empty cell of id, steps, call, american or
+    tree (a Parquet null) is named with its option id."""
     import pandas
 
     from pricer.io.portfolio import TREE_COLUMN
 
     numeric = pandas.api.types.is_numeric_dtype   # bool columns too
+    _strip_header(frame, path)
 
     def where(row: int) -> str:
         if "id" in frame.columns and numeric(frame["id"].dtype) and frame["id"].notna().all():
@@ -192,21 +196,59 @@ def _name_unparsable(frame, path) -> None:
 
     for name in frame.columns:
         column = frame[name]
-        if name in ("id", "steps", "call", "american") and column.isna().any():
+        if name in ("id", "steps", "call", "american", TREE_COLUMN) and column.isna().any():
             row = int(column.isna().to_numpy().nonzero()[0][0])
             raise InputError(f"{path}: column {name} is empty for {where(row)}", column=str(name))
-        if name == TREE_COLUMN or numeric(column.dtype):
+        if name == TREE_COLUMN:
+            if not numeric(column.dtype) and all(isinstance(v, str) for v in column):
+                frame[name] = column.str.strip()
+            continue
+        if numeric(column.dtype):
             continue
         flag = name in ("call", "american")
-        text = column.astype(str).str.strip().str.lower()
         if flag:     # only these: a 2 or a 0.5 among words is a typo, not a put
+            text = column.astype(str).str.strip().str.lower()
             bad = ~text.isin(FLAG_WORDS)
         else:
-            bad = pandas.to_numeric(column, errors="coerce").isna() & column.notna()
+            text = _numbers(column, whole=name in ("id", "steps"))
+            bad = text.isna() & column.notna()
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
+            what = "true, false, 0 or 1" if flag else \
+                "a whole number (of int64's range)" if name in ("id", "steps") else "a number"
             raise InputError(f"{path}: column {name} holds {column.iloc[row]!r} for {where(row)}, "
-                             f"not {'true, false, 0 or 1' if flag else 'a number'}",
-                             column=str(name))
-        if flag:   # words and digits mixed in one column: pandas leaves them as text
-            frame[name] = text.isin(FLAG_WORDS[:3]).to_numpy()
+                             f"not {what}", column=str(name))
+        # words and digits mixed in one column: pandas leaves them as text
+        frame[name] = text.isin(FLAG_WORDS[:3]).to_numpy() if flag else text
+
+
+def _strip_header(frame, path) -> None:
+    """The header's names without the whitespace around them; InputError where two are then one
+    name."""
+    names = [str(name).strip() for name in frame.columns]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise InputError(f"{path}: column {twice[0]} appears more than once in the header",
+                         column=twice[0])
+    frame.columns = names
+
+
+def _numbers(column, whole: bool):
+    """A text column's cells as numbers, parsed as the CSV reader does (correctly rounded, as
+    round_trip's), whitespace around them aside; NaN (None for `whole`) where a cell is none."""
+    import pandas
+
+    def parse(cell):
+        if not isinstance(cell, str) or "_" in cell:   # Python's literals take 1_000; a book not
+            return None if whole else np.nan           # (an empty cell is NaN: no string)
+        try:
+            value = int(cell.strip()) if whole else float(cell.strip())
+        except ValueError:
+            return None if whole else np.nan
+        return value if not whole or -2**63 <= value < 2**63 else None
+
+    table = {cell: parse(cell) for cell in pandas.unique(column)}
+    values = column.map(table)
+    if whole:
+        return values.astype(np.int64) if values.notna().all() else values
+    return values.astype(np.float64)

@@ -102,7 +102,8 @@ def parse_axis(value, name: str) -> tuple:
                 if count > MAX_SCENARIOS:
                     raise InputError(f"scenarios: {name} has {count} points; at most "
                                      f"{MAX_SCENARIOS} scenarios in all")
-                points = np.linspace(float(first), float(last), count)
+                with np.errstate(over="ignore", invalid="ignore"):   # refused below, in a line
+                    points = np.linspace(float(first), float(last), count)
             else:
                 points = [float(part) for part in text.split(",")]
         elif isinstance(value, (list, tuple)):
@@ -120,7 +121,10 @@ def parse_axis(value, name: str) -> tuple:
             from None
     points = tuple(float(p) for p in points)
     if not all(math.isfinite(p) for p in points):
-        raise InputError(f"scenarios: {name} has a value that is not finite: {value!r}")
+        spacing = isinstance(value, str) and text.count(":") == 2 and \
+            all(math.isfinite(float(end)) for end in (first, last))
+        raise InputError(f"scenarios: {name} has a value that is not finite: {value!r}"
+                         + (" (the spacing of its points overflows)" if spacing else ""))
     return points
 
 

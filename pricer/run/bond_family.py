@@ -23,6 +23,7 @@ from pricer.errors import InputError, first_ids
 from pricer.model import bond_book
 from pricer.run import memory
 from pricer.run.chunks import chunk_grid
+from pricer.run.config import rank_threads
 from pricer.run.families import Family, Index, register_family
 
 CHUNK_STEPS = 1 << 24        # tree steps a chunk: 25 bytes each on the host, as many on a GPU
@@ -53,7 +54,7 @@ class BondOptions(Family):
         """Refuse a book whose index, a rank's rows and a chunk's trees exceed the node's memory."""
         steps, jmax = index.extra["steps"], index.extra["jmax"]
         n = steps.size
-        threads = cfg.threads or 1
+        threads = rank_threads(cfg.threads, node_ranks)     # capped at the cores, as the run's
         chunk = min(float(steps.sum() + n), CHUNK_STEPS)
         working = memory.bond_working_bytes(chunk, 2.0 * jmax.max(initial=0.0) + 1.0, threads)
         share = -(-n // size)

@@ -22,7 +22,7 @@ from pricer.model.lattice import TREE_NAMES, check_lattices as lattice_check
 from pricer.model.option_rules import IMPLIED, PRICE
 from pricer.model.validity import PRICED, UNKNOWN_TREE_CODE, min_steps, statuses
 from pricer.run import memory
-from pricer.run.config import RunConfig
+from pricer.run.config import RunConfig, rank_threads
 from pricer.run.memory import size_text
 
 
@@ -182,7 +182,7 @@ def check_memory(cfg: RunConfig, options: int, most_steps: int, has_tree: bool, 
                  node_ranks: int) -> None:
     """The node's memory holds what every rank of it needs (memory.estimate), or InputError."""
     analytics = cfg.analytics()
-    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // node_ranks)
+    threads = rank_threads(cfg.threads, node_ranks)     # capped at the cores, as the run's
     est = memory.estimate(options, len(cfg.outputs()), size, node_ranks, cfg.chunk_shape()[1],
                           most_steps, analytics.lattice_count,
                           threads, has_tree, cfg.distribute == "bcast", cfg.distribute == "read",

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from pricer import ending
 from pricer.errors import InputError
 
 ROOT = 0
@@ -115,22 +116,17 @@ def world():
     """The run's communicator: MPI's COMM_WORLD where a launcher started this process or MPI is
     running already (a program of the user's that uses mpi4py), else ALONE, without starting MPI."""
     MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-        return MPI.COMM_WORLD
-    if not launched():
-        return ALONE
-    from mpi4py import MPI
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        if not launched():
+            return ALONE
+        from mpi4py import MPI
+    ending.watch_job(MPI.COMM_WORLD)    # a signal to any rank ends the job through rank 0
     return MPI.COMM_WORLD
 
 
 def launcher_world_size() -> int | None:
     """The world size the launcher promised, where it says so (to catch silent singletons)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    if "SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
-        return int(os.environ["SLURM_STEP_NUM_TASKS"])
-    return None
+    return ending.launcher_world_size()
 
 
 def check_launcher(size: int) -> None:

@@ -247,20 +247,31 @@ def configure_threads(threads: int | None, ranks_here: int, warn: bool = False) 
     import numba
 
     global _warned
-    if threads is None:
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus and cpus.isdigit():
-            threads = int(cpus)
-        else:
-            allowed = len(os.sched_getaffinity(0))
-            threads = max(1, allowed // ranks_here)
-            message = binding_warning(allowed, node_cores(), ranks_here) if warn else None
-            if message and not _warned:
-                _warned = True
-                print(f"pricer: warning: {message}", file=sys.stderr, flush=True)
-    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    if threads is None and not _slurm_cpus() and warn and not _warned:
+        allowed = len(os.sched_getaffinity(0))
+        message = binding_warning(allowed, node_cores(), ranks_here)
+        if message:
+            _warned = True
+            print(f"pricer: warning: {message}", file=sys.stderr, flush=True)
+    threads = rank_threads(threads, ranks_here)
     numba.set_num_threads(threads)
     return threads
+
+
+def rank_threads(threads: int | None, ranks_here: int) -> int:
+    """The CPU threads a rank runs (configure_threads; the memory checks count them): `threads`,
+    else SLURM_CPUS_PER_TASK, else the cores this process may run on / the ranks on this node;
+    at most numba's pool (NUMBA_NUM_THREADS, the cores), which a larger --threads is capped at."""
+    import numba
+
+    if threads is None:
+        threads = _slurm_cpus() or max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    return max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS))
+
+
+def _slurm_cpus() -> int | None:
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    return int(cpus) if cpus and cpus.isdigit() else None
 
 
 _warned = False

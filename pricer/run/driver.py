@@ -30,6 +30,7 @@ from pricer.run.collectives import (ROOT, attempt, check_launcher, node_ranks, o
                                     world)
 from pricer.run.config import RunConfig, configure_threads, threads_text
 from pricer.run.families import families, families_in, family
+from pricer.run.faults import WRITE, inject, planned_faults
 from pricer.run.parts import Parts, refuse_options_settings, write_file
 from pricer.run.pipeline import checkpoint_folder, finish_family, prepare_family
 
@@ -158,6 +159,7 @@ def run(cfg: RunConfig, comm=None, prepare=None):
         results = [finish_family(part, cfg, comm) for part in ready]
         if rank != ROOT:
             return None
+        inject(planned_faults(rank), rank, WRITE)
         t = time.perf_counter()
         write_file(cfg, results, digest, size, t - t_start)
         written = time.perf_counter()

@@ -9,7 +9,9 @@ comma-separated) makes rank RANK fail once it has priced CHUNKS chunks of its sl
   hang   the main thread sleeps for ever, as in a kernel that never returns (watchdog.py)
   stop   SIGSTOP to itself (the whole process stopped: watchdog.py)
 CHUNKS may be `end`: once the rank has priced all its chunks, on its way to the others; or
-`plan` (rank 0): in its plan of the run, before it reads the input's index (pipeline.make_plan).
+`plan` (rank 0): in its plan of the run, before it reads the input's index (pipeline.make_plan);
+or `write`: rank 0 once the results are gathered, before it writes them (the other ranks' commands
+have returned by then: they wait in MPI_Finalize).
 `PRICER_CHUNK_DELAY=SECONDS` sleeps after every chunk (gives a kill -9 test a window).
 
 A rank whose pricing raises sends its cause (a fixed-size byte buffer) to rank 0, which polls for
@@ -42,6 +44,7 @@ KINDS = ("raise", "gpu", "exit", "kill", "hang", "stop")
 
 END = "end"
 PLAN = "plan"
+WRITE = "write"
 
 
 class InjectedFault(RuntimeError):
@@ -56,7 +59,7 @@ def planned_faults(rank: int, environ=os.environ) -> dict[int, str]:
         if kind not in KINDS:
             raise ValueError(f"PRICER_FAULT kind {kind!r} is not one of {', '.join(KINDS)}")
         if int(who) == rank:
-            plan[after if after in (END, PLAN) else int(after)] = kind
+            plan[after if after in (END, PLAN, WRITE) else int(after)] = kind
     return plan
 
 

@@ -28,10 +28,15 @@ def describe(path: str) -> list[str]:
     check_input_file(path)
     fmt = input_format(path)
     try:
-        if _is_bond_book(path, fmt):
+        groups = _groups(path, fmt)
+        if BOND_GROUP in groups and GROUP not in groups:
             return _describe_bonds(path)
-        return _describe_results(path) if _is_results(path, fmt) else _describe_portfolio(path,
-                                                                                          fmt)
+        if _is_results(path, fmt):
+            return _describe_results(path)
+        lines = _describe_portfolio(path, fmt)
+        if BOND_GROUP in groups:      # a file of options and bond options: both
+            lines += _describe_bonds(path, f"{path} /{BOND_GROUP}")
+        return lines
     except InputError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as exc:   # cut short, or not pricer's
@@ -54,23 +59,25 @@ def _is_results(path: str, fmt: str) -> bool:
     return "price" in columns and "spot" not in columns
 
 
-def _is_bond_book(path: str, fmt: str) -> bool:
-    """Whether the file is a book of bond options (pricer/io/bonds.py) rather than equity options."""
+def _groups(path: str, fmt: str) -> set:
+    """The top-level groups of an HDF5 file (/portfolio, /bond_options, /results); none of
+    another format's."""
     if fmt != HDF5 or not h5py.is_hdf5(path):
-        return False
+        return set()
     try:
         with h5py.File(path, "r") as f:
-            return BOND_GROUP in f and GROUP not in f
+            return set(f.keys())
     except OSError as exc:
         raise InputError(f"{path}: cannot read it: {exc}") from None
 
 
-def _describe_bonds(path: str) -> list[str]:
-    """A book of bond options: its instruments' trees (widths, heights, nodes) and columns."""
+def _describe_bonds(path: str, label: str | None = None) -> list[str]:
+    """A book of bond options (`label`: what its first line names; the file's path alone): its
+    instruments' trees (widths, heights, nodes) and columns."""
     book = read_bond_book(path)
     params = book.parameters()
     cols = book.columns
-    lines = [f"{path}: bond options ({BOND_SCHEMA}), {len(book)} instruments, "
+    lines = [f"{label or path}: bond options ({BOND_SCHEMA}), {len(book)} instruments, "
              f"{params.nodes().sum():.4g} tree nodes a sweep",
              _range("id", book.id), _range("tree width", 2 * params.jmax + 1),
              _range("tree height (steps)", params.steps)]

@@ -32,7 +32,8 @@ import time
 import numpy as np
 
 from pricer.errors import InputError
-from pricer.tools.tables import pyplot, write_outputs
+from pricer.files import check_input_file
+from pricer.tools.tables import make_folders, pyplot, remove_made, write_outputs
 
 # scaling.csv's columns: these, each stage's seconds between them (a run's stages come from its
 # summary, --summary-json: an option run's read, distribute, setup, compute, gather and write,
@@ -146,9 +147,22 @@ def read_summary(path: str) -> dict:
     """A run's summary as `--summary-json` writes it (RunSummary.record, FamilyResults.record),
     flattened for a row: the wall, each stage's seconds, each rank's compute seconds, the
     instruments and nodes. A file of options and bond options counts both: the bond part's wall
-    as a stage "bonds" before the options' stages, the ranks' compute seconds summed."""
-    with open(path) as f:
-        record = json.load(f)
+    as a stage "bonds" before the options' stages, the ranks' compute seconds summed.
+    RuntimeError, one line, for a summary that is missing or lacks these figures."""
+    try:
+        with open(path) as f:
+            return _flatten(json.load(f))
+    except OSError as exc:
+        raise RuntimeError(f"{path}: the run's summary cannot be read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise RuntimeError(f"{path}: the run's summary is not JSON: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        what = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else f"a bad value ({exc})"
+        raise RuntimeError(f"{path}: the run's summary has {what}: not one this pricer "
+                           f"writes") from None
+
+
+def _flatten(record: dict) -> dict:
     out = {"wall": float(record["wall"]), "ranks": int(record["ranks"]),
            "stages": {k: float(v) for k, v in record["stages"].items()},
            "rank_seconds": np.asarray(record["rank_seconds"], dtype=np.float64),
@@ -191,6 +205,8 @@ def run_once(args, launcher: list[str], ranks: int, output: str, log: str) -> di
     with open(log, "w") as f:
         f.write(f"$ {shlex.join(cmd)}\n# exit {proc.returncode} after {elapsed:.3f}s\n")
         f.write(proc.stdout + proc.stderr)
+    if proc.returncode == 2:     # the run refused its input: so does the study
+        raise InputError(_refusal(proc.stderr or proc.stdout))
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode} (log {log}):\n  "
@@ -201,6 +217,14 @@ def run_once(args, launcher: list[str], ranks: int, output: str, log: str) -> di
                            f"does the launcher belong to mpi4py's MPI? (log {log})")
     figures["launch_wall"] = elapsed
     return figures
+
+
+def _refusal(text: str) -> str:
+    """The refusal's line of a run that exited 2, without its `pricer: error: `."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("pricer: error: ")]
+    line = (errors or lines or ["pricer: error: the run exited 2 and said nothing"])[-1]
+    return line.removeprefix("pricer: error: ")
 
 
 def aggregate(ranks: int, runs: list[dict]) -> dict:
@@ -258,30 +282,23 @@ def strong_scaling(args) -> int:
     from pricer.io.formats import input_format
     from pricer.io.jobs import load_job
 
-    if not os.path.isfile(args.input):
-        raise InputError(f"{args.input}: no such job file" if args.input.endswith(".toml")
-                         else f"{args.input}: no such file")
     if args.input.endswith(".toml"):
         load_job(args.input)   # refuse a bad job file before launching anything
     else:
+        check_input_file(args.input)
         input_format(args.input)   # a portfolio file of a known format
     launcher = launcher_command(args.launcher)
     work = args.work or os.path.join(args.out, "runs")
-    os.makedirs(args.out, exist_ok=True)       # after the checks: a refused run makes nothing
-    os.makedirs(work, exist_ok=True)
-    rows = []
+    made = make_folders([args.out, work])   # after the checks: a refused study makes nothing
+    started = []        # the runs' paths less their extension (their results, summaries, logs)
     try:
-        if not args.no_warmup:
-            print(f"warm-up: {args.ranks[0]} rank(s)", flush=True)
-            run_once(args, launcher, args.ranks[0], os.path.join(work, "warmup.h5"),
-                     os.path.join(work, "warmup.log"))
-        for k in args.ranks:
-            runs = []
-            for rep in range(1, args.repeats + 1):
-                stem = os.path.join(work, f"ranks-{k}-rep-{rep}")
-                runs.append(run_once(args, launcher, k, stem + ".h5", stem + ".log"))
-                print(f"{k} rank(s), run {rep}/{args.repeats}: {runs[-1]['wall']:.3f}s", flush=True)
-            rows.append(aggregate(k, runs))
+        rows = _runs(args, launcher, work, started)
+    except InputError:
+        remove_made(made)
+        for path in (stem + ext for stem in started for ext in (".h5", ".json", ".log")):
+            if os.path.isfile(path):
+                os.remove(path)
+        raise
     except RuntimeError as exc:
         print(f"pricer: error: {exc}", file=sys.stderr)
         return 1
@@ -292,6 +309,24 @@ def strong_scaling(args) -> int:
     plot_runs(rows, os.path.join(args.out, "scaling.png"))
     print("\n".join(table))
     return 0
+
+
+def _runs(args, launcher: list[str], work: str, started: list) -> list[dict]:
+    """The warm-up and the timed runs (each one's path less its extension in `started`); a row
+    per rank count (aggregate)."""
+    rows = []
+    if not args.no_warmup:
+        print(f"warm-up: {args.ranks[0]} rank(s)", flush=True)
+        started.append(os.path.join(work, "warmup"))
+        run_once(args, launcher, args.ranks[0], started[-1] + ".h5", started[-1] + ".log")
+    for k in args.ranks:
+        runs = []
+        for rep in range(1, args.repeats + 1):
+            started.append(os.path.join(work, f"ranks-{k}-rep-{rep}"))
+            runs.append(run_once(args, launcher, k, started[-1] + ".h5", started[-1] + ".log"))
+            print(f"{k} rank(s), run {rep}/{args.repeats}: {runs[-1]['wall']:.3f}s", flush=True)
+        rows.append(aggregate(k, runs))
+    return rows
 
 
 def markdown_runs(rows: list[dict], title: str) -> list[str]:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from pricer.tools.tables import pyplot, write_outputs
+from pricer.tools.tables import make_folders, pyplot, write_outputs
 
 SIM_COLUMNS = ("ranks", "partitioner", "options", "max_cost", "mean_cost", "largest_option",
                "bound", "whole_bound", "max_over_bound", "max_over_whole_bound", "empty_ranks")
@@ -99,7 +99,7 @@ def simulate(args) -> int:
     from pricer.io.portfolio import read_portfolio
 
     portfolio = read_portfolio(args.input)
-    os.makedirs(args.out, exist_ok=True)       # after the checks: a refused run makes nothing
+    make_folders([args.out])       # after the checks: a refused study makes nothing
     rows = simulate_rows(portfolio.steps, args.ranks)
     title = f"`{os.path.basename(args.input)}`, {len(portfolio):,} options"
     table = markdown_simulate(rows, title)

@@ -1,13 +1,16 @@
 """What the tools write beside their printed tables: a bench's measurements as JSON, a CSV and a
-markdown file of a table, and matplotlib for their plots where it is installed (the `plot`
-extra)."""
+markdown file of a table, matplotlib for their plots where it is installed (the `plot` extra),
+and the folders they write them in (make_folders)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import shutil
 import sys
+
+from pricer.errors import InputError
 
 
 def write_json(path: str | None, data, indent: int = 1) -> None:
@@ -41,3 +44,37 @@ def write_outputs(folder: str, stem: str, rows: list[dict], columns, table: list
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     with open(os.path.join(folder, f"{stem}.md"), "w") as f:
         f.write("\n".join(table) + "\n")
+
+
+def make_folders(paths) -> list[str]:
+    """Each folder of `paths` made, with its missing parents; returns those this call made,
+    outermost first. InputError (one line) where a path or a parent is not a folder or cannot
+    be made, and then nothing is left of what it made."""
+    made = []
+    try:
+        for path in paths:
+            missing, here = [], os.path.abspath(path)
+            while not os.path.isdir(here):
+                if os.path.lexists(here):
+                    which = "" if here == os.path.abspath(path) else f" {here}"
+                    raise InputError(f"{path}:{which} exists and is not a folder")
+                missing.append(here)
+                here = os.path.dirname(here)
+            for folder in reversed(missing):
+                try:
+                    os.mkdir(folder)
+                except OSError as exc:
+                    raise InputError(f"{path}: cannot make the folder {folder}: "
+                                     f"{exc.strerror}") from None
+                made.append(folder)
+    except InputError:
+        remove_made(made)
+        raise
+    return made
+
+
+def remove_made(made: list[str]) -> None:
+    """Remove the folders make_folders made (outermost first), with what was written in them."""
+    for folder in made:
+        if os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
