@@ -15,16 +15,9 @@ from pricer.io.portfolio import write_portfolio
 from pricer.io.results import read_results
 from test_reliability import (HANG_TIMEOUT, _chunks, _stopped, leftover_processes, make_book,
                               rank_pid, wait_while)
+from test_reliability import book  # noqa: F401  (the fixture of its book, shared)
 
 REPEATS = 3     # the signal tests' runs each: what they catch was intermittent
-
-
-@pytest.fixture(scope="module")
-def book(tmp_path_factory):
-    path = tmp_path_factory.mktemp("book") / "book.h5"
-    portfolio = make_book()
-    write_portfolio(str(path), portfolio)
-    return path, portfolio
 
 
 def _job(book_path, folder, extra_env=None, checkpoint=True):
